@@ -1,0 +1,212 @@
+"""The memory and compute calculator: what a recipe should save, before it is measured.
+
+Sources: ZeRO (Rajbhandari et al., 2020) for the 16 bytes/param of mixed-precision Adam;
+QLoRA (Dettmers et al., 2023) for NF4 and double quantization; Korthikanti et al. (2022),
+"Reducing Activation Recomputation in Large Transformer Models", for activation bytes;
+Kaplan et al. (2020) for 6N training FLOPs per token (8N with full recomputation).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+# Bytes per weight of each storage format. NF4: 4 bits + one fp32 absmax per 64-weight block;
+# with double quantization the absmax is 8-bit, plus one fp32 scale per 256 absmax values.
+BYTES_PER_PARAM = {
+    "fp32": 4.0,
+    "bf16": 2.0,
+    "fp16": 2.0,
+    "int8": 1.0 + 4 / 4096,  # LLM.int8 / dynamic int8: 1 byte + a per-row fp32 scale (4096-wide)
+    "nf4": 0.5 + 4 / 64,
+    "nf4_dq": 0.5 + 1 / 64 + 4 / (64 * 256),
+}
+RECOMPUTE = ("none", "selective", "full")
+OPTIMIZERS = ("adamw", "adamw_8bit", "sgd")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes that memory depends on (a Llama-style decoder)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    tie_word_embeddings: bool = False
+
+    @classmethod
+    def from_config(cls, config: Any) -> "ModelShape":
+        """From a transformers config (or any object / dict with the same fields)."""
+        get = (config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d))
+        try:
+            return cls(vocab_size=int(get("vocab_size")), hidden_size=int(get("hidden_size")),
+                       intermediate_size=int(get("intermediate_size")),
+                       num_hidden_layers=int(get("num_hidden_layers")),
+                       num_attention_heads=int(get("num_attention_heads")),
+                       num_key_value_heads=int(get("num_key_value_heads")
+                                               or get("num_attention_heads")),
+                       tie_word_embeddings=bool(get("tie_word_embeddings", False)))
+        except TypeError as err:
+            raise ValueError(f"config: not a decoder config with hidden_size, intermediate_size, "
+                             f"num_hidden_layers, ... ({err})") from err
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+
+def bytes_per_param(fmt: str) -> float:
+    """Bytes per weight for a storage format ("fp32", "bf16", "fp16", "int8", "nf4", "nf4_dq").
+
+    Example:
+        >>> round(bytes_per_param("nf4_dq"), 4)
+        0.5159
+    """
+    if fmt not in BYTES_PER_PARAM:
+        raise ValueError(f"fmt={fmt!r}: expected one of {tuple(BYTES_PER_PARAM)}")
+    return BYTES_PER_PARAM[fmt]
+
+
+def nf4_tensor_bytes(out_features: int, in_features: int, double_quant: bool = True,
+                     blocksize: int = 64, dq_blocksize: int = 256) -> int:
+    """Exact bytes bitsandbytes stores for one NF4 weight, its scales and lookup tables.
+
+    Packed 4-bit weights, one absmax per block (fp32, or uint8 + fp32 scale per ``dq_blocksize``
+    blocks + a 256-entry fp32 code table + an fp32 offset with double quantization) and the
+    16-entry fp32 NF4 code table.
+    """
+    n = out_features * in_features
+    if n <= 0:
+        raise ValueError(f"out_features={out_features}, in_features={in_features}: must be > 0")
+    blocks = math.ceil(n / blocksize)
+    total = math.ceil(n / 2) + 16 * 4
+    if double_quant:
+        total += blocks + math.ceil(blocks / dq_blocksize) * 4 + 256 * 4 + 4
+    else:
+        total += blocks * 4
+    return total
+
+
+def param_count(shape: ModelShape) -> dict[str, int]:
+    """Parameter count by part: embeddings, attention, mlp, norms, lm_head, total, linear.
+
+    Example:
+        >>> s = ModelShape(32000, 4096, 11008, 32, 32, 32)  # Llama-2-7B
+        >>> round(param_count(s)["total"] / 1e9, 2)
+        6.74
+    """
+    h, L = shape.hidden_size, shape.num_hidden_layers
+    kv = shape.num_key_value_heads * shape.head_dim
+    attn = L * (2 * h * h + 2 * h * kv)
+    mlp = L * 3 * h * shape.intermediate_size
+    norms = L * 2 * h + h
+    emb = shape.vocab_size * h
+    head = 0 if shape.tie_word_embeddings else emb
+    return {"embeddings": emb, "attention": attn, "mlp": mlp, "norms": norms, "lm_head": head,
+            "linear": attn + mlp, "total": emb + attn + mlp + norms + head}
+
+
+def gradient_bytes(n_trainable: int, dtype: str = "fp32") -> float:
+    """Gradients are stored in the trainable weights' dtype."""
+    return n_trainable * bytes_per_param(dtype)
+
+
+def optimizer_bytes(n_trainable: int, optimizer: str = "adamw", master_weights: bool = False
+                    ) -> float:
+    """Optimizer state bytes: AdamW 8 B/param (two fp32 moments), 8-bit AdamW 2, SGD 0; plus a
+    4-byte fp32 master copy per param when training in 16-bit (``master_weights``)."""
+    per = {"adamw": 8.0, "adamw_8bit": 2.0 + 2 * 4 / 2048, "sgd": 0.0}
+    if optimizer not in per:
+        raise ValueError(f"optimizer={optimizer!r}: expected one of {OPTIMIZERS}")
+    return n_trainable * (per[optimizer] + (4.0 if master_weights else 0.0))
+
+
+def training_state_bytes(n_params: int, weights: str = "bf16", optimizer: str = "adamw",
+                         n_trainable: int | None = None) -> dict[str, float]:
+    """Weights + gradients + optimizer (+ master weights when weights are 16-bit).
+
+    Full mixed-precision AdamW gives ZeRO's 16 bytes/param (2 + 2 + 4 + 8).
+
+    Example:
+        >>> training_state_bytes(1, "bf16")["total"]
+        16.0
+    """
+    n_trainable = n_params if n_trainable is None else n_trainable
+    grad_dtype = "fp32" if weights == "fp32" else ("bf16" if weights.startswith("nf4")
+                                                   or weights == "int8" else weights)
+    w = n_params * bytes_per_param(weights)
+    g = gradient_bytes(n_trainable, grad_dtype)
+    o = optimizer_bytes(n_trainable, optimizer, master_weights=weights in ("bf16", "fp16"))
+    return {"weights": w, "gradients": g, "optimizer": o, "total": w + g + o}
+
+
+def activation_bytes_per_layer(seq_len: int, batch_size: int, hidden_size: int, num_heads: int,
+                               recompute: str = "none", bytes_per_value: int = 2,
+                               flash_attention: bool = False) -> float:
+    """Korthikanti et al.'s activation bytes for one transformer layer.
+
+    ``s*b*h*(34 + 5*a*s/h)`` bytes with 16-bit activations and no recomputation; the ``5*a*s/h``
+    term (attention scores, softmax, dropout mask) is gone with selective recomputation or a
+    flash kernel; full recomputation keeps only the layer input, ``2*s*b*h``. ``bytes_per_value``
+    scales the count to fp32 (4).
+    """
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute={recompute!r}: expected one of {RECOMPUTE}")
+    for name, v in (("seq_len", seq_len), ("batch_size", batch_size), ("hidden_size", hidden_size),
+                    ("num_heads", num_heads)):
+        if v <= 0:
+            raise ValueError(f"{name}={v}: must be > 0")
+    sbh = seq_len * batch_size * hidden_size
+    scale = bytes_per_value / 2
+    if recompute == "full":
+        return 2 * sbh * scale
+    attn_scores = 0 if (recompute == "selective" or flash_attention) else \
+        5 * num_heads * seq_len / hidden_size
+    return sbh * (34 + attn_scores) * scale
+
+
+def activation_bytes(shape: ModelShape, seq_len: int, batch_size: int, recompute: str = "none",
+                     bytes_per_value: int = 2, flash_attention: bool = False) -> dict[str, float]:
+    """Peak activation bytes of a training step for the whole model.
+
+    Layers: ``L`` times the per-layer count; with full recomputation, plus one layer's full
+    activations, alive while that layer is recomputed in backward. Logits: the output head's
+    logits, their fp32 copy for the loss and the log-probabilities (3 tensors of ``s*b*V``).
+    """
+    L = shape.num_hidden_layers
+    args = (seq_len, batch_size, shape.hidden_size, shape.num_attention_heads)
+    layers = L * activation_bytes_per_layer(*args, recompute, bytes_per_value, flash_attention)
+    if recompute == "full":
+        layers += activation_bytes_per_layer(*args, "none", bytes_per_value, flash_attention)
+    logits = 3 * seq_len * batch_size * shape.vocab_size * max(bytes_per_value, 4)
+    return {"layers": layers, "logits": logits, "total": layers + logits}
+
+
+def kv_cache_bytes(shape: ModelShape, seq_len: int, batch_size: int, bytes_per_value: int = 2
+                   ) -> float:
+    """Keys and values of every layer: ``2 * L * kv_heads * head_dim * s * b * bytes``."""
+    return (2 * shape.num_hidden_layers * shape.num_key_value_heads * shape.head_dim
+            * seq_len * batch_size * bytes_per_value)
+
+
+def flops_per_token(n_params: int, training: bool = True, recompute: bool = False) -> float:
+    """Matmul FLOPs per token: 2N forward, 6N training (forward + 2x backward), 8N with full
+    recomputation (one more forward)."""
+    if not training:
+        return 2.0 * n_params
+    return (8.0 if recompute else 6.0) * n_params
+
+
+def logits_bytes(seq_len: int, batch_size: int, vocab_size: int, bytes_per_value: int = 2
+                 ) -> float:
+    """One logits tensor: ``s * b * V * bytes``.
+
+    Example:
+        >>> round(logits_bytes(4096, 8, 256_000, 2) / 1e9, 1)  # bs 8, 4k tokens, 256k vocab, bf16
+        16.8
+    """
+    return float(seq_len) * batch_size * vocab_size * bytes_per_value

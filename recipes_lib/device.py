@@ -1,0 +1,171 @@
+"""One place that decides where code runs and in which precision.
+
+cuda -> mps -> cpu; an autocast context that is a no-op where it does nothing; bf16 falls back to
+fp16 (with a grad scaler) where the hardware lacks bf16, e.g. a Colab T4, and says so aloud.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import platform
+import warnings
+from typing import Iterator
+
+import torch
+
+PRECISIONS = ("fp32", "bf16", "fp16", "auto")
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def pick_device(prefer: str | None = None) -> torch.device:
+    """The best available device: cuda, then mps, then cpu.
+
+    Args:
+        prefer: force a device ("cpu", "cuda", "cuda:1", "mps"); None picks automatically.
+
+    Returns:
+        torch.device
+
+    Raises:
+        ValueError: if ``prefer`` names a device that is not available here.
+
+    Example:
+        >>> pick_device("cpu")
+        device(type='cpu')
+    """
+    if prefer is not None:
+        device = torch.device(prefer)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"prefer={prefer!r}: CUDA is not available on this machine")
+        if device.type == "mps" and not torch.backends.mps.is_available():
+            raise ValueError(f"prefer={prefer!r}: MPS is not available on this machine")
+        return device
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if torch.backends.mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+def supports_bf16(device: torch.device) -> bool:
+    """Whether bf16 math is supported natively on ``device`` (False on pre-Ampere GPUs like T4)."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported(including_emulation=False)
+    if device.type == "cpu":
+        # Without AVX512-BF16 / AMX, bf16 matmuls are emulated: ~20x slower than fp32 (measured
+        # on a 2-core AVX2 machine), so bf16 only counts as supported where oneDNN runs it.
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return device.type == "mps"
+
+
+def resolve_precision(precision: str, device: torch.device) -> str:
+    """Turn a requested precision into the one that will run, warning on a fallback.
+
+    Args:
+        precision: "fp32", "bf16", "fp16" or "auto" (bf16 on CUDA where supported, else fp16
+            on CUDA, else fp32). On a CPU without native bf16, "bf16" and "fp16" run in fp32.
+        device: where the computation runs.
+
+    Returns:
+        "fp32", "bf16" or "fp16".
+
+    Raises:
+        ValueError: for an unknown precision name.
+    """
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r}: expected one of {PRECISIONS}")
+    if precision == "auto":
+        if supports_bf16(device):
+            return "bf16" if device.type == "cuda" else "fp32"
+        return "fp16" if device.type == "cuda" else "fp32"
+    if precision == "bf16" and not supports_bf16(device) and device.type != "cuda":
+        warnings.warn(
+            f"precision='bf16': {describe_device(device)} has no native bf16 (emulated, far "
+            "slower than fp32); running in fp32",
+            stacklevel=2,
+        )
+        return "fp32"
+    if precision == "bf16" and not supports_bf16(device):
+        warnings.warn(
+            f"precision='bf16': {describe_device(device)} has no native bf16; "
+            "falling back to fp16 with a gradient scaler",
+            stacklevel=2,
+        )
+        return "fp16"
+    if precision == "fp16" and device.type == "cpu":
+        warnings.warn("precision='fp16' on CPU: no fast fp16 kernels there; running in fp32",
+                      stacklevel=2)
+        return "fp32"
+    return precision
+
+
+def compute_dtype(device: torch.device) -> torch.dtype:
+    """The low-precision dtype to compute in on ``device``: bf16, else fp16 (CUDA), else fp32."""
+    if supports_bf16(device):
+        return torch.bfloat16
+    return torch.float16 if device.type == "cuda" else torch.float32
+
+
+def dtype_of(precision: str) -> torch.dtype:
+    """The torch dtype for a resolved precision name."""
+    if precision not in _DTYPES:
+        raise ValueError(f"precision={precision!r}: expected one of {tuple(_DTYPES)}")
+    return _DTYPES[precision]
+
+
+@contextlib.contextmanager
+def autocast(device: torch.device, precision: str) -> Iterator[None]:
+    """Autocast to ``precision`` on ``device``; a no-op for fp32."""
+    if precision == "fp32":
+        yield
+        return
+    with torch.autocast(device_type=device.type, dtype=dtype_of(precision)):
+        yield
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued kernels so that a timer reads real time (no-op on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
+def describe_device(device: torch.device) -> str:
+    """A human-readable device name, e.g. 'cpu (x86_64, 2 threads)' or 'cuda: Tesla T4'."""
+    if device.type == "cuda":
+        return f"cuda: {torch.cuda.get_device_name(device)}"
+    if device.type == "mps":
+        return "mps: Apple GPU"
+    return f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+def has_module(name: str) -> bool:
+    """Whether an optional package is importable, without importing it."""
+    return importlib.util.find_spec(name) is not None
+
+
+def capabilities(device: torch.device | None = None) -> dict[str, str]:
+    """What this machine can do, and which fallback each recipe takes when it cannot.
+
+    Returns:
+        A mapping capability -> one line ("yes" or "no: <fallback>"), shown in notebooks' first
+        cells.
+    """
+    device = device or pick_device()
+    cuda = torch.cuda.is_available()
+    bf16 = supports_bf16(device)
+    return {
+        "device": describe_device(device),
+        "CUDA": "yes" if cuda else "no: everything runs on CPU; GPU-only cells say they skip",
+        "bf16": "yes" if bf16 else ("no: fp16 autocast with a gradient scaler" if cuda
+                                    else "no (emulated, ~20x slower): fp32"),
+        "bitsandbytes 4-bit": (
+            ("yes (CUDA kernels)" if cuda else "yes (CPU backend, slower than CUDA)")
+            if has_module("bitsandbytes")
+            else "no: QLoRA cells raise a clear error; pip install bitsandbytes"
+        ),
+        "flash-attn": "yes" if has_module("flash_attn") else "no: PyTorch SDPA is used",
+        "torchao": "yes" if has_module("torchao") else "no",
+    }

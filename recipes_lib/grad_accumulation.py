@@ -1,0 +1,109 @@
+"""Gradient accumulation that equals one large batch, padding and variable lengths included.
+
+The trap: averaging each micro-batch's mean loss weights every micro-batch equally, so a micro-batch
+with few target tokens counts as much as one with many. The large-batch loss is the mean over
+*all target tokens of the global batch*; to reproduce it, each micro-batch contributes
+``sum(token losses) / N_global`` where ``N_global`` counts the targets of all micro-batches.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from recipes_lib.data import IGNORE_INDEX
+from recipes_lib.device import autocast
+
+NORMALIZATIONS = ("global_tokens", "mean_of_means")
+
+
+def split_micro_batches(
+    batch: dict[str, torch.Tensor], grad_accum_steps: int
+) -> list[dict[str, torch.Tensor]]:
+    """Split a padded batch into ``grad_accum_steps`` micro-batches, each trimmed of pad columns.
+
+    Raises:
+        ValueError: if grad_accum_steps < 1 or does not divide the batch size.
+    """
+    if not isinstance(grad_accum_steps, int) or grad_accum_steps < 1:
+        raise ValueError(f"grad_accum_steps={grad_accum_steps!r}: must be an integer >= 1")
+    n = batch["input_ids"].shape[0]
+    if n % grad_accum_steps:
+        raise ValueError(
+            f"grad_accum_steps={grad_accum_steps}: does not divide the batch size {n}"
+        )
+    size = n // grad_accum_steps
+    micro = []
+    for i in range(0, n, size):
+        mb = {k: v[i:i + size] for k, v in batch.items()}
+        if "attention_mask" in mb:
+            width = int(mb["attention_mask"].sum(1).max())
+            mb = {k: v[:, :width] for k, v in mb.items()}
+        micro.append(mb)
+    return micro
+
+
+def count_target_tokens(labels: torch.Tensor) -> int:
+    """Number of tokens that carry a loss after the causal shift (labels != -100)."""
+    return int((labels[:, 1:] != IGNORE_INDEX).sum())
+
+
+def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Sum (not mean) of next-token cross-entropy over target tokens, computed in fp32."""
+    return F.cross_entropy(
+        logits[:, :-1].flatten(0, 1).float(),
+        labels[:, 1:].flatten(),
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
+    )
+
+
+def forward_backward(
+    model: torch.nn.Module,
+    batch: dict[str, torch.Tensor],
+    grad_accum_steps: int = 1,
+    precision: str = "fp32",
+    scaler: torch.amp.GradScaler | None = None,
+    normalization: str = "global_tokens",
+) -> float:
+    """Accumulate the gradients of one global batch over ``grad_accum_steps`` micro-batches.
+
+    Args:
+        model: a causal LM returning ``.logits`` (transformers or peft).
+        batch: ``input_ids``, ``attention_mask``, ``labels`` (-100 = no loss), on any device.
+        grad_accum_steps: micro-batches per global batch; must divide the batch size.
+        precision: resolved precision ("fp32", "bf16", "fp16") used for autocast.
+        scaler: a GradScaler for fp16, else None.
+        normalization: "global_tokens" (exact, the default) or "mean_of_means" (the common
+            mistake, kept to show its error).
+
+    Returns:
+        The global batch's mean loss per target token.
+
+    Raises:
+        ValueError: for a bad grad_accum_steps, a batch with no target tokens, or an unknown
+            normalization.
+
+    Example:
+        >>> loss = forward_backward(model, batch, grad_accum_steps=4)  # doctest: +SKIP
+    """
+    if normalization not in NORMALIZATIONS:
+        raise ValueError(f"normalization={normalization!r}: expected one of {NORMALIZATIONS}")
+    device = next(model.parameters()).device
+    micro = split_micro_batches(batch, grad_accum_steps)
+    n_global = count_target_tokens(batch["labels"])
+    if n_global == 0:
+        raise ValueError("batch: no target tokens (every label is -100)")
+    total = 0.0
+    for mb in micro:
+        mb = {k: v.to(device) for k, v in mb.items()}
+        with autocast(device, precision):
+            logits = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).logits
+        loss_sum = causal_lm_loss_sum(logits, mb["labels"])
+        total += float(loss_sum.detach())
+        if normalization == "global_tokens":
+            loss = loss_sum / n_global
+        else:
+            loss = loss_sum / max(count_target_tokens(mb["labels"]), 1) / len(micro)
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+    return total / n_global

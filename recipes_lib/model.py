@@ -1,0 +1,212 @@
+"""The tiny Llama-architecture base model every notebook starts from, and ``load_model``.
+
+The model is built from a ``LlamaConfig``, its tokenizer is trained with ``tokenizers`` on
+``data/``, and it is pretrained briefly on the base corpus so that it is a real base model whose
+eval loss has dropped far below chance. Both are saved with ``save_pretrained`` and read back with
+``AutoModelForCausalLM`` / ``AutoTokenizer.from_pretrained``: exactly the path a hub model takes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from recipes_lib import data
+
+DEFAULT_CACHE = Path(os.environ.get("RECIPES_CACHE", Path(__file__).resolve().parent.parent
+                                    / ".cache"))
+SPECIAL_TOKENS = {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"}
+
+
+@dataclass(frozen=True)
+class TinyModelSpec:
+    """Sizes of the tiny base model and its pretraining run (the defaults are the CI size).
+
+    Dimensions are multiples of 64 so that NF4's 64-value blocks tile every weight exactly.
+    """
+
+    vocab_size: int = 512
+    hidden_size: int = 256
+    intermediate_size: int = 768
+    num_hidden_layers: int = 6
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    max_position_embeddings: int = 512
+    pretrain_steps: int = 150
+    pretrain_batch_size: int = 16
+    pretrain_seq_len: int = 128
+    pretrain_lr: float = 3e-3
+    seed: int = 0
+
+    def cache_name(self) -> str:
+        digest = hashlib.sha1(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()
+        return f"tiny-llama-{self.hidden_size}h{self.num_hidden_layers}l-{digest[:8]}"
+
+
+def train_tokenizer(texts: list[str], vocab_size: int, max_length: int):
+    """Train a byte-level BPE tokenizer and wrap it as a transformers fast tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    if vocab_size < 260:
+        raise ValueError(f"vocab_size={vocab_size}: byte-level BPE needs at least 260")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS.values()),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, model_max_length=max_length, padding_side="right", **SPECIAL_TOKENS
+    )
+
+
+def llama_config(spec: TinyModelSpec, tokenizer) -> Any:
+    """A ``LlamaConfig`` for ``spec`` whose special-token ids match ``tokenizer``."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+    )
+
+
+def build_tiny_model(
+    out_dir: Path | str | None = None,
+    spec: TinyModelSpec = TinyModelSpec(),
+    progress: bool = True,
+) -> Path:
+    """Build, pretrain and save the tiny base model; return its folder (cached by ``spec``).
+
+    A second call with the same spec returns the cached folder at once. The build writes into a
+    temporary folder and renames it, so an interrupted build is never mistaken for a finished one.
+
+    Args:
+        out_dir: target folder; default ``.cache/<name>`` in the repository (or $RECIPES_CACHE).
+        spec: model sizes and pretraining budget.
+        progress: show a progress bar while pretraining.
+
+    Returns:
+        Path to a folder loadable with ``AutoModelForCausalLM.from_pretrained``.
+
+    Example:
+        >>> path = build_tiny_model()  # doctest: +SKIP
+        >>> model, tok = load_model(path), load_tokenizer(path)  # doctest: +SKIP
+    """
+    from transformers import LlamaForCausalLM
+
+    from recipes_lib.evaluation import eval_loss
+    from recipes_lib.train import TrainConfig, train
+
+    out = Path(out_dir) if out_dir is not None else DEFAULT_CACHE / spec.cache_name()
+    if (out / "pretrain_report.json").exists():
+        return out
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+
+    base_train = data.load_corpus("base", "train")
+    tokenizer = train_tokenizer(list(base_train["text"]), spec.vocab_size,
+                                spec.max_position_embeddings)
+    torch.manual_seed(spec.seed)
+    model = LlamaForCausalLM(llama_config(spec, tokenizer))
+    examples = data.tokenize_examples(base_train, tokenizer, spec.pretrain_seq_len, "lm")
+    test = data.tokenize_examples(data.load_corpus("base", "test"), tokenizer,
+                                  spec.pretrain_seq_len, "lm")
+    loss_before = eval_loss(model, test, tokenizer.pad_token_id)
+    cfg = TrainConfig(steps=spec.pretrain_steps, micro_batch_size=spec.pretrain_batch_size,
+                      lr=spec.pretrain_lr, warmup_steps=spec.pretrain_steps // 10,
+                      seed=spec.seed, progress=progress, desc="pretraining tiny base model")
+    result = train(model, examples, tokenizer.pad_token_id, cfg)
+    loss_after = eval_loss(model, test, tokenizer.pad_token_id)
+
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    report = {"spec": asdict(spec), "eval_loss_before": loss_before,
+              "eval_loss_after": loss_after, "train_losses": result.losses}
+    (tmp / "pretrain_report.json").write_text(json.dumps(report, indent=1))
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
+
+
+def pretrain_report(path: Path | str) -> dict:
+    """The eval losses before/after pretraining recorded by ``build_tiny_model``."""
+    return json.loads((Path(path) / "pretrain_report.json").read_text())
+
+
+def load_tokenizer(model_id_or_path: str | Path):
+    """``AutoTokenizer.from_pretrained`` with a pad token guaranteed (hub models often lack one)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_id_or_path), trust_remote_code=False)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_model(
+    model_id_or_path: str | Path | None = None,
+    dtype: torch.dtype = torch.float32,
+    quantization_config: Any = None,
+    device: torch.device | str | None = None,
+    attn_implementation: str = "sdpa",
+):
+    """Load a causal LM from a local folder or a hub id, the same way for both.
+
+    Args:
+        model_id_or_path: a folder written by ``save_pretrained`` or a hub id; None builds (or
+            reuses) the tiny default model.
+        dtype: dtype of the unquantized weights.
+        quantization_config: e.g. a ``BitsAndBytesConfig`` for NF4 (see quantization.py).
+        device: where to put the model; None keeps CPU (quantized models go where bnb puts them).
+        attn_implementation: "sdpa" (default), "eager" or "flash_attention_2".
+
+    Raises:
+        ValueError: if a hub id is asked for while offline, with how to fix it.
+    """
+    from transformers import AutoModelForCausalLM
+
+    if model_id_or_path is None:
+        model_id_or_path = build_tiny_model()
+    ident = str(model_id_or_path)
+    if not Path(ident).exists() and os.environ.get("HF_HUB_OFFLINE") == "1":
+        raise ValueError(
+            f"model_id_or_path={ident!r}: not a local folder and HF_HUB_OFFLINE=1; "
+            "download it first (huggingface-cli download) or pass a local path"
+        )
+    kwargs: dict[str, Any] = {"dtype": dtype, "attn_implementation": attn_implementation,
+                              "trust_remote_code": False}
+    if quantization_config is not None:
+        kwargs["quantization_config"] = quantization_config
+        kwargs["device_map"] = {"": str(device) if device is not None else "cpu"}
+    try:
+        model = AutoModelForCausalLM.from_pretrained(ident, **kwargs)
+    except OSError as err:
+        raise ValueError(
+            f"model_id_or_path={ident!r}: could not be loaded ({err.__class__.__name__}); "
+            "is it a local folder with config.json, or a hub id with network access?"
+        ) from err
+    if device is not None and quantization_config is None:
+        model = model.to(device)
+    return model

@@ -1,0 +1,175 @@
+"""QLoRA: a 4-bit NF4 base (bitsandbytes, double quantization) with trainable LoRA adapters (peft).
+
+NF4 stores each weight in 4 bits plus one scale (absmax) per block of 64 weights; double
+quantization stores those scales in 8 bits with one fp32 scale per 256 of them. The frozen base
+then costs ~0.52 bytes per parameter instead of 2 (bf16), and only the adapters train.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import torch
+
+from recipes_lib.device import has_module
+from recipes_lib.memory import tensor_bytes
+
+
+def require_bitsandbytes() -> None:
+    """Raise a clear error if 4-bit loading cannot work here.
+
+    Raises:
+        ImportError: bitsandbytes is not installed, or too old for CPU 4-bit (needs >= 0.48).
+    """
+    if not has_module("bitsandbytes"):
+        raise ImportError("quantization='nf4' needs bitsandbytes: pip install 'bitsandbytes>=0.48'")
+    from importlib.metadata import version
+
+    from packaging.version import Version
+
+    found = Version(version("bitsandbytes"))
+    if not torch.cuda.is_available() and found < Version("0.48"):
+        raise ImportError(f"bitsandbytes {found}: 4-bit on CPU needs >= 0.48")
+
+
+def nf4_config(double_quant: bool = True, compute_dtype: torch.dtype = torch.bfloat16):
+    """A ``BitsAndBytesConfig`` for NF4 weights (the QLoRA paper's setting by default).
+
+    Args:
+        double_quant: also quantize the per-block scales (saves ~0.37 bit per parameter).
+        compute_dtype: dtype the 4-bit weights are dequantized to for each matmul.
+
+    Raises:
+        ImportError: if bitsandbytes is missing (see ``require_bitsandbytes``).
+    """
+    require_bitsandbytes()
+    from transformers import BitsAndBytesConfig
+
+    if compute_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"compute_dtype={compute_dtype}: expected bf16, fp16 or fp32")
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                              bnb_4bit_use_double_quant=double_quant,
+                              bnb_4bit_compute_dtype=compute_dtype)
+
+
+def _quant_tensors(module) -> list[torch.Tensor]:
+    """Every tensor a bnb Linear4bit holds: packed weight, scales, code tables, bias."""
+    w = module.weight
+    out = [w, module.bias]
+    qs = getattr(w, "quant_state", None)
+    while qs is not None:
+        out += [qs.absmax, qs.code, getattr(qs, "offset", None)]
+        qs = getattr(qs, "state2", None)
+    return out
+
+
+def quantized_linear_stats(model: torch.nn.Module) -> dict[str, object]:
+    """Measured bytes of the model's 4-bit linear layers, and what they are.
+
+    Returns:
+        {"bytes": total bytes of every tensor the 4-bit layers hold, "params": logical parameter
+        count, "names": module names, "shapes": logical (out, in) weight shapes}.
+
+    Raises:
+        ValueError: if the model has no 4-bit linear layers.
+    """
+    import bitsandbytes as bnb
+
+    names, shapes, tensors, params = [], [], [], 0
+    for name, mod in model.named_modules():
+        if isinstance(mod, bnb.nn.Linear4bit):
+            names.append(name)
+            shape = tuple(mod.weight.quant_state.shape)
+            shapes.append(shape)
+            params += shape[0] * shape[1]
+            tensors += _quant_tensors(mod)
+    if not names:
+        raise ValueError("model: has no bitsandbytes 4-bit linear layers")
+    return {"bytes": tensor_bytes(tensors), "params": params, "names": names, "shapes": shapes}
+
+
+def linear_weight_bytes(model: torch.nn.Module, names: list[str]) -> int:
+    """Measured bytes of the named linear layers' weights and biases (e.g. in a bf16 model)."""
+    modules = dict(model.named_modules())
+    missing = [n for n in names if n not in modules]
+    if missing:
+        raise ValueError(f"names: not in the model: {missing[:3]}")
+    return tensor_bytes(t for n in names for t in (modules[n].weight, modules[n].bias))
+
+
+def add_lora(
+    model: torch.nn.Module,
+    r: int = 16,
+    alpha: int = 32,
+    dropout: float = 0.0,
+    target_modules: str | list[str] = "all-linear",
+    gradient_checkpointing: bool = False,
+):
+    """Wrap ``model`` with LoRA adapters on every linear layer (QLoRA's setting).
+
+    For a 4-bit model, ``prepare_model_for_kbit_training`` first casts norms to fp32 and enables
+    input gradients, as the QLoRA recipe does.
+
+    Args:
+        model: a transformers causal LM, quantized or not.
+        r: adapter rank (>= 1).
+        alpha: LoRA scaling numerator (scale = alpha / r).
+        dropout: dropout on the adapter input.
+        target_modules: "all-linear" (every linear but the output head) or explicit names.
+        gradient_checkpointing: also enable activation checkpointing (non-reentrant).
+
+    Raises:
+        ValueError: for r < 1 or dropout outside [0, 1).
+    """
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+
+    if not isinstance(r, int) or r < 1:
+        raise ValueError(f"r={r!r}: LoRA rank must be an integer >= 1")
+    if not 0 <= dropout < 1:
+        raise ValueError(f"dropout={dropout}: must be in [0, 1)")
+    if getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False):
+        model = prepare_model_for_kbit_training(
+            model, use_gradient_checkpointing=gradient_checkpointing,
+            gradient_checkpointing_kwargs={"use_reentrant": False})
+    elif gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout,
+                        target_modules=target_modules, task_type="CAUSAL_LM")
+    return get_peft_model(model, config)
+
+
+def trainable_fraction(model: torch.nn.Module) -> tuple[int, int]:
+    """(trainable, total) parameter counts; 4-bit packed weights counted at their logical size."""
+    trainable = total = 0
+    for p in model.parameters():
+        n = p.numel()
+        qs = getattr(p, "quant_state", None)
+        if qs is not None:
+            n = int(torch.Size(qs.shape).numel())
+        total += n
+        trainable += n if p.requires_grad else 0
+    return trainable, total
+
+
+def reload_adapter(base_path: str | Path, adapter_dir: str | Path, quantization_config=None,
+                   dtype: torch.dtype = torch.bfloat16, merge: bool = False):
+    """Load the base again, attach a saved adapter; optionally merge it into the weights.
+
+    Merging into 4-bit weights would re-quantize them (lossy), so with ``merge=True`` a 4-bit
+    base is first dequantized to ``dtype`` and the adapter merged into those dense weights: the
+    result is a plain transformers model with no peft or bitsandbytes at inference.
+    """
+    from peft import PeftModel
+
+    from recipes_lib.model import load_model
+
+    base = load_model(base_path, dtype=dtype, quantization_config=quantization_config)
+    if merge and quantization_config is not None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            base = base.dequantize()
+        base = base.to(dtype)
+    model = PeftModel.from_pretrained(base, str(adapter_dir))
+    model.eval()
+    return model.merge_and_unload() if merge else model

@@ -1,0 +1,165 @@
+"""The one training loop, for full models and peft models alike.
+
+Global batches of ``micro_batch_size * grad_accum_steps`` examples, gradient accumulation with
+exact token normalisation, autocast (bf16, or fp16 with a grad scaler), clipping, a warm-up + decay
+LR schedule, a progress bar, the loss history and optional TensorBoard logging.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from recipes_lib import data
+from recipes_lib.device import resolve_precision, synchronize
+from recipes_lib.grad_accumulation import forward_backward
+
+SCHEDULES = ("cosine", "linear", "constant_with_warmup")
+
+
+@dataclass
+class TrainConfig:
+    """Settings of one training run (plain values, overridable from a notebook's parameters)."""
+
+    steps: int = 100
+    micro_batch_size: int = 8
+    grad_accum_steps: int = 1
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    warmup_steps: int = 0
+    schedule: str = "cosine"
+    max_grad_norm: float | None = 1.0
+    precision: str = "fp32"
+    seed: int = 0
+    progress: bool = True
+    desc: str = "training"
+    log_dir: str | None = None
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first bad field."""
+        for name in ("steps", "micro_batch_size", "grad_accum_steps"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r}: must be an integer >= 1")
+        if self.lr <= 0:
+            raise ValueError(f"lr={self.lr}: must be > 0")
+        if not 0 <= self.warmup_steps <= self.steps:
+            raise ValueError(f"warmup_steps={self.warmup_steps}: must be in [0, steps]")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule={self.schedule!r}: expected one of {SCHEDULES}")
+        if self.max_grad_norm is not None and self.max_grad_norm <= 0:
+            raise ValueError(f"max_grad_norm={self.max_grad_norm}: must be > 0 or None")
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.micro_batch_size * self.grad_accum_steps
+
+
+@dataclass
+class TrainResult:
+    """What a run produced: per-step loss and time, the precision that actually ran."""
+
+    losses: list[float] = field(default_factory=list)
+    step_times: list[float] = field(default_factory=list)
+    precision: str = "fp32"
+    target_tokens: int = 0
+
+
+def make_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW over the trainable parameters (peft leaves only the adapters trainable)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError("model: has no trainable parameters")
+    return torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
+
+
+def optimizer_step(
+    model: torch.nn.Module,
+    optimizer: Any,
+    max_grad_norm: float | None,
+    scaler: torch.amp.GradScaler | None = None,
+) -> None:
+    """Unscale (fp16), clip, step and clear gradients."""
+    if scaler is not None:
+        scaler.unscale_(optimizer)
+    if max_grad_norm is not None:
+        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad],
+                                       max_grad_norm)
+    if scaler is not None:
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def train(
+    model: torch.nn.Module,
+    examples: list[dict[str, list[int]]],
+    pad_token_id: int,
+    config: TrainConfig,
+    optimizer: Any = None,
+) -> TrainResult:
+    """Train ``model`` on tokenized ``examples`` for ``config.steps`` optimizer steps.
+
+    Args:
+        model: a transformers or peft causal LM, already on its device.
+        examples: output of ``data.tokenize_examples``.
+        pad_token_id: the tokenizer's pad id.
+        config: the run's settings (validated here).
+        optimizer: any optimizer with step/zero_grad (e.g. ``CPUOffloadOptimizer``); default
+            AdamW over trainable parameters.
+
+    Returns:
+        TrainResult with one loss and one wall time per optimizer step.
+
+    Raises:
+        ValueError: for an invalid config or a global batch larger than the data.
+
+    Example:
+        >>> result = train(model, examples, tok.pad_token_id, TrainConfig(steps=50))  # doctest: +SKIP
+    """
+    from tqdm.auto import tqdm
+    from transformers import get_scheduler
+
+    config.validate()
+    device = next(model.parameters()).device
+    precision = resolve_precision(config.precision, device)
+    torch.manual_seed(config.seed)
+    optimizer = optimizer if optimizer is not None else make_optimizer(model, config)
+    inner = getattr(optimizer, "optimizer", optimizer)  # wrappers expose the real one
+    scheduler = get_scheduler(config.schedule, inner, num_warmup_steps=config.warmup_steps,
+                              num_training_steps=config.steps)
+    scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
+    writer = None
+    if config.log_dir is not None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        writer = SummaryWriter(config.log_dir)
+
+    stream = data.batches(examples, config.global_batch_size, pad_token_id, seed=config.seed)
+    result = TrainResult(precision=precision)
+    model.train()
+    bar = tqdm(range(config.steps), desc=config.desc, disable=not config.progress, leave=False)
+    for step in bar:
+        batch = next(stream)
+        t0 = time.perf_counter()
+        loss = forward_backward(model, batch, config.grad_accum_steps, precision, scaler)
+        optimizer_step(model, optimizer, config.max_grad_norm, scaler)
+        scheduler.step()
+        synchronize(device)
+        result.step_times.append(time.perf_counter() - t0)
+        result.losses.append(loss)
+        result.target_tokens += int((batch["labels"][:, 1:] != data.IGNORE_INDEX).sum())
+        bar.set_postfix(loss=f"{loss:.3f}")
+        if writer is not None:
+            writer.add_scalar("train/loss", loss, step)
+            writer.add_scalar("train/lr", scheduler.get_last_lr()[0], step)
+    bar.close()
+    if writer is not None:
+        writer.close()
+    model.eval()
+    return result

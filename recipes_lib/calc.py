@@ -210,3 +210,44 @@ def logits_bytes(seq_len: int, batch_size: int, vocab_size: int, bytes_per_value
         16.8
     """
     return float(seq_len) * batch_size * vocab_size * bytes_per_value
+
+
+def escalation_table(shape: ModelShape, seq_len: int, batch_size: int, budget_bytes: float,
+                     grad_accum_steps: int = 4, lora_fraction: float = 0.01,
+                     bytes_per_value: int = 2) -> list[dict[str, Any]]:
+    """Predicted training memory as practitioners escalate when a run does not fit.
+
+    Rows, cumulative: full fine-tune in mixed precision -> LoRA (bf16 base) -> QLoRA (NF4 base)
+    -> + activation checkpointing -> + gradient accumulation (micro-batch = batch / k) -> + CPU
+    offload of optimizer states. Each row says whether it fits ``budget_bytes``.
+    """
+    if budget_bytes <= 0:
+        raise ValueError(f"budget_bytes={budget_bytes}: must be > 0")
+    if batch_size % grad_accum_steps:
+        raise ValueError(f"grad_accum_steps={grad_accum_steps}: does not divide batch_size")
+    n = param_count(shape)["total"]
+    n_lora = int(n * lora_fraction)
+
+    def act(recompute: str, b: int) -> float:
+        return activation_bytes(shape, seq_len, b, recompute, bytes_per_value, True)["total"]
+
+    micro = batch_size // grad_accum_steps
+    lora_state = gradient_bytes(n_lora, "fp32") + optimizer_bytes(n_lora, "adamw")
+    steps = [
+        ("full fine-tune (bf16 + AdamW)", training_state_bytes(n, "bf16")["total"],
+         act("none", batch_size)),
+        ("LoRA on a bf16 base", n * 2 + n_lora * 4 + lora_state, act("none", batch_size)),
+        ("QLoRA (NF4 base)", n * bytes_per_param("nf4_dq") + n_lora * 4 + lora_state,
+         act("none", batch_size)),
+        ("+ activation checkpointing", None, act("full", batch_size)),
+        (f"+ gradient accumulation (k={grad_accum_steps})", None, act("full", micro)),
+        ("+ CPU offload of optimizer states", -optimizer_bytes(n_lora, "adamw"), None),
+    ]
+    rows, state, activ = [], 0.0, 0.0
+    for name, s, a in steps:
+        state = state + s if (s is not None and s < 0) else (s if s is not None else state)
+        activ = a if a is not None else activ
+        total = state + activ
+        rows.append({"step": name, "state_GiB": state / 2**30, "activations_GiB": activ / 2**30,
+                     "total_GiB": total / 2**30, "fits": total <= budget_bytes})
+    return rows

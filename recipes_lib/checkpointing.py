@@ -10,19 +10,34 @@ from __future__ import annotations
 import torch
 
 
-def enable_activation_checkpointing(model: torch.nn.Module) -> torch.nn.Module:
+def enable_activation_checkpointing(model: torch.nn.Module, every_n_layers: int = 1
+                                    ) -> torch.nn.Module:
     """Checkpoint every decoder layer of a transformers (or peft) model, non-reentrant.
 
     Non-reentrant checkpointing (``use_reentrant=False``) is PyTorch's recommended mode: it works
     when the inputs do not require grad (frozen embeddings under LoRA) and with keyword arguments.
 
+    Args:
+        model: a transformers model, or a peft model wrapping one.
+        every_n_layers: checkpoint every n-th decoder layer only (transformers >= 5), trading
+            memory back for speed; 1 checkpoints every layer.
+
     Raises:
-        ValueError: if the model does not support gradient checkpointing.
+        ValueError: if the model does not support gradient checkpointing, or every_n_layers < 1.
     """
+    if not isinstance(every_n_layers, int) or every_n_layers < 1:
+        raise ValueError(f"every_n_layers={every_n_layers!r}: must be an integer >= 1")
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     if not getattr(base, "supports_gradient_checkpointing", False):
         raise ValueError(f"model: {type(base).__name__} does not support gradient checkpointing")
-    base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    kwargs = {"use_reentrant": False}
+    if hasattr(base, "activation_checkpointing_enable"):  # transformers >= 5
+        base.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs,
+                                             every_n_layers=every_n_layers)
+    elif every_n_layers == 1:
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    else:
+        raise ValueError("every_n_layers: needs transformers >= 5")
     base.config.use_cache = False
     return model
 
@@ -30,5 +45,8 @@ def enable_activation_checkpointing(model: torch.nn.Module) -> torch.nn.Module:
 def disable_activation_checkpointing(model: torch.nn.Module) -> torch.nn.Module:
     """Undo ``enable_activation_checkpointing``."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    base.gradient_checkpointing_disable()
+    if hasattr(base, "activation_checkpointing_disable"):
+        base.activation_checkpointing_disable()
+    else:
+        base.gradient_checkpointing_disable()
     return model

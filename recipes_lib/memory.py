@@ -40,6 +40,38 @@ class MemoryReport:
         return sum(self.by_category.get(k, 0) for k in ("parameters", "gradients", "optimizer"))
 
 
+def _step_tracker():
+    """A MemTracker that accepts several forward calls of the root module in one measurement.
+
+    MemTracker refuses a second forward of the root (gradient accumulation does exactly that)
+    because its *per-module* statistics would mix iterations. Only the global peak is used here,
+    which per-module resets do not touch, so the per-module stats are reset and the call retried.
+    It also hooks every parameter's gradient, which raises on frozen parameters (a LoRA base):
+    those are marked as already hooked.
+    """
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    class _NoHook:
+        def remove(self) -> None:
+            pass
+
+    class StepTracker(MemTracker):
+        def _track_module_params_and_buffers(self, module, install_grad_hooks=True):
+            for p in module.parameters():
+                if not p.requires_grad and p not in self._param_to_grad_hook_handles:
+                    self._param_to_grad_hook_handles[p] = (_NoHook(), _NoHook())
+            return super()._track_module_params_and_buffers(module, install_grad_hooks)
+
+        def _pre_fw_hook(self, module, inputs):
+            try:
+                super()._pre_fw_hook(module, inputs)
+            except NotImplementedError:
+                self.reset_mod_stats()
+                super()._pre_fw_hook(module, inputs)
+
+    return StepTracker()
+
+
 def measure_memory(
     fn: Callable[[], Any],
     model: torch.nn.Module | None = None,
@@ -64,11 +96,9 @@ def measure_memory(
         >>> report = measure_memory(lambda: step(batch), model, opt)  # doctest: +SKIP
         >>> report.activation_bytes  # doctest: +SKIP
     """
-    from torch.distributed._tools.mem_tracker import MemTracker
-
     if device is None:
         device = next(model.parameters()).device if model is not None else torch.device("cpu")
-    tracker = MemTracker()
+    tracker = _step_tracker()
     externals = [x for x in (model, optimizer) if x is not None]
     inner_opt = getattr(optimizer, "optimizer", None)  # wrappers such as CPUOffloadOptimizer
     if isinstance(inner_opt, torch.optim.Optimizer):

@@ -1,0 +1,74 @@
+"""Command line: ``python -m recipes_lib {run,readme,data}``.
+
+- ``run``: execute every notebook headless into ``notebooks/executed/``, then refresh the README's
+  results table from ``results/``. A notebook that fails is reported and the others still run.
+- ``readme``: refresh the README's results table only.
+- ``data``: regenerate the corpora in ``data/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_notebooks(paths: list[Path], out_dir: Path, timeout: int = 1800) -> dict[str, str]:
+    """Execute notebooks one by one (cell progress bar each); return name -> "ok" or the error."""
+    import nbformat
+    from nbclient import NotebookClient
+    from tqdm.auto import tqdm
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    status = {}
+    for path in paths:
+        nb = nbformat.read(path, as_version=4)
+        client = NotebookClient(nb, timeout=timeout, kernel_name="python3",
+                                resources={"metadata": {"path": str(path.parent)}})
+        bar = tqdm(total=sum(c.cell_type == "code" for c in nb.cells), desc=path.stem)
+        try:
+            with client.setup_kernel():
+                for i, cell in enumerate(nb.cells):
+                    if cell.cell_type == "code":
+                        client.execute_cell(cell, i)
+                        bar.update()
+            status[path.stem] = "ok"
+        except Exception as err:  # a failing notebook must not stop the others
+            status[path.stem] = f"failed: {type(err).__name__}: {str(err).splitlines()[-1][:200]}"
+        finally:
+            bar.close()
+            nbformat.write(nb, out_dir / path.name)
+    return status
+
+
+def main(argv: list[str] | None = None) -> int:
+    from recipes_lib import data, results
+
+    parser = argparse.ArgumentParser(prog="python -m recipes_lib")
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="execute the notebooks and refresh the results table")
+    run.add_argument("notebooks", nargs="*", help="default: notebooks/*.ipynb")
+    sub.add_parser("readme", help="refresh the README's results table")
+    sub.add_parser("data", help="regenerate data/")
+    args = parser.parse_args(argv)
+
+    if args.command == "data":
+        for name, path in data.generate_corpora().items():
+            print(f"{name}: {path.relative_to(ROOT)}")
+        return 0
+    if args.command == "run":
+        paths = [Path(p) for p in args.notebooks] or sorted((ROOT / "notebooks").glob("*.ipynb"))
+        status = run_notebooks(paths, ROOT / "notebooks" / "executed")
+        for name, state in status.items():
+            print(f"{name}: {state}")
+        results.update_readme(ROOT / "README.md")
+        print(results.markdown_table())
+        return 0 if all(s == "ok" for s in status.values()) else 1
+    results.update_readme(ROOT / "README.md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

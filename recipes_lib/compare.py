@@ -1,0 +1,106 @@
+"""Baseline vs recipe, side by side: one measured training step, a ratio table and plots."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from recipes_lib.grad_accumulation import forward_backward
+from recipes_lib.memory import CATEGORIES, MemoryReport, measure_memory
+from recipes_lib.timing import Timing, time_fn
+from recipes_lib.train import optimizer_step
+
+
+@dataclass
+class StepMeasurement:
+    """Peak memory (by category) and median time of one training step."""
+
+    memory: MemoryReport
+    timing: Timing
+
+
+def measure_training_step(
+    model: torch.nn.Module,
+    batch: dict[str, torch.Tensor],
+    optimizer: Any = None,
+    grad_accum_steps: int = 1,
+    precision: str = "fp32",
+    repeats: int = 3,
+) -> StepMeasurement:
+    """Measure one step (forward + backward, and the optimizer step if one is given).
+
+    A warm-up step runs first, so optimizer states exist when memory is measured, as in every
+    step after the first.
+    """
+    def step() -> None:
+        forward_backward(model, batch, grad_accum_steps, precision)
+        if optimizer is not None:
+            optimizer_step(model, optimizer, max_grad_norm=None)
+        else:
+            model.zero_grad(set_to_none=True)
+
+    model.train()
+    step()
+    memory = measure_memory(step, model, optimizer)
+    timing = time_fn(step, warmup=0, repeats=repeats, device=next(model.parameters()).device)
+    return StepMeasurement(memory, timing)
+
+
+def side_by_side(rows: dict[str, tuple[float, float]], names: tuple[str, str] = ("baseline",
+                                                                                 "recipe")):
+    """A table with one row per metric: baseline, recipe and recipe / baseline.
+
+    Args:
+        rows: metric -> (baseline value, recipe value).
+        names: column titles for the two runs.
+    """
+    import pandas as pd
+
+    table = pd.DataFrame({m: {names[0]: b, names[1]: r, "ratio": (r / b if b else float("nan"))}
+                          for m, (b, r) in rows.items()}).T
+    return table
+
+
+def memory_table(reports: dict[str, MemoryReport], unit: float = 2**20):
+    """Peak memory by category (MiB by default), one column per run."""
+    import pandas as pd
+
+    data = {name: {**{c: r.by_category.get(c, 0) / unit for c in CATEGORIES},
+                   "peak": r.peak_bytes / unit} for name, r in reports.items()}
+    return pd.DataFrame(data).round(2)
+
+
+def plot_memory_breakdown(reports: dict[str, MemoryReport], title: str = "Peak memory",
+                          unit: float = 2**20):
+    """Stacked bars of peak memory by category, one bar per run."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(1.6 + 1.4 * len(reports), 3.6))
+    bottom = [0.0] * len(reports)
+    for cat in CATEGORIES:
+        vals = [r.by_category.get(cat, 0) / unit for r in reports.values()]
+        if any(vals):
+            ax.bar(list(reports), vals, bottom=bottom, label=cat)
+            bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.set_ylabel("MiB at peak")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def plot_losses(curves: dict[str, list[float]], title: str = "Training loss"):
+    """Loss per optimizer step for several runs on one plot."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    for name, losses in curves.items():
+        ax.plot(range(1, len(losses) + 1), losses, label=name)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig

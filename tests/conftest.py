@@ -1,0 +1,66 @@
+import random
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+warnings.filterwarnings("ignore", category=UserWarning)
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    random.seed(0)
+    np.random.seed(0)
+    torch.manual_seed(0)
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path():
+    """The default tiny base model (built once, cached in .cache/)."""
+    from recipes_lib.model import build_tiny_model
+
+    return build_tiny_model(progress=False)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_model_path):
+    from recipes_lib.model import load_tokenizer
+
+    return load_tokenizer(tiny_model_path)
+
+
+@pytest.fixture
+def small_llama():
+    """An untrained 2-layer Llama, fast enough for exact-equivalence tests."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                      pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg)
+
+
+@pytest.fixture
+def varlen_batch():
+    """16 right-padded sequences of different lengths, prompts masked with -100."""
+    from recipes_lib.data import collate
+
+    g = torch.Generator().manual_seed(1)
+    examples = []
+    for i in range(16):
+        n = 6 + int(torch.randint(0, 20, (1,), generator=g))
+        ids = torch.randint(3, 128, (n,), generator=g).tolist()
+        prompt = 2 + i % 5
+        examples.append({"input_ids": ids, "labels": [-100] * prompt + ids[prompt:]})
+    return collate(examples, pad_token_id=0)

@@ -1,0 +1,57 @@
+import pytest
+import torch
+
+from recipes_lib import calc
+
+LLAMA2_7B = calc.ModelShape(32000, 4096, 11008, 32, 32, 32)
+
+
+def test_published_figures():
+    assert calc.training_state_bytes(1, "bf16")["total"] == 16  # ZeRO: 2 + 2 + 4 + 8
+    assert round(calc.param_count(LLAMA2_7B)["total"] / 1e9, 2) == 6.74
+    assert round(calc.logits_bytes(4096, 8, 256_000, 2) / 1e9, 1) == 16.8
+    assert calc.flops_per_token(10) == 60 and calc.flops_per_token(10, recompute=True) == 80
+
+
+def test_qlora_7b_fits_a_t4_and_full_fine_tune_does_not():
+    rows = calc.escalation_table(LLAMA2_7B, seq_len=512, batch_size=4, budget_bytes=16e9)
+    assert not rows[0]["fits"]
+    assert any(r["fits"] for r in rows if "QLoRA" in r["step"] or r["step"].startswith("+"))
+
+
+def test_nf4_bytes_match_bitsandbytes_exactly():
+    pytest.importorskip("bitsandbytes")
+    import bitsandbytes as bnb
+
+    from recipes_lib.memory import tensor_bytes
+    from recipes_lib.quantization import _quant_tensors
+
+    for double_quant in (True, False):
+        layer = bnb.nn.Linear4bit(256, 192, bias=False, quant_type="nf4",
+                                  compress_statistics=double_quant)
+        layer.weight = bnb.nn.Params4bit(torch.randn(192, 256), requires_grad=False,
+                                         quant_type="nf4", compress_statistics=double_quant)
+        layer.weight = layer.weight._quantize("cpu")
+        assert tensor_bytes(_quant_tensors(layer)) == calc.nf4_tensor_bytes(192, 256, double_quant)
+
+
+def test_activation_formula_terms():
+    none = calc.activation_bytes_per_layer(1024, 2, 512, 8, "none")
+    sel = calc.activation_bytes_per_layer(1024, 2, 512, 8, "selective")
+    full = calc.activation_bytes_per_layer(1024, 2, 512, 8, "full")
+    sbh = 1024 * 2 * 512
+    assert none == sbh * (34 + 5 * 8 * 1024 / 512) and sel == 34 * sbh and full == 2 * sbh
+    assert calc.kv_cache_bytes(LLAMA2_7B, 4096, 1) == 2 * 32 * 4096 * 4096 * 2
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: calc.bytes_per_param("int3"), "fmt='int3'"),
+    (lambda: calc.optimizer_bytes(1, "lion"), "optimizer='lion'"),
+    (lambda: calc.activation_bytes_per_layer(0, 1, 1, 1), "seq_len=0"),
+    (lambda: calc.activation_bytes_per_layer(1, 1, 1, 1, "some"), "recompute='some'"),
+    (lambda: calc.escalation_table(LLAMA2_7B, 512, 4, -1), "budget_bytes=-1"),
+    (lambda: calc.ModelShape.from_config({"hidden_size": 8}), "config:"),
+])
+def test_bad_inputs_name_the_parameter(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()

@@ -1,0 +1,26 @@
+import matplotlib
+
+from recipes_lib import compare
+
+matplotlib.use("Agg")
+
+
+def test_side_by_side_ratio_and_plots(small_llama, varlen_batch):
+    table = compare.side_by_side({"bytes": (200.0, 50.0)})
+    assert table.loc["bytes", "ratio"] == 0.25
+    m = compare.measure_training_step(small_llama, varlen_batch, repeats=1)
+    assert m.memory.activation_bytes > 0 and m.timing.median_s > 0
+    assert all(p.grad is None for p in small_llama.parameters())
+    assert compare.memory_table({"a": m.memory}).loc["peak", "a"] > 0
+    assert compare.plot_memory_breakdown({"a": m.memory, "b": m.memory}).axes
+    assert compare.plot_losses({"run": [3.0, 2.0]}).axes
+
+
+def test_evaluation_metrics(small_llama, tokenizer):
+    from recipes_lib import data, evaluation
+
+    rows = list(data.load_corpus("topic", "test").select(range(4)))
+    small_llama.resize_token_embeddings(len(tokenizer))
+    assert 0.0 <= evaluation.exact_match(small_llama, tokenizer, rows, max_new_tokens=2) <= 1.0
+    ex = data.tokenize_examples(rows, tokenizer, 128, "sft")
+    assert evaluation.eval_loss(small_llama, ex, tokenizer.pad_token_id) > 0

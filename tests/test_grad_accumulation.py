@@ -1,0 +1,44 @@
+import pytest
+import torch
+import torch.nn.functional as F
+
+from recipes_lib import grad_accumulation as ga
+from recipes_lib.numerics import max_rel_error
+
+
+def test_loss_sum_matches_cross_entropy(varlen_batch):
+    logits = torch.randn(*varlen_batch["input_ids"].shape, 128)
+    labels = varlen_batch["labels"]
+    ref = F.cross_entropy(logits[:, :-1].reshape(-1, 128), labels[:, 1:].reshape(-1),
+                          ignore_index=-100)
+    got = ga.causal_lm_loss_sum(logits, labels) / ga.count_target_tokens(labels)
+    torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("k", [2, 4, 8])
+def test_accumulated_equals_large_batch_with_padding(small_llama, varlen_batch, k):
+    ref = ga.batch_gradients(small_llama, varlen_batch, 1)
+    got = ga.batch_gradients(small_llama, varlen_batch, k)
+    assert max_rel_error(got, ref) <= 1e-5
+
+
+def test_mean_of_means_is_wrong_on_variable_lengths(small_llama, varlen_batch):
+    ref = ga.batch_gradients(small_llama, varlen_batch, 1)
+    naive = ga.batch_gradients(small_llama, varlen_batch, 4, "mean_of_means")
+    assert max_rel_error(naive, ref) > 1e-3
+
+
+def test_split_trims_padding_and_validates(varlen_batch):
+    micro = ga.split_micro_batches(varlen_batch, 4)
+    assert len(micro) == 4
+    assert all(m["attention_mask"][:, -1].any() for m in micro)
+    with pytest.raises(ValueError, match="grad_accum_steps=0"):
+        ga.split_micro_batches(varlen_batch, 0)
+    with pytest.raises(ValueError, match="grad_accum_steps=3: does not divide"):
+        ga.split_micro_batches(varlen_batch, 3)
+
+
+def test_no_targets_is_a_clear_error(small_llama, varlen_batch):
+    empty = dict(varlen_batch, labels=torch.full_like(varlen_batch["labels"], -100))
+    with pytest.raises(ValueError, match="no target tokens"):
+        ga.forward_backward(small_llama, empty)

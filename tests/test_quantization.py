@@ -1,0 +1,69 @@
+import pytest
+import torch
+
+pytest.importorskip("bitsandbytes")
+
+from recipes_lib import calc, data, quantization  # noqa: E402
+from recipes_lib.model import load_model  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def nf4_model(tiny_model_path):
+    return load_model(tiny_model_path, dtype=torch.float32,
+                      quantization_config=quantization.nf4_config(compute_dtype=torch.float32))
+
+
+def test_quantized_bytes_equal_the_calculator(nf4_model, tiny_model_path):
+    stats = quantization.quantized_linear_stats(nf4_model)
+    assert stats["bytes"] == sum(calc.nf4_tensor_bytes(o, i) for o, i in stats["shapes"])
+    bf16 = load_model(tiny_model_path, dtype=torch.bfloat16)
+    ratio = stats["bytes"] / quantization.linear_weight_bytes(bf16, stats["names"])
+    assert 0.25 < ratio <= 0.28
+
+
+def test_dequantized_weights_are_close_to_the_originals(nf4_model, tiny_model_path):
+    import bitsandbytes.functional as bf
+
+    dense = load_model(tiny_model_path)
+    w = nf4_model.model.layers[0].mlp.up_proj.weight
+    deq = bf.dequantize_4bit(w.data, w.quant_state)
+    ref = dense.model.layers[0].mlp.up_proj.weight
+    rel = float((deq.float() - ref).norm() / ref.norm())
+    assert rel < 0.12  # NF4's typical relative error for normally distributed weights
+
+
+def test_lora_adapter_roundtrip_is_bit_identical(tiny_model_path, tokenizer, tmp_path):
+    cfg = quantization.nf4_config(compute_dtype=torch.float32)
+    model = quantization.add_lora(load_model(tiny_model_path, quantization_config=cfg), r=4)
+    trainable, total = quantization.trainable_fraction(model)
+    assert 0 < trainable / total < 0.05
+    with torch.no_grad():  # make the adapter non-trivial (B starts at zero)
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.02)
+    rows = data.load_corpus("topic", "test").select(range(4))
+    batch = data.collate(data.tokenize_examples(rows, tokenizer, 128, "sft"), tokenizer.pad_token_id)
+    model.save_pretrained(tmp_path)
+    reloaded = quantization.reload_adapter(tiny_model_path, tmp_path, cfg, dtype=torch.float32)
+    merged = quantization.reload_adapter(tiny_model_path, tmp_path, cfg, dtype=torch.float32,
+                                         merge=True)
+    args = dict(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    with torch.no_grad():
+        ref = model.eval()(**args).logits
+        assert torch.equal(reloaded(**args).logits, ref)
+        torch.testing.assert_close(merged(**args).logits, ref, rtol=1e-4, atol=1e-4)
+    assert not any("lora" in n for n, _ in merged.named_parameters())
+
+
+def test_bad_inputs(nf4_model, monkeypatch):
+    with pytest.raises(ValueError, match="r=0"):
+        quantization.add_lora(nf4_model, r=0)
+    with pytest.raises(ValueError, match="dropout=1.5"):
+        quantization.add_lora(nf4_model, dropout=1.5)
+    with pytest.raises(ValueError, match="compute_dtype"):
+        quantization.nf4_config(compute_dtype=torch.int8)
+    with pytest.raises(ValueError, match="no bitsandbytes 4-bit"):
+        quantization.quantized_linear_stats(torch.nn.Linear(2, 2))
+    monkeypatch.setattr(quantization, "has_module", lambda name: False)
+    with pytest.raises(ImportError, match="needs bitsandbytes"):
+        quantization.nf4_config()

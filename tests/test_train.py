@@ -1,0 +1,38 @@
+import pytest
+
+from recipes_lib.train import TrainConfig, train
+
+
+def _examples(n=32):
+    return [{"input_ids": [1] + [3 + (i + j) % 7 for j in range(12)],
+             "labels": [1] + [3 + (i + j) % 7 for j in range(12)]} for i in range(n)]
+
+
+def test_loss_falls_and_history_is_kept(small_llama):
+    cfg = TrainConfig(steps=30, micro_batch_size=4, grad_accum_steps=2, lr=3e-3, progress=False)
+    res = train(small_llama, _examples(), 0, cfg)
+    assert len(res.losses) == 30 and len(res.step_times) == 30
+    assert res.losses[-1] < 0.5 * res.losses[0]
+    assert res.target_tokens == 30 * 8 * 12
+
+
+def test_tensorboard_log(small_llama, tmp_path):
+    cfg = TrainConfig(steps=2, micro_batch_size=4, progress=False, log_dir=str(tmp_path))
+    train(small_llama, _examples(), 0, cfg)
+    assert list(tmp_path.glob("events.out.tfevents*"))
+
+
+@pytest.mark.parametrize("field, value", [("steps", 0), ("grad_accum_steps", 0),
+                                          ("micro_batch_size", -1), ("lr", 0.0),
+                                          ("warmup_steps", 500), ("schedule", "cyclic"),
+                                          ("max_grad_norm", -1.0)])
+def test_bad_config_names_the_field(small_llama, field, value):
+    cfg = TrainConfig(steps=10, progress=False, **{field: value})
+    with pytest.raises(ValueError, match=field):
+        train(small_llama, _examples(), 0, cfg)
+
+
+def test_global_batch_larger_than_data(small_llama):
+    with pytest.raises(ValueError, match="batch_size=64"):
+        train(small_llama, _examples(8), 0, TrainConfig(steps=1, micro_batch_size=64,
+                                                        progress=False))

@@ -19,6 +19,7 @@ def run_notebooks(paths: list[Path], out_dir: Path, timeout: int = 1800) -> dict
     """Execute notebooks one by one (cell progress bar each); return name -> "ok" or the error."""
     import nbformat
     from nbclient import NotebookClient
+    from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
     from tqdm.auto import tqdm
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -35,7 +36,8 @@ def run_notebooks(paths: list[Path], out_dir: Path, timeout: int = 1800) -> dict
                         client.execute_cell(cell, i)
                         bar.update()
             status[path.stem] = "ok"
-        except Exception as err:  # a failing notebook must not stop the others
+        except (CellExecutionError, CellTimeoutError, DeadKernelError) as err:
+            # a failing notebook must not stop the others
             status[path.stem] = f"failed: {type(err).__name__}: {str(err).splitlines()[-1][:200]}"
         finally:
             bar.close()

@@ -39,7 +39,7 @@ class ModelShape:
     tie_word_embeddings: bool = False
 
     @classmethod
-    def from_config(cls, config: Any) -> "ModelShape":
+    def from_config(cls, config: Any) -> ModelShape:
         """From a transformers config (or any object / dict with the same fields)."""
         get = (config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d))
         try:

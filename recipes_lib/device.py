@@ -10,7 +10,7 @@ import contextlib
 import importlib.util
 import platform
 import warnings
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 

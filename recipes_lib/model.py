@@ -202,7 +202,7 @@ def load_model(
         kwargs["device_map"] = {"": str(device) if device is not None else "cpu"}
     try:
         model = AutoModelForCausalLM.from_pretrained(ident, **kwargs)
-    except OSError as err:
+    except (OSError, ValueError) as err:
         raise ValueError(
             f"model_id_or_path={ident!r}: could not be loaded ({err.__class__.__name__}); "
             "is it a local folder with config.json, or a hub id with network access?"

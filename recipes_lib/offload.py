@@ -13,7 +13,8 @@ slower (no overlap of the copy with backward) and exact.
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 

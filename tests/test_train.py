@@ -27,7 +27,7 @@ def test_tensorboard_log(small_llama, tmp_path):
                                           ("warmup_steps", 500), ("schedule", "cyclic"),
                                           ("max_grad_norm", -1.0)])
 def test_bad_config_names_the_field(small_llama, field, value):
-    cfg = TrainConfig(steps=10, progress=False, **{field: value})
+    cfg = TrainConfig(**{"steps": 10, "progress": False, field: value})
     with pytest.raises(ValueError, match=field):
         train(small_llama, _examples(), 0, cfg)
 

@@ -66,7 +66,9 @@ def main(argv: list[str] | None = None) -> int:
         for name, state in status.items():
             print(f"{name}: {state}")
         results.update_readme(ROOT / "README.md")
+        report = results.write_report(status)
         print(results.markdown_table())
+        print(f"report: {report.relative_to(ROOT)}")
         return 0 if all(s == "ok" for s in status.values()) else 1
     results.update_readme(ROOT / "README.md")
     return 0

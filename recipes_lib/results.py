@@ -136,3 +136,18 @@ def update_readme(readme: Path | str, results_dir: Path | str = RESULTS_DIR) -> 
     if new != text:
         readme.write_text(new)
     return new != text
+
+
+def write_report(status: dict[str, str], results_dir: Path | str = RESULTS_DIR) -> Path:
+    """Write ``results/report.md``: each notebook's run status, device, versions and figures."""
+    results_dir = Path(results_dir)
+    runs = load_results(results_dir)
+    lines = ["# Results report", "", "| notebook | status | device |", "|---|---|---|"]
+    for stem, state in status.items():
+        lines.append(f"| {stem} | {state} | {runs.get(stem, {}).get('device', '')} |")
+    versions = next(iter(runs.values()), {}).get("versions", {})
+    lines += ["", "Versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()), "",
+              markdown_table(results_dir), ""]
+    path = results_dir / "report.md"
+    path.write_text("\n".join(lines))
+    return path

@@ -14,13 +14,3 @@ def test_side_by_side_ratio_and_plots(small_llama, varlen_batch):
     assert compare.memory_table({"a": m.memory}).loc["peak", "a"] > 0
     assert compare.plot_memory_breakdown({"a": m.memory, "b": m.memory}).axes
     assert compare.plot_losses({"run": [3.0, 2.0]}).axes
-
-
-def test_evaluation_metrics(small_llama, tokenizer):
-    from recipes_lib import data, evaluation
-
-    rows = list(data.load_corpus("topic", "test").select(range(4)))
-    small_llama.resize_token_embeddings(len(tokenizer))
-    assert 0.0 <= evaluation.exact_match(small_llama, tokenizer, rows, max_new_tokens=2) <= 1.0
-    ex = data.tokenize_examples(rows, tokenizer, 128, "sft")
-    assert evaluation.eval_loss(small_llama, ex, tokenizer.pad_token_id) > 0

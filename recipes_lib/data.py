@@ -155,6 +155,11 @@ def load_corpus(name: str, split: str = "train", data_dir: Path | str = DATA_DIR
     return datasets.load_dataset("json", data_files=str(path), split="train")
 
 
+def bos_ids(tokenizer) -> list[int]:
+    """``[bos_token_id]``, or ``[]`` for tokenizers without one (e.g. Qwen's)."""
+    return [] if tokenizer.bos_token_id is None else [tokenizer.bos_token_id]
+
+
 def tokenize_examples(dataset, tokenizer, max_length: int, kind: str) -> list[dict[str, list[int]]]:
     """Tokenize rows into ``input_ids`` and ``labels`` (prompt tokens masked with -100).
 
@@ -175,14 +180,15 @@ def tokenize_examples(dataset, tokenizer, max_length: int, kind: str) -> list[di
         raise ValueError(
             f"max_length={max_length}: longer than the model's max positions ({limit})"
         )
+    bos = bos_ids(tokenizer)
     out = []
     for row in dataset:
         if kind == "lm":
-            ids = [tokenizer.bos_token_id] + tokenizer.encode(row["text"], add_special_tokens=False)
+            ids = bos + tokenizer.encode(row["text"], add_special_tokens=False)
             ids = (ids + [tokenizer.eos_token_id])[:max_length]
             out.append({"input_ids": ids, "labels": list(ids)})
         elif kind == "sft":
-            p = [tokenizer.bos_token_id] + tokenizer.encode(row["prompt"], add_special_tokens=False)
+            p = bos + tokenizer.encode(row["prompt"], add_special_tokens=False)
             a = tokenizer.encode(row["answer"], add_special_tokens=False) + [tokenizer.eos_token_id]
             if len(p) + len(a) > max_length:
                 raise ValueError(

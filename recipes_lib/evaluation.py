@@ -61,7 +61,7 @@ def exact_match(
     hits = 0
     for i in range(0, len(rows), batch_size):
         chunk = rows[i:i + batch_size]
-        prompts = [[tokenizer.bos_token_id] + tokenizer.encode(r["prompt"], add_special_tokens=False)
+        prompts = [data.bos_ids(tokenizer) + tokenizer.encode(r["prompt"], add_special_tokens=False)
                    for r in chunk]
         width = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), width), tokenizer.pad_token_id, dtype=torch.long)

@@ -44,3 +44,17 @@ def test_collate_pads_and_batches_validate():
         next(data.batches([{"input_ids": [1], "labels": [1]}], 0, 0))
     with pytest.raises(ValueError, match="batch_size=5"):
         next(data.batches([{"input_ids": [1], "labels": [1]}], 5, 0))
+
+
+def test_tokenizer_without_bos(tokenizer):
+    class NoBos:
+        bos_token_id = None
+        eos_token_id = tokenizer.eos_token_id
+        model_max_length = tokenizer.model_max_length
+
+        def encode(self, text, add_special_tokens=False):
+            return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    ex = data.tokenize_examples([{"text": "The chef baked the bread."}], NoBos(), 32, "lm")[0]
+    assert ex["input_ids"][0] != tokenizer.bos_token_id
+    assert ex["input_ids"][-1] == tokenizer.eos_token_id

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from recipes_lib.checkpointing import enable_activation_checkpointing
 from recipes_lib.device import has_module
 from recipes_lib.memory import tensor_bytes
 
@@ -129,11 +130,9 @@ def add_lora(
     if not 0 <= dropout < 1:
         raise ValueError(f"dropout={dropout}: must be in [0, 1)")
     if getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False):
-        model = prepare_model_for_kbit_training(
-            model, use_gradient_checkpointing=gradient_checkpointing,
-            gradient_checkpointing_kwargs={"use_reentrant": False})
-    elif gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    if gradient_checkpointing:
+        enable_activation_checkpointing(model)
     config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout,
                         target_modules=target_modules, task_type="CAUSAL_LM")
     return get_peft_model(model, config)

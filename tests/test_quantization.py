@@ -67,3 +67,17 @@ def test_bad_inputs(nf4_model, monkeypatch):
     monkeypatch.setattr(quantization, "has_module", lambda name: False)
     with pytest.raises(ImportError, match="needs bitsandbytes"):
         quantization.nf4_config()
+
+
+def test_lora_with_checkpointing_trains(tiny_model_path, tokenizer):
+    from recipes_lib.grad_accumulation import forward_backward
+
+    cfg = quantization.nf4_config(compute_dtype=torch.float32)
+    model = quantization.add_lora(load_model(tiny_model_path, quantization_config=cfg), r=4,
+                                  gradient_checkpointing=True)
+    assert model.get_base_model().is_activation_checkpointing
+    rows = data.load_corpus("topic", "test").select(range(4))
+    batch = data.collate(data.tokenize_examples(rows, tokenizer, 128, "sft"), tokenizer.pad_token_id)
+    model.train()
+    forward_backward(model, batch)
+    assert all(p.grad is not None for n, p in model.named_parameters() if "lora_" in n)

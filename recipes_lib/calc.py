@@ -251,3 +251,83 @@ def escalation_table(shape: ModelShape, seq_len: int, batch_size: int, budget_by
         rows.append({"step": name, "state_GiB": state / 2**30, "activations_GiB": activ / 2**30,
                      "total_GiB": total / 2**30, "fits": total <= budget_bytes})
     return rows
+
+
+# Shapes of real models (from their config.json), for tables at sizes people train.
+PRESETS = {
+    "Llama-3.2-1B": ModelShape(128256, 2048, 8192, 16, 32, 8, tie_word_embeddings=True),
+    "Llama-3.2-3B": ModelShape(128256, 3072, 8192, 28, 24, 8, tie_word_embeddings=True),
+    "Llama-3.1-8B": ModelShape(128256, 4096, 14336, 32, 32, 8),
+    "Llama-3.1-70B": ModelShape(128256, 8192, 28672, 80, 64, 8),
+}
+DATA_PARALLEL = ("ddp", "zero2", "fsdp", "fsdp_offload")
+# Gradient traffic per step relative to DDP's all-reduce (ZeRO paper, section 7): ZeRO-2 is a
+# reduce-scatter + all-gather (the same volume), ZeRO-3 adds one more all-gather of parameters.
+_COMM_VS_DDP = {"ddp": 1.0, "zero2": 1.0, "fsdp": 1.5, "fsdp_offload": 1.5}
+
+
+def data_parallel_bytes(shape: ModelShape, world_size: int, strategy: str, seq_len: int,
+                        micro_batch_size: int, recompute: str = "full") -> dict[str, float]:
+    """Per-GPU bytes of a full fine-tune with mixed-precision AdamW under each data-parallel layout.
+
+    ZeRO's ``2 + 2 + 12`` bytes per parameter (16-bit weights and gradients, fp32 master weights
+    and two moments), with ``N = world_size``:
+
+    - ``ddp``: everything replicated, ``16 P``.
+    - ``zero2`` (FSDP ``reshard_after_forward=False`` / SHARD_GRAD_OP): weights replicated,
+      gradients and optimizer sharded, ``2 P + 14 P / N``.
+    - ``fsdp`` (full sharding, ZeRO-3): ``16 P / N`` plus two blocks' gathered 16-bit weights
+      (the current one and the prefetched next one).
+    - ``fsdp_offload``: sharded state in CPU RAM, only the gathered blocks on the GPU.
+
+    Activations come from :func:`activation_bytes` with flash attention and ``recompute``.
+
+    Returns:
+        ``{"state", "gathered", "activations", "gpu_total", "cpu_total"}`` in bytes.
+    """
+    if strategy not in DATA_PARALLEL:
+        raise ValueError(f"strategy={strategy!r}: expected one of {DATA_PARALLEL}")
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size={world_size!r}: must be an integer >= 1")
+    counts = param_count(shape)
+    p, n = counts["total"], world_size
+    block = (counts["attention"] + counts["mlp"]) / shape.num_hidden_layers
+    act = activation_bytes(shape, seq_len, micro_batch_size, recompute, 2, True)["total"]
+    state = {"ddp": 16 * p, "zero2": 2 * p + 14 * p / n, "fsdp": 16 * p / n,
+             "fsdp_offload": 0.0}[strategy]
+    gathered = 2 * 2 * block if strategy in ("fsdp", "fsdp_offload") else 0.0
+    cpu = 16 * p / n if strategy == "fsdp_offload" else 0.0
+    return {"state": state, "gathered": gathered, "activations": act,
+            "gpu_total": state + gathered + act, "cpu_total": cpu}
+
+
+def parallelism_table(world_size: int, gpu_bytes: float, seq_len: int = 4096,
+                      micro_batch_size: int = 1, models: dict[str, ModelShape] | None = None,
+                      recompute: str = "full") -> list[dict[str, Any]]:
+    """For each model: per-GPU GiB under each layout and the first that fits ``gpu_bytes``.
+
+    Layouts are tried from least to most communication (DDP, ZeRO-2, FSDP, FSDP + CPU offload):
+    shard only as much as memory forces. A 10 % margin is kept for the allocator and buffers.
+
+    Example:
+        >>> rows = parallelism_table(8, 80 * 2**30)
+        >>> [r["choose"] for r in rows]
+        ['ddp', 'ddp', 'zero2', 'fsdp_offload']
+    """
+    if gpu_bytes <= 0:
+        raise ValueError(f"gpu_bytes={gpu_bytes}: must be > 0")
+    rows = []
+    for name, shape in (models or PRESETS).items():
+        row: dict[str, Any] = {"model": name,
+                               "params_B": param_count(shape)["total"] / 1e9}
+        choice = "does not fit"
+        for strategy in DATA_PARALLEL:
+            need = data_parallel_bytes(shape, world_size, strategy, seq_len, micro_batch_size,
+                                       recompute)["gpu_total"]
+            row[f"{strategy}_GiB"] = need / 2**30
+            if choice == "does not fit" and need <= 0.9 * gpu_bytes:
+                choice = strategy
+        row["choose"] = choice
+        row["comm_vs_ddp"] = _COMM_VS_DDP.get(choice)
+        rows.append(row)
+    return rows

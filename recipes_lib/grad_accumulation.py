@@ -65,6 +65,7 @@ def forward_backward(
     precision: str = "fp32",
     scaler: torch.amp.GradScaler | None = None,
     normalization: str = "global_tokens",
+    num_target_tokens: float | None = None,
 ) -> float:
     """Accumulate the gradients of one global batch over ``grad_accum_steps`` micro-batches.
 
@@ -76,9 +77,13 @@ def forward_backward(
         scaler: a GradScaler for fp16, else None.
         normalization: "global_tokens" (exact, the default) or "mean_of_means" (the common
             mistake, kept to show its error).
+        num_target_tokens: the loss denominator when ``batch`` is one rank's share of a larger
+            batch (data parallel): the global batch's target tokens divided by the world size,
+            since DDP and FSDP average gradients over ranks. Default: ``batch``'s own count.
 
     Returns:
-        The global batch's mean loss per target token.
+        The loss sum over ``batch`` divided by the denominator: the global batch's mean loss per
+        target token (in data parallel, the mean of this value over ranks is).
 
     Raises:
         ValueError: for a bad grad_accum_steps, a batch with no target tokens, or an unknown
@@ -91,7 +96,8 @@ def forward_backward(
         raise ValueError(f"normalization={normalization!r}: expected one of {NORMALIZATIONS}")
     device = next(model.parameters()).device
     micro = split_micro_batches(batch, grad_accum_steps)
-    n_global = count_target_tokens(batch["labels"])
+    n_global = count_target_tokens(batch["labels"]) if num_target_tokens is None \
+        else num_target_tokens
     if n_global == 0:
         raise ValueError("batch: no target tokens (every label is -100)")
     total = 0.0

@@ -3,7 +3,8 @@
 On every device the breakdown comes from PyTorch's own dispatch-level tracker
 (``torch.distributed._tools.mem_tracker.MemTracker``): it sees each tensor storage as it is
 created and freed, and labels it parameter / buffer / gradient / optimizer state / activation /
-temporary. On CUDA the allocator's own peak (``torch.cuda.max_memory_allocated``) is recorded
+temporary. A model sharded with FSDP2 gets its FSDP-aware subclass (``FSDPMemTracker``), which
+also tells the rank's shards from the all-gathered copies and the communication buffers. On CUDA the allocator's own peak (``torch.cuda.max_memory_allocated``) is recorded
 beside it as a cross-check.
 """
 
@@ -15,10 +16,16 @@ from typing import Any
 
 import torch
 
-CATEGORIES = ("parameters", "buffers", "gradients", "optimizer", "activations", "other")
+CATEGORIES = ("parameters", "buffers", "gradients", "optimizer", "activations", "communication",
+              "other")
 _FROM_TRACKER = {"Parameter": "parameters", "Buffer": "buffers", "Gradient": "gradients",
                  "Optstate": "optimizer", "Activation": "activations", "Temp": "activations",
-                 "Other": "other"}
+                 "Other": "other",
+                 # FSDP2's tracker: sharded (at rest) and unsharded (all-gathered) copies
+                 "Sharded Param": "parameters", "Unsharded Param": "parameters",
+                 "Sharded Grad": "gradients", "Unsharded Grad": "gradients",
+                 "OptState": "optimizer", "Inputs": "activations",
+                 "All Gather": "communication", "Reduce Scatter": "communication"}
 
 
 @dataclass
@@ -99,14 +106,22 @@ def measure_memory(
     """
     if device is None:
         device = next(model.parameters()).device if model is not None else torch.device("cpu")
-    tracker = _step_tracker()
-    externals = [x for x in (model, optimizer) if x is not None]
-    inner_opt = getattr(optimizer, "optimizer", None)  # wrappers such as CPUOffloadOptimizer
-    if isinstance(inner_opt, torch.optim.Optimizer):
-        externals.append(inner_opt)
-    externals = [x for x in externals if isinstance(x, (torch.nn.Module, torch.optim.Optimizer))]
-    if externals:
-        tracker.track_external(*externals)
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule):
+        from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+        tracker = FSDPMemTracker(model, optimizer)
+    else:
+        tracker = _step_tracker()
+        externals = [x for x in (model, optimizer) if x is not None]
+        inner_opt = getattr(optimizer, "optimizer", None)  # wrappers such as CPUOffloadOptimizer
+        if isinstance(inner_opt, torch.optim.Optimizer):
+            externals.append(inner_opt)
+        externals = [x for x in externals
+                     if isinstance(x, (torch.nn.Module, torch.optim.Optimizer))]
+        if externals:
+            tracker.track_external(*externals)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -142,6 +157,33 @@ def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
         seen.add(key)
         total += storage.nbytes()
     return total
+
+
+def saved_tensor_bytes(fn: Callable[[], Any]) -> dict[str, int]:
+    """Bytes autograd saves for backward while ``fn`` runs (typically a forward), by dtype.
+
+    Shows *why* an activation figure is what it is: e.g. the fp32 copies that RMSNorm and the
+    loss keep even when the model computes in bf16. Storages are counted once.
+
+    Example:
+        >>> saved_tensor_bytes(lambda: model(**batch).loss)  # doctest: +SKIP
+        {'torch.bfloat16': 31457280, 'torch.float32': 8388608, 'torch.int64': 4096}
+    """
+    seen: set[int] = set()
+    by_dtype: dict[str, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if isinstance(t, torch.Tensor) and type(t) is torch.Tensor and not isinstance(
+                t, torch.nn.Parameter):
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                by_dtype[str(t.dtype)] = by_dtype.get(str(t.dtype), 0) + storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return by_dtype
 
 
 def format_bytes(n: float) -> str:

@@ -8,6 +8,7 @@ LR schedule, a progress bar, the loss history and optional TensorBoard logging.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,7 +16,8 @@ import torch
 
 from recipes_lib import data
 from recipes_lib.device import resolve_precision, synchronize
-from recipes_lib.grad_accumulation import forward_backward
+from recipes_lib.distributed import all_reduce_sum, rank_slice, world
+from recipes_lib.grad_accumulation import count_target_tokens, forward_backward
 
 SCHEDULES = ("cosine", "linear", "constant_with_warmup")
 
@@ -55,6 +57,7 @@ class TrainConfig:
 
     @property
     def global_batch_size(self) -> int:
+        """Examples per optimizer step on one rank (times the world size in data parallel)."""
         return self.micro_batch_size * self.grad_accum_steps
 
 
@@ -96,25 +99,47 @@ def optimizer_step(
     optimizer.zero_grad(set_to_none=True)
 
 
+def make_grad_scaler(model: torch.nn.Module, precision: str, device: torch.device) -> Any:
+    """A loss scaler for fp16 (None otherwise): FSDP2 needs the sharded one, which reduces the
+    inf/NaN check over ranks so every rank skips the same steps."""
+    if precision != "fp16":
+        return None
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule):
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        return ShardedGradScaler(device.type)
+    return torch.amp.GradScaler(device.type)
+
+
 def train(
     model: torch.nn.Module,
     examples: list[dict[str, list[int]]],
     pad_token_id: int,
     config: TrainConfig,
     optimizer: Any = None,
+    batch_stream: Iterator[dict[str, torch.Tensor]] | None = None,
 ) -> TrainResult:
     """Train ``model`` on tokenized ``examples`` for ``config.steps`` optimizer steps.
 
+    Inside a process group (DDP or FSDP, see ``recipes_lib.distributed``) every rank draws the
+    same global batch of ``global_batch_size * world_size`` examples and trains on its own slice;
+    the loss is normalised by the target tokens of the whole global batch, so the run matches a
+    single process with the same global batch.
+
     Args:
-        model: a transformers or peft causal LM, already on its device.
+        model: a transformers or peft causal LM (or its DDP / FSDP wrapper), on its device.
         examples: output of ``data.tokenize_examples``.
         pad_token_id: the tokenizer's pad id.
         config: the run's settings (validated here).
         optimizer: any optimizer with step/zero_grad (e.g. ``CPUOffloadOptimizer``); default
             AdamW over trainable parameters.
+        batch_stream: this rank's batches (e.g. a DataLoader with a DistributedSampler) instead
+            of drawing them from ``examples``.
 
     Returns:
-        TrainResult with one loss and one wall time per optimizer step.
+        TrainResult with one loss (the global batch's) and one wall time per optimizer step.
 
     Raises:
         ValueError: for an invalid config or a global batch larger than the data.
@@ -133,27 +158,38 @@ def train(
     inner = getattr(optimizer, "optimizer", optimizer)  # wrappers expose the real one
     scheduler = get_scheduler(config.schedule, inner, num_warmup_steps=config.warmup_steps,
                               num_training_steps=config.steps)
-    scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
+    scaler = make_grad_scaler(model, precision, device)
     writer = None
     if config.log_dir is not None:
         from torch.utils.tensorboard import SummaryWriter
 
         writer = SummaryWriter(config.log_dir)
 
-    stream = data.batches(examples, config.global_batch_size, pad_token_id, seed=config.seed)
+    rank, world_size = world()
+    if batch_stream is None:
+        stream = data.batches(examples, config.global_batch_size * world_size, pad_token_id,
+                              seed=config.seed)
+        if world_size > 1:
+            stream = (rank_slice(b, rank, world_size) for b in stream)
+    else:
+        stream = iter(batch_stream)
     result = TrainResult(precision=precision)
     model.train()
-    bar = tqdm(range(config.steps), desc=config.desc, disable=not config.progress, leave=False)
+    bar = tqdm(range(config.steps), desc=config.desc, disable=not config.progress or rank != 0,
+               leave=False)
     for step in bar:
         batch = next(stream)
         t0 = time.perf_counter()
-        loss = forward_backward(model, batch, config.grad_accum_steps, precision, scaler)
+        n_tokens = all_reduce_sum(count_target_tokens(batch["labels"]))
+        loss = forward_backward(model, batch, config.grad_accum_steps, precision, scaler,
+                                num_target_tokens=n_tokens / world_size)
+        loss = all_reduce_sum(loss) / world_size
         optimizer_step(model, optimizer, config.max_grad_norm, scaler)
         scheduler.step()
         synchronize(device)
         result.step_times.append(time.perf_counter() - t0)
         result.losses.append(loss)
-        result.target_tokens += int((batch["labels"][:, 1:] != data.IGNORE_INDEX).sum())
+        result.target_tokens += int(n_tokens)
         bar.set_postfix(loss=f"{loss:.3f}")
         if writer is not None:
             writer.add_scalar("train/loss", loss, step)

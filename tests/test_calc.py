@@ -55,3 +55,27 @@ def test_activation_formula_terms():
 def test_bad_inputs_name_the_parameter(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+def test_data_parallel_bytes_follow_zero():
+    shape = calc.PRESETS["Llama-3.1-8B"]
+    p = calc.param_count(shape)["total"]
+    ddp = calc.data_parallel_bytes(shape, 8, "ddp", 1024, 1)
+    z2 = calc.data_parallel_bytes(shape, 8, "zero2", 1024, 1)
+    fs = calc.data_parallel_bytes(shape, 8, "fsdp", 1024, 1)
+    off = calc.data_parallel_bytes(shape, 8, "fsdp_offload", 1024, 1)
+    assert ddp["state"] == 16 * p and z2["state"] == 2 * p + 14 * p / 8
+    assert fs["state"] == 2 * p and off["state"] == 0 and off["cpu_total"] == 2 * p
+    assert ddp["gpu_total"] > z2["gpu_total"] > fs["gpu_total"] > off["gpu_total"]
+    assert round(p / 1e9, 2) == 8.03
+
+
+def test_parallelism_table_picks_the_least_sharding_that_fits():
+    rows = calc.parallelism_table(8, 80 * 2**30)
+    assert [r["choose"] for r in rows] == ["ddp", "ddp", "zero2", "fsdp_offload"]
+    tiny = calc.parallelism_table(8, 1.0)
+    assert all(r["choose"] == "does not fit" for r in tiny)
+    with pytest.raises(ValueError, match="strategy='zero1'"):
+        calc.data_parallel_bytes(calc.PRESETS["Llama-3.2-1B"], 8, "zero1", 128, 1)
+    with pytest.raises(ValueError, match="gpu_bytes=0"):
+        calc.parallelism_table(8, 0)

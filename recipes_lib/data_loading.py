@@ -1,0 +1,233 @@
+"""Keep the accelerator fed: DataLoader workers, prefetching, a distributed sampler, packing.
+
+When each sample costs a storage read plus tokenisation, a single-process loader makes every
+step wait ``batch_size * per_sample_cost`` before compute starts. With ``num_workers`` processes
+each preparing whole batches ``prefetch_factor`` batches ahead, loading overlaps compute; the
+wait disappears once ``num_workers * step_time >= batch_size * per_sample_cost``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from functools import partial
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+
+from recipes_lib import data
+
+
+class StoredTextDataset(Dataset):
+    """Raw texts read one by one from (simulated) remote storage and tokenised on the fly.
+
+    Args:
+        texts: the documents.
+        tokenizer: a transformers tokenizer (fast tokenizers are safe in forked workers).
+        max_length: tokens kept per document.
+        read_latency_s: time to fetch one document (object-store first-byte latency is tens of
+            milliseconds); spent in ``time.sleep``, which, like real I/O, uses no CPU.
+    """
+
+    def __init__(self, texts: list[str], tokenizer, max_length: int, read_latency_s: float = 0.0):
+        if read_latency_s < 0:
+            raise ValueError(f"read_latency_s={read_latency_s}: must be >= 0")
+        if not texts:
+            raise ValueError("texts: empty, nothing to load")
+        self.texts, self.tokenizer = list(texts), tokenizer
+        self.max_length, self.read_latency_s = max_length, read_latency_s
+        self.bos = data.bos_ids(tokenizer)
+
+    def __len__(self) -> int:
+        return len(self.texts)
+
+    def __getitem__(self, i: int) -> dict[str, list[int]]:
+        if self.read_latency_s:
+            time.sleep(self.read_latency_s)
+        ids = self.bos + self.tokenizer.encode(self.texts[i], add_special_tokens=False)
+        ids = (ids + [self.tokenizer.eos_token_id])[:self.max_length]
+        return {"input_ids": ids, "labels": list(ids)}
+
+
+def make_loader(
+    dataset: Dataset,
+    batch_size: int,
+    pad_token_id: int,
+    sampler: Sampler | None = None,
+    num_workers: int = 0,
+    prefetch_factor: int | None = None,
+    pin_memory: bool | None = None,
+    persistent_workers: bool = False,
+    collate: Callable[[list], Any] | None = None,
+) -> DataLoader:
+    """A ``DataLoader`` with the knobs that matter, checked, and pinned memory only with CUDA.
+
+    Args:
+        dataset: map-style dataset of tokenised examples.
+        batch_size: examples per batch on this rank.
+        pad_token_id: for the default collate (``data.collate``: right padding, -100 labels).
+        sampler: e.g. :func:`distributed_sampler`; None shuffles with a seeded generator.
+        num_workers: loader processes (0 = load in the training process).
+        prefetch_factor: batches each worker prepares ahead (needs num_workers > 0).
+        pin_memory: page-locked host batches for async copies; default True iff CUDA is present.
+        persistent_workers: keep workers alive across epochs (no re-fork per epoch).
+        collate: batch builder; default ``data.collate``.
+
+    Raises:
+        ValueError: for batch_size < 1, num_workers < 0, or prefetch/persistence without workers.
+    """
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size={batch_size!r}: must be an integer >= 1")
+    if not isinstance(num_workers, int) or num_workers < 0:
+        raise ValueError(f"num_workers={num_workers!r}: must be an integer >= 0")
+    if num_workers == 0 and (prefetch_factor is not None or persistent_workers):
+        raise ValueError("prefetch_factor / persistent_workers: need num_workers > 0")
+    if prefetch_factor is not None and prefetch_factor < 1:
+        raise ValueError(f"prefetch_factor={prefetch_factor}: must be >= 1")
+    pin = torch.cuda.is_available() if pin_memory is None else pin_memory
+    kwargs = {"prefetch_factor": prefetch_factor} if num_workers > 0 else {}
+    return DataLoader(
+        dataset, batch_size=batch_size, sampler=sampler, shuffle=sampler is None,
+        generator=torch.Generator().manual_seed(0) if sampler is None else None,
+        num_workers=num_workers, pin_memory=pin, persistent_workers=persistent_workers,
+        collate_fn=collate or partial(data.collate, pad_token_id=pad_token_id),
+        drop_last=True, **kwargs)
+
+
+def distributed_sampler(dataset: Dataset, rank: int | None = None, world_size: int | None = None,
+                        seed: int = 0, shuffle: bool = True) -> DistributedSampler:
+    """Each rank its own ``1/N`` of the indices, reshuffled per epoch (call ``set_epoch``).
+
+    Outside a process group pass ``rank`` and ``world_size`` explicitly (as the tests do).
+    """
+    from recipes_lib.distributed import world
+
+    r, n = world()
+    return DistributedSampler(dataset, num_replicas=world_size or n,
+                              rank=r if rank is None else rank, shuffle=shuffle, seed=seed,
+                              drop_last=True)
+
+
+def epochs(loader: DataLoader) -> Iterable[Any]:
+    """Endless batches from ``loader``, calling ``sampler.set_epoch`` at each new epoch."""
+    epoch = 0
+    while True:
+        if hasattr(loader.sampler, "set_epoch"):
+            loader.sampler.set_epoch(epoch)
+        yield from loader
+        epoch += 1
+
+
+def pack_examples(examples: list[dict[str, list[int]]], seq_len: int
+                  ) -> list[dict[str, list[int]]]:
+    """Concatenate tokenised documents (each ends with eos) and cut fixed ``seq_len`` blocks.
+
+    No padding is left; a block may span documents, separated by eos (GPT-style packing; to
+    stop attention across documents use position ids with a varlen kernel). The last partial
+    block is dropped.
+
+    Example:
+        >>> pack_examples([{"input_ids": [1, 2, 3], "labels": [1, 2, 3]},
+        ...                {"input_ids": [4, 5], "labels": [4, 5]}], 2)
+        [{'input_ids': [1, 2], 'labels': [1, 2]}, {'input_ids': [3, 4], 'labels': [3, 4]}]
+    """
+    if seq_len < 2:
+        raise ValueError(f"seq_len={seq_len}: must be >= 2")
+    stream = [t for e in examples for t in e["input_ids"]]
+    return [{"input_ids": stream[i:i + seq_len], "labels": stream[i:i + seq_len]}
+            for i in range(0, len(stream) - seq_len + 1, seq_len)]
+
+
+def padding_fraction(batch: dict[str, torch.Tensor]) -> float:
+    """Share of a batch's token slots that are padding."""
+    mask = batch["attention_mask"]
+    return 1.0 - float(mask.sum()) / mask.numel()
+
+
+def stall_fraction(batch_times: list[float], step_times: list[float]) -> float:
+    """Time waiting for batches over total time (waiting + computing)."""
+    wait, compute = sum(batch_times), sum(step_times)
+    return wait / (wait + compute) if wait + compute > 0 else 0.0
+
+
+def measure_loader(loader: DataLoader, step: Callable[[dict[str, torch.Tensor]], Any],
+                   steps: int, warmup: int = 1) -> dict[str, float]:
+    """Run ``steps`` training steps fed by ``loader``; time the waits for data and the compute.
+
+    The first ``warmup`` batches (worker start-up) are excluded for every loader alike.
+
+    Returns:
+        ``{"stall_fraction", "wait_s", "compute_s", "steps"}``.
+    """
+    if steps < 1:
+        raise ValueError(f"steps={steps}: must be >= 1")
+    it = iter(epochs(loader))
+    waits, computes = [], []
+    for i in range(warmup + steps):
+        t0 = time.perf_counter()
+        batch = next(it)
+        t1 = time.perf_counter()
+        step(batch)
+        t2 = time.perf_counter()
+        if i >= warmup:
+            waits.append(t1 - t0)
+            computes.append(t2 - t1)
+    return {"stall_fraction": stall_fraction(waits, computes), "wait_s": sum(waits),
+            "compute_s": sum(computes), "steps": steps}
+
+
+def compare_loaders(
+    model_path: str,
+    loaders: dict[str, dict[str, Any]],
+    steps: int = 10,
+    global_batch_size: int = 8,
+    seq_len: int = 128,
+    read_latency_s: float = 0.02,
+    strategy: str = "fsdp",
+) -> dict[str, Any]:
+    """Train with each loader configuration in turn and measure its stall fraction (every rank).
+
+    Args:
+        model_path: the model to train (sharded with FSDP, or DDP).
+        loaders: name -> ``make_loader`` keyword arguments (num_workers, prefetch_factor, ...).
+        steps: measured steps per loader (after one warm-up batch).
+        global_batch_size: examples per step over all ranks.
+        seq_len: tokens per document kept.
+        read_latency_s: simulated storage latency per document.
+        strategy: "fsdp" or "ddp" wrapper for the model.
+
+    Returns:
+        name -> this rank's ``measure_loader`` result, plus ``"samples_seen"``: the indices this
+        rank's sampler produced in two epochs (to check the shards).
+    """
+    from recipes_lib import model as models
+    from recipes_lib.distributed import check_global_batch, world
+    from recipes_lib.fsdp import _prepare
+    from recipes_lib.grad_accumulation import forward_backward
+    from recipes_lib.train import TrainConfig, make_optimizer, optimizer_step
+
+    rank, world_size = world()
+    micro = check_global_batch(global_batch_size, world_size)
+    tok = models.load_tokenizer(model_path)
+    texts = [row["text"] for row in data.load_corpus("base", "train")]
+    dataset = StoredTextDataset(texts, tok, seq_len, read_latency_s)
+    model = _prepare(models.load_model(model_path), strategy, "fp32")
+    optimizer = make_optimizer(model, TrainConfig(lr=1e-4))
+
+    def step(batch):
+        forward_backward(model, batch)
+        optimizer_step(model, optimizer, max_grad_norm=None)
+
+    out: dict[str, Any] = {"rank": rank}
+    for name, kwargs in loaders.items():
+        sampler = distributed_sampler(dataset, seed=0)
+        loader = make_loader(dataset, micro, tok.pad_token_id, sampler=sampler, **kwargs)
+        out[name] = measure_loader(loader, step, steps)
+        del loader
+    sampler = distributed_sampler(dataset, seed=0)
+    out["samples_seen"] = []
+    for epoch in range(2):
+        sampler.set_epoch(epoch)
+        out["samples_seen"].append(list(sampler))
+    return out

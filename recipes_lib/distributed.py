@@ -1,0 +1,340 @@
+"""Real multi-process runs: launch ranks with torchrun, initialise them, share a global batch.
+
+The same code runs 2 CPU ranks on a laptop (gloo) and N GPUs per node (NCCL)::
+
+    torchrun --nproc-per-node 8 -m recipes_lib.distributed recipes_lib.fsdp:train_sharded \\
+        --kwargs kwargs.json --out results/run
+    # across nodes: torchrun --nnodes 2 --node-rank R --rdzv-backend c10d \\
+    #     --rdzv-endpoint HOST:29500 --nproc-per-node 8 -m recipes_lib.distributed ...
+
+From a notebook, :func:`launch` runs that command in a subprocess and returns what each rank's
+function returned. Faults are loud and bounded: every rank's exception is reported, a collective
+that waits for a dead or stuck rank fails after ``pg_timeout_s`` instead of hanging, and the
+whole process group of the launcher is killed on timeout or interruption, so no rank outlives it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from collections import deque
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+BACKENDS = ("gloo", "nccl")
+# Lines of torch/torchao start-up chatter that say nothing about the run.
+_NOISE = ("is an Enum subclass", "Failed to load", "OMP_NUM_THREADS", "*****",
+          "Loading weights")
+
+
+_LOG_LINE = re.compile(r"^(\[rank\d+\]:)?[EWI]\d{4} ")
+
+
+class DistributedRunError(RuntimeError):
+    """A distributed run failed: the message says which rank raised what (or that it timed out)."""
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """Where this process sits in the run."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    backend: str
+    device: torch.device
+
+
+def default_backend() -> str:
+    """NCCL when CUDA is present, gloo otherwise."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def check_backend(backend: str | None, world_size: int) -> str:
+    """Resolve ``backend`` (None = default) and check this machine can run it.
+
+    Raises:
+        ValueError: for an unknown backend, or NCCL without enough CUDA devices.
+    """
+    backend = backend or default_backend()
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r}: expected one of {BACKENDS}")
+    if backend == "nccl":
+        n_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if n_gpu == 0:
+            raise ValueError("backend='nccl': needs CUDA GPUs and this machine has none; "
+                             "use backend='gloo' (or None) on CPU")
+        if world_size > n_gpu:
+            raise ValueError(f"world_size={world_size}: NCCL needs one GPU per rank on a node "
+                             f"and this node has {n_gpu}")
+    return backend
+
+
+def check_global_batch(global_batch_size: int, world_size: int) -> int:
+    """Per-rank batch size; raises if ``world_size`` does not divide ``global_batch_size``.
+
+    Example:
+        >>> check_global_batch(16, 2)
+        8
+    """
+    if not isinstance(global_batch_size, int) or global_batch_size < 1:
+        raise ValueError(f"global_batch_size={global_batch_size!r}: must be an integer >= 1")
+    if global_batch_size % world_size:
+        raise ValueError(f"global_batch_size={global_batch_size}: not divisible by the world "
+                         f"size {world_size}; every rank must get the same number of examples")
+    return global_batch_size // world_size
+
+
+def init_distributed(backend: str | None = None, pg_timeout_s: float = 300.0) -> RankInfo:
+    """Join the process group described by torchrun's environment (RANK, WORLD_SIZE, ...).
+
+    Args:
+        backend: "gloo", "nccl" or None (NCCL with CUDA, else gloo).
+        pg_timeout_s: how long a collective waits for the other ranks before raising.
+
+    Raises:
+        RuntimeError: when not started by torchrun (no RANK / WORLD_SIZE in the environment).
+        ValueError: for a backend this machine cannot run.
+    """
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        raise RuntimeError("init_distributed: RANK/WORLD_SIZE not set; start the script with "
+                           "torchrun (or recipes_lib.distributed.launch)")
+    world_size = int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    backend = check_backend(backend, int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size))))
+    device = torch.device("cpu")
+    if backend == "nccl":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        kwargs = {"device_id": device} if backend == "nccl" else {}
+        dist.init_process_group(backend, timeout=timedelta(seconds=pg_timeout_s), **kwargs)
+    return RankInfo(dist.get_rank(), dist.get_world_size(), local_rank, backend, device)
+
+
+def world() -> tuple[int, int]:
+    """(rank, world size); (0, 1) outside a process group."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def rank_slice(batch: dict[str, torch.Tensor], rank: int, world_size: int
+               ) -> dict[str, torch.Tensor]:
+    """This rank's contiguous share of a global batch that every rank drew identically."""
+    per_rank = check_global_batch(int(batch["input_ids"].shape[0]), world_size)
+    return {k: v[rank * per_rank:(rank + 1) * per_rank] for k, v in batch.items()}
+
+
+def all_reduce_sum(value: float, device: torch.device | None = None) -> float:
+    """Sum a Python number over ranks (identity outside a process group)."""
+    if world()[1] == 1:
+        return float(value)
+    device = device or (torch.device("cuda", torch.cuda.current_device())
+                        if dist.get_backend() == "nccl" else torch.device("cpu"))
+    t = torch.tensor([float(value)], dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return float(t.item())
+
+
+def _resolve(target: str):
+    module, _, name = target.partition(":")
+    if not module or not name:
+        raise ValueError(f"target={target!r}: expected 'package.module:function'")
+    return getattr(importlib.import_module(module), name)
+
+
+def _worker_main(argv: list[str] | None = None) -> None:
+    """Entry point of every rank: run each call in turn, write its result to ``--out``."""
+    parser = argparse.ArgumentParser(prog="python -m recipes_lib.distributed")
+    parser.add_argument("target", help="module:function, or @calls.json with a list of calls")
+    parser.add_argument("--kwargs", default=None, help="JSON file with keyword arguments")
+    parser.add_argument("--out", required=True, help="folder for rank<N>.json results")
+    parser.add_argument("--backend", default=None, choices=BACKENDS)
+    parser.add_argument("--pg-timeout", type=float, default=300.0)
+    args = parser.parse_args(argv)
+    if args.target.startswith("@"):
+        calls = json.loads(Path(args.target[1:]).read_text())
+    else:
+        calls = [[args.target, json.loads(Path(args.kwargs).read_text()) if args.kwargs else {}]]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        init_distributed(args.backend, args.pg_timeout)
+        results = [_resolve(target)(**kwargs) for target, kwargs in calls]
+        tmp = out / f"rank{rank}.json.tmp"
+        tmp.write_text(json.dumps(results))
+        os.replace(tmp, out / f"rank{rank}.json")
+    except BaseException as err:
+        (out / f"rank{rank}.error.json").write_text(json.dumps({
+            "rank": rank, "type": type(err).__name__, "message": str(err),
+            "traceback": traceback.format_exc()}))
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGTERM the launcher's whole process group, SIGKILL what is left after 10 s."""
+    for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _failure_message(out: Path, world_size: int, rc: int, tail: deque) -> str:
+    lines = [f"distributed run failed (torchrun exit code {rc}):"]
+    errors = {}
+    for r in range(world_size):
+        f = out / f"rank{r}.error.json"
+        if f.exists():
+            errors[r] = json.loads(f.read_text())
+    for r in range(world_size):
+        if r in errors:
+            lines.append(f"  rank {r}: {errors[r]['type']}: {errors[r]['message']}")
+        elif not (out / f"rank{r}.json").exists():
+            lines.append(f"  rank {r}: stopped by torchrun after another rank failed"
+                         if errors else f"  rank {r}: exited without a result")
+    if any("Timed out" in e["message"] for e in errors.values()):
+        lines.append("  (a rank did not join a collective within pg_timeout_s: it crashed, hung "
+                     "or took a different code path)")
+    if not errors:
+        lines.append("last output:\n" + "".join(tail))
+    return "\n".join(lines)
+
+
+def launch(
+    calls: list[tuple[str, dict[str, Any]]],
+    world_size: int = 2,
+    backend: str | None = None,
+    timeout_s: float = 900.0,
+    pg_timeout_s: float = 120.0,
+    threads_per_rank: int | None = None,
+    verbose: bool = True,
+) -> list[list[Any]]:
+    """Run functions on ``world_size`` real processes started by torchrun on this node.
+
+    Each rank joins the process group, then calls every ``(target, kwargs)`` in order; a target
+    is ``"package.module:function"`` and must return something JSON can hold.
+
+    Args:
+        calls: the functions to run and their keyword arguments (JSON-serialisable).
+        world_size: number of ranks (processes) on this node.
+        backend: "gloo", "nccl" or None (NCCL with CUDA, else gloo).
+        timeout_s: wall-clock limit for the whole run; past it every process is killed.
+        pg_timeout_s: a collective waiting longer than this for another rank raises.
+        threads_per_rank: intra-op threads per rank (default: cores // world_size).
+        verbose: echo rank 0's output (progress bars included) as it comes.
+
+    Returns:
+        ``results[i][r]``: what call ``i`` returned on rank ``r``.
+
+    Raises:
+        ValueError: for bad arguments (world size, backend, targets) before anything starts.
+        DistributedRunError: when a rank raised (each rank's error is listed) or on timeout.
+
+    Example:
+        >>> [[a, b]] = launch([("recipes_lib.comm_bench:run", {"sizes": [1024]})])  # doctest: +SKIP
+    """
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size={world_size!r}: must be an integer >= 1")
+    backend = check_backend(backend, world_size)
+    if not calls:
+        raise ValueError("calls: empty, nothing to run")
+    for target, kwargs in calls:
+        _resolve(target)  # fail here, not in every rank
+        json.dumps(kwargs)
+    threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
+    work = Path(tempfile.mkdtemp(prefix="recipes-dist-"))
+    (work / "calls.json").write_text(json.dumps([[t, k] for t, k in calls]))
+    out = work / "out"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={world_size}", "--local-ranks-filter=0",
+           "-m", "recipes_lib.distributed", f"@{work / 'calls.json'}", "--out", str(out),
+           "--backend", backend, "--pg-timeout", str(pg_timeout_s)]
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false",
+               PYTHONWARNINGS="ignore", TRANSFORMERS_VERBOSITY="error",
+               TORCH_CPP_LOG_LEVEL="ERROR", PYTHONUNBUFFERED="1")
+    tail: deque[str] = deque(maxlen=40)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+                            start_new_session=True, cwd=Path(__file__).resolve().parent.parent)
+
+    def pump() -> None:
+        # Split on "\r" as well as "\n" and keep the terminator, so progress bars redraw in place.
+        echo, pending = verbose, b""
+        while chunk := os.read(proc.stdout.fileno(), 65536):
+            parts = re.split(rb"(\r|\n)", pending + chunk)
+            pending = parts.pop()
+            for text, end in zip(parts[::2], parts[1::2], strict=True):
+                line = text.decode(errors="replace")
+                if line.strip():
+                    tail.append(line + "\n")
+                echo = echo and "Traceback" not in line  # the error is summarised when raised
+                if echo and not any(n in line for n in _NOISE) and not _LOG_LINE.match(line):
+                    sys.stdout.write(line.replace("[rank0]:", "") + end.decode())
+                    sys.stdout.flush()
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    start = time.monotonic()
+    try:
+        rc = proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        _kill_group(proc)
+        raise DistributedRunError(f"distributed run exceeded timeout_s={timeout_s:.0f}s; all "
+                                  f"{world_size} ranks were killed") from None
+    finally:
+        if proc.poll() is None:  # interrupted (KeyboardInterrupt): leave no rank behind
+            _kill_group(proc)
+        reader.join(timeout=5)
+    if rc != 0:
+        raise DistributedRunError(_failure_message(out, world_size, rc, tail))
+    per_rank = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world_size)]
+    if verbose:
+        print(f"[{world_size} ranks, {backend}, {time.monotonic() - start:.0f} s]")
+    return [[per_rank[r][i] for r in range(world_size)] for i in range(len(calls))]
+
+
+def fail_on_rank(rank: int, mode: str = "raise") -> dict:
+    """A deliberately faulty call, to show what a failed run looks like.
+
+    ``mode="raise"``: ``rank`` raises before any collective. ``mode="hang"``: ``rank`` never joins
+    the all-reduce the others wait in, so they fail after the process-group timeout.
+    """
+    me, _ = world()
+    if mode not in ("raise", "hang"):
+        raise ValueError(f"mode={mode!r}: expected 'raise' or 'hang'")
+    if me == rank:
+        if mode == "raise":
+            raise RuntimeError(f"rank {rank} failed on purpose")
+        time.sleep(3600)
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return {"rank": me, "sum": float(t.item())}
+
+
+if __name__ == "__main__":
+    _worker_main()

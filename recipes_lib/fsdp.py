@@ -1,0 +1,287 @@
+"""FSDP2: shard every transformer block and the root, bf16 mixed precision, sharded checkpoints.
+
+``fully_shard`` turns each parameter into a DTensor sharded on dim 0 across ranks. Before a
+block's forward (and again in backward) its parameters are all-gathered, then freed; gradients
+are reduce-scattered, so each rank keeps ``1/N`` of the parameters, gradients and optimizer state.
+Per rank, full sharding costs ``16 * P / N`` bytes of training state for mixed-precision AdamW
+(``4 + 4 + 8`` with fp32 sharded parameters) against ``16 * P`` for DDP, which replicates it all.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from recipes_lib import data
+from recipes_lib.memory import tensor_bytes
+
+STRATEGIES = ("single", "ddp", "fsdp")
+_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated transformer blocks (the classes transformers lists in ``_no_split_modules``).
+
+    Raises:
+        ValueError: if the model names no such classes or none are found.
+    """
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    names = set(getattr(base, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        wanted = sorted(names) or "_no_split_modules"
+        raise ValueError(f"model: found no transformer blocks to shard (looked for {wanted} in "
+                         f"{type(base).__name__})")
+    return layers
+
+
+def mixed_precision_policy(precision: str = "fp32"):
+    """FSDP2's ``MixedPrecisionPolicy``: parameters all-gathered and computed in ``precision``,
+    gradients reduced in fp32 (so the sharded fp32 master weights get full-precision updates).
+
+    Raises:
+        ValueError: for a precision other than "fp32", "bf16" or "fp16".
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if precision not in _DTYPES:
+        raise ValueError(f"precision={precision!r}: expected one of {tuple(_DTYPES)}")
+    if precision == "fp32":
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=_DTYPES[precision], reduce_dtype=torch.float32)
+
+
+def shard_model(model: torch.nn.Module, precision: str = "fp32",
+                reshard_after_forward: bool = True) -> torch.nn.Module:
+    """Apply ``fully_shard`` to every transformer block, then to the root (in place).
+
+    Args:
+        model: a transformers / peft model on this rank's device, inside a process group.
+        precision: compute precision of the mixed-precision policy ("fp32", "bf16", "fp16").
+        reshard_after_forward: free gathered parameters after forward (ZeRO-3); False keeps them
+            until backward (ZeRO-2-like: less communication, more memory).
+
+    Returns:
+        The same model, now an ``FSDPModule``.
+
+    Example:
+        >>> model = shard_model(load_model(path), precision="bf16")  # doctest: +SKIP
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    if not dist.is_initialized():
+        raise RuntimeError("shard_model: no process group; call distributed.init_distributed() "
+                           "first (or run under distributed.launch / torchrun)")
+    policy = mixed_precision_policy(precision)
+    for layer in decoder_layers(model):
+        fully_shard(layer, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    return model
+
+
+def _local(t: torch.Tensor | None) -> torch.Tensor | None:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def local_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
+                      ) -> dict[str, int]:
+    """Bytes this rank holds in parameters, gradients and optimizer state (its shards only).
+
+    Counted from the tensors' storages (each once), so DDP's replicas and FSDP's shards are
+    measured the same way. Tensor subclasses (e.g. NF4) count their inner tensors.
+    """
+    params = [_local(p) for p in model.parameters()]
+    grads = [_local(p.grad) for p in model.parameters() if p.grad is not None]
+    states = []
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            states += [_local(v) for v in state.values() if isinstance(v, torch.Tensor)]
+    out = {"parameters": subclass_bytes(params), "gradients": tensor_bytes(grads),
+           "optimizer": tensor_bytes(states)}
+    out["total"] = sum(out.values())
+    return out
+
+
+def subclass_bytes(tensors: list[torch.Tensor]) -> int:
+    """Storage bytes, looking inside wrapper subclasses (``__tensor_flatten__``) such as NF4."""
+    plain = []
+    for t in tensors:
+        if hasattr(t, "__tensor_flatten__") and type(t) is not torch.Tensor \
+                and not isinstance(t, torch.nn.Parameter):
+            names, _ = t.__tensor_flatten__()
+            plain += [getattr(t, n) for n in names]
+        elif isinstance(t, torch.nn.Parameter) and hasattr(t.data, "__tensor_flatten__") \
+                and type(t.data) is not torch.Tensor:
+            plain += [getattr(t.data, n) for n in t.data.__tensor_flatten__()[0]]
+        else:
+            plain.append(t)
+    return tensor_bytes(plain)
+
+
+def save_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: str | Path
+                 ) -> Path:
+    """Each rank writes its own shards with ``torch.distributed.checkpoint`` (no gather)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(path))
+    return Path(path)
+
+
+def load_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: str | Path
+                 ) -> None:
+    """Load a :func:`save_sharded` checkpoint into a model sharded the same or another way."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    if not Path(path).is_dir():
+        raise FileNotFoundError(f"path={str(path)!r}: no sharded checkpoint there")
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optimizer": optim_sd}
+    dcp.load(state, checkpoint_id=str(path))
+    set_state_dict(model, optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optimizer"])
+
+
+def export_pretrained(model: torch.nn.Module, path: str | Path, tokenizer=None) -> Path:
+    """Gather the full state dict on rank 0 (in CPU memory) and ``save_pretrained`` it there:
+    a plain transformers folder that ``from_pretrained`` loads on one device."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+                                                                 cpu_offload=True))
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        model.save_pretrained(path, state_dict=state)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(path)
+    if dist.is_initialized():
+        dist.barrier()
+    return Path(path)
+
+
+def _prepare(model: torch.nn.Module, strategy: str, precision: str) -> torch.nn.Module:
+    if strategy == "fsdp":
+        return shard_model(model, precision)
+    if precision != "fp32":
+        raise ValueError(f"precision={precision!r}: mixed precision here is FSDP's policy; use "
+                         "strategy='fsdp'")
+    if strategy == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(model)
+    return model
+
+
+def train_sharded(
+    model_path: str,
+    strategy: str = "fsdp",
+    precision: str = "fp32",
+    steps: int = 20,
+    global_batch_size: int = 8,
+    seq_len: int = 128,
+    lr: float = 1e-3,
+    seed: int = 0,
+    checkpoint_dir: str | None = None,
+    export_dir: str | None = None,
+) -> dict[str, Any]:
+    """Train the model at ``model_path`` on the base corpus with DDP, FSDP or a single process.
+
+    Runs on every rank (see ``distributed.launch``). Every rank draws the same global batches and
+    trains on its slice, so the loss curve is comparable with ``strategy="single"``. After
+    training, one more step is measured: per-rank training state, peak memory by category, time.
+
+    Args:
+        model_path: a folder ``from_pretrained`` loads (e.g. ``model.build_tiny_model()``).
+        strategy: "fsdp", "ddp" or "single" (no wrapper; run it on one process as the reference).
+        precision: FSDP's mixed-precision policy: "fp32", "bf16" or "fp16".
+        steps: optimizer steps.
+        global_batch_size: examples per step over all ranks; the world size must divide it.
+        seq_len: tokens per example.
+        lr: AdamW learning rate (constant, no clipping: nothing to hide differences).
+        seed: data order and initialisation.
+        checkpoint_dir: when given, save a sharded checkpoint there, reload it into a freshly
+            sharded model and report whether parameters and optimizer state round-trip.
+        export_dir: when given, export a full ``from_pretrained`` folder there (rank 0 writes).
+
+    Returns:
+        JSON-ready dict: losses, step_time_s, state_bytes, peak_bytes, peak_by_category,
+        world_size, and the checkpoint checks when asked.
+
+    Raises:
+        ValueError: for an unknown strategy/precision or a global batch the world size does not
+            divide (on every rank, before any collective).
+    """
+    from recipes_lib import model as models
+    from recipes_lib.compare import measure_training_step
+    from recipes_lib.distributed import check_global_batch, rank_slice, world
+    from recipes_lib.train import TrainConfig, make_optimizer, train
+
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy={strategy!r}: expected one of {STRATEGIES}")
+    mixed_precision_policy(precision)  # validates
+    rank, world_size = world()
+    micro = check_global_batch(global_batch_size, world_size)
+    tok = models.load_tokenizer(model_path)
+    examples = data.tokenize_examples(data.load_corpus("base", "train"), tok, seq_len, "lm")
+    torch.manual_seed(seed)
+    model = _prepare(models.load_model(model_path), strategy, precision)
+    config = TrainConfig(steps=steps, micro_batch_size=micro, lr=lr, schedule="constant_with_warmup",
+                         max_grad_norm=None, seed=seed, desc=f"{strategy} {precision}")
+    optimizer = make_optimizer(model, config)
+    run = train(model, examples, tok.pad_token_id, config, optimizer=optimizer)
+
+    batch = rank_slice(next(data.batches(examples, global_batch_size, tok.pad_token_id,
+                                         seed=seed + 1)), rank, world_size)
+    from recipes_lib.grad_accumulation import forward_backward
+
+    forward_backward(model, batch)
+    state = local_state_bytes(model, optimizer)  # gradients alive, before the step frees them
+    optimizer.zero_grad(set_to_none=True)
+    step = measure_training_step(model, batch, optimizer, repeats=2)
+    out = {"strategy": strategy, "precision": precision, "world_size": world_size,
+           "rank": rank, "losses": run.losses, "step_time_s": step.timing.median_s,
+           "state_bytes": state, "peak_bytes": step.memory.peak_bytes,
+           "peak_by_category": step.memory.by_category}
+    if checkpoint_dir is not None:
+        out["checkpoint"] = _checkpoint_round_trip(model, optimizer, model_path, strategy,
+                                                   precision, checkpoint_dir, config)
+    if export_dir is not None:
+        export_pretrained(model, export_dir, tok)
+        out["export_dir"] = str(export_dir)
+    return out
+
+
+def _checkpoint_round_trip(model, optimizer, model_path, strategy, precision, path, config
+                           ) -> dict[str, Any]:
+    """Save sharded, load into a fresh model + optimizer, compare every local shard."""
+    from recipes_lib import model as models
+    from recipes_lib.train import make_optimizer
+
+    t0 = time.perf_counter()
+    save_sharded(model, optimizer, path)
+    save_s = time.perf_counter() - t0
+    fresh = _prepare(models.load_model(model_path), strategy, precision)
+    fresh_opt = make_optimizer(fresh, config)
+    # AdamW creates its state lazily; one zero-gradient step creates it, then the load overwrites.
+    for p in fresh.parameters():
+        p.grad = torch.zeros_like(p)
+    fresh_opt.step()
+    fresh_opt.zero_grad(set_to_none=True)
+    load_sharded(fresh, fresh_opt, path)
+    param_diff = max(float((_local(a) - _local(b)).abs().max())
+                     for a, b in zip(model.parameters(), fresh.parameters(), strict=True))
+    state_diff = 0.0
+    for pa, pb in zip(model.parameters(), fresh.parameters(), strict=True):
+        for key, va in optimizer.state[pa].items():
+            vb = fresh_opt.state[pb][key]
+            state_diff = max(state_diff, float((_local(va).float() - _local(vb).float())
+                                               .abs().max()))
+    files = [p for p in Path(path).iterdir() if p.is_file()]
+    return {"param_max_abs_diff": param_diff, "optimizer_max_abs_diff": state_diff,
+            "save_s": save_s, "files": len(files),
+            "bytes_on_disk": sum(p.stat().st_size for p in files)}

@@ -1,0 +1,124 @@
+"""Real 2-rank runs on CPU (gloo): loss parity with one process, per-rank bytes, faults."""
+
+import os
+import subprocess
+
+import pytest
+import torch
+
+from recipes_lib import distributed, fsdp
+
+
+def _rank_processes() -> list[str]:
+    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True, check=True).stdout
+    return [line for line in out.splitlines()
+            if "-m recipes_lib.distributed" in line and str(os.getpid()) not in line.split()[0]]
+
+
+@pytest.fixture(scope="module")
+def sharded_runs(tiny_model_path, tmp_path_factory):
+    """DDP and FSDP with 2 ranks, and the single-process reference, same data and global batch."""
+    tmp = tmp_path_factory.mktemp("dist")
+    kw = {"model_path": str(tiny_model_path), "steps": 3, "global_batch_size": 4, "seq_len": 64,
+          "lr": 3e-4}
+    ddp, fs = distributed.launch([
+        ("recipes_lib.fsdp:train_sharded", dict(kw, strategy="ddp")),
+        ("recipes_lib.fsdp:train_sharded", dict(kw, strategy="fsdp",
+                                                checkpoint_dir=str(tmp / "ckpt"),
+                                                export_dir=str(tmp / "export")))],
+        verbose=False)
+    single = fsdp.train_sharded(strategy="single", **kw)
+    return {"ddp": ddp, "fsdp": fs, "single": single, "tmp": tmp}
+
+
+def test_fsdp_and_ddp_losses_match_a_single_process(sharded_runs):
+    ref = sharded_runs["single"]["losses"]
+    for strategy in ("ddp", "fsdp"):
+        for rank_result in sharded_runs[strategy]:
+            diff = max(abs(a - b) for a, b in zip(rank_result["losses"], ref, strict=True))
+            assert diff <= 1e-4, (strategy, diff)
+
+
+def test_fsdp_halves_per_rank_training_state(sharded_runs):
+    for ddp, fs in zip(sharded_runs["ddp"], sharded_runs["fsdp"], strict=True):
+        ratio = fs["state_bytes"]["total"] / ddp["state_bytes"]["total"]
+        assert 0.49 <= ratio <= 0.55, ratio
+        assert ddp["state_bytes"] == sharded_runs["single"]["state_bytes"]
+
+
+def test_sharded_checkpoint_round_trips_and_export_loads(sharded_runs, tiny_model_path):
+    from recipes_lib.model import load_model
+
+    for r in sharded_runs["fsdp"]:
+        assert r["checkpoint"]["param_max_abs_diff"] == 0.0
+        assert r["checkpoint"]["optimizer_max_abs_diff"] == 0.0
+    exported = load_model(sharded_runs["tmp"] / "export")
+    original = load_model(tiny_model_path)
+    changed = max(float((a - b).detach().abs().max()) for a, b in
+                  zip(exported.parameters(), original.parameters(), strict=True))
+    assert changed > 0  # trained weights, not the original ones
+    assert exported.config.num_hidden_layers == original.config.num_hidden_layers
+
+
+def test_a_rank_that_raises_is_reported_and_nothing_is_left_running():
+    with pytest.raises(distributed.DistributedRunError, match="rank 1: RuntimeError: rank 1 "
+                       "failed on purpose"):
+        distributed.launch([("recipes_lib.distributed:fail_on_rank", {"rank": 1})],
+                           verbose=False)
+    assert _rank_processes() == []
+
+
+def test_a_hung_rank_becomes_a_timeout_not_a_hang():
+    with pytest.raises(distributed.DistributedRunError, match="Timed out"):
+        distributed.launch([("recipes_lib.distributed:fail_on_rank",
+                             {"rank": 1, "mode": "hang"})], pg_timeout_s=3, verbose=False)
+    assert _rank_processes() == []
+
+
+def test_an_indivisible_global_batch_fails_on_every_rank(tiny_model_path):
+    with pytest.raises(distributed.DistributedRunError) as err:
+        distributed.launch([("recipes_lib.fsdp:train_sharded",
+                             {"model_path": str(tiny_model_path), "global_batch_size": 5})],
+                           verbose=False)
+    for rank in (0, 1):
+        assert f"rank {rank}: ValueError: global_batch_size=5: not divisible" in str(err.value)
+
+
+def test_launcher_wall_clock_timeout_kills_every_rank():
+    with pytest.raises(distributed.DistributedRunError, match="timeout_s=4"):
+        distributed.launch([("recipes_lib.distributed:fail_on_rank",
+                             {"rank": 1, "mode": "hang"})], timeout_s=4, pg_timeout_s=600,
+                           verbose=False)
+    assert _rank_processes() == []
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU error")
+def test_nccl_without_gpus_is_refused_before_launch():
+    with pytest.raises(ValueError, match="backend='nccl': needs CUDA GPUs"):
+        distributed.launch([("recipes_lib.distributed:fail_on_rank", {"rank": 0})],
+                           backend="nccl")
+
+
+def test_bad_launch_arguments():
+    with pytest.raises(ValueError, match="world_size=0"):
+        distributed.launch([("recipes_lib.distributed:fail_on_rank", {"rank": 0})], world_size=0)
+    with pytest.raises(ValueError, match="target='nope'"):
+        distributed.launch([("nope", {})])
+    with pytest.raises(ValueError, match="backend='mpi'"):
+        distributed.check_backend("mpi", 2)
+
+
+def test_global_batch_helpers():
+    assert distributed.check_global_batch(8, 2) == 4
+    with pytest.raises(ValueError, match="global_batch_size=7"):
+        distributed.check_global_batch(7, 2)
+    batch = {"input_ids": torch.arange(8).view(4, 2)}
+    assert distributed.rank_slice(batch, 1, 2)["input_ids"].tolist() == [[4, 5], [6, 7]]
+    assert distributed.world() == (0, 1)
+    assert distributed.all_reduce_sum(3.0) == 3.0
+
+
+def test_init_outside_torchrun_says_how_to_start(monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(RuntimeError, match="torchrun"):
+        distributed.init_distributed()

@@ -1,0 +1,84 @@
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("torchao")
+
+from recipes_lib import calc, distributed, fsdp_qlora
+
+
+class _Holder(torch.nn.Module):
+    def __init__(self, linear):
+        super().__init__()
+        self.proj = linear
+
+    def forward(self, x):
+        return self.proj(x)
+
+
+def test_nf4_lora_matches_peft_lora_on_the_dequantized_weight():
+    from peft import LoraConfig, inject_adapter_in_model
+
+    linear = torch.nn.Linear(256, 128, bias=False)
+    ours = fsdp_qlora.NF4LoRALinear(linear, r=4, alpha=8)
+    torch.nn.init.normal_(ours.lora_b.weight)  # B = 0 at init would hide a scaling error
+    dense = torch.nn.Linear(256, 128, bias=False)
+    dense.weight.data = ours.weight.to(torch.float32).clone()
+    ref = inject_adapter_in_model(LoraConfig(r=4, lora_alpha=8, target_modules=["proj"]),
+                                  _Holder(dense))
+    ref.proj.lora_A["default"].weight.data = ours.lora_a.weight.data.clone()
+    ref.proj.lora_B["default"].weight.data = ours.lora_b.weight.data.clone()
+    x = torch.randn(3, 5, 256)
+    out, expected = ours(x), ref(x)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    out.square().sum().backward()
+    expected.square().sum().backward()
+    torch.testing.assert_close(ours.lora_a.weight.grad, ref.proj.lora_A["default"].weight.grad,
+                               rtol=1e-4, atol=1e-4)
+    assert not ours.weight.requires_grad
+
+
+def test_nf4_weight_is_close_to_the_original_and_starts_equal_to_the_base():
+    linear = torch.nn.Linear(256, 128, bias=True)
+    ours = fsdp_qlora.NF4LoRALinear(linear, r=8)
+    rel = (ours.weight.to(torch.float32) - linear.weight).norm() / linear.weight.norm()
+    assert rel < 0.15  # 4-bit: ~10 % relative error on a uniform init
+    x = torch.randn(2, 256)
+    torch.testing.assert_close(ours(x), torch.nn.functional.linear(
+        x, ours.weight.to(torch.float32), linear.bias))
+
+
+def test_apply_nf4_lora_freezes_all_but_adapters_and_counts_bytes(tiny_model_path):
+    from recipes_lib.model import load_model
+
+    model = fsdp_qlora.apply_nf4_lora(load_model(tiny_model_path), r=4)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+    b = fsdp_qlora.nf4_base_bytes(model)
+    assert 0.25 <= b["nf4_local"] / b["bf16_full"] <= 0.30
+    out = model(input_ids=torch.randint(0, 500, (2, 8)), labels=torch.randint(0, 500, (2, 8)))
+    out.loss.backward()
+    assert all(p.grad is not None for n, p in model.named_parameters() if p.requires_grad)
+
+
+def test_bad_inputs():
+    with pytest.raises(ValueError, match="r=0"):
+        fsdp_qlora.NF4LoRALinear(torch.nn.Linear(256, 128), r=0)
+    with pytest.raises(ValueError, match="not a multiple of NF4 blocks"):
+        fsdp_qlora.NF4LoRALinear(torch.nn.Linear(10, 10))
+    with pytest.raises(ValueError, match="target_modules"):
+        fsdp_qlora.apply_nf4_lora(torch.nn.Sequential(torch.nn.Linear(256, 256)),
+                                  target_modules=("nothing",))
+
+
+def test_fsdp_shards_the_nf4_base_across_two_ranks(tiny_model_path):
+    [ranks] = distributed.launch([("recipes_lib.fsdp_qlora:train_fsdp_qlora",
+                                   {"model_path": str(tiny_model_path), "steps": 4,
+                                    "global_batch_size": 4})], verbose=False)
+    for r in ranks:
+        assert r["nf4_bytes_per_rank"] / r["bf16_base_bytes"] <= 0.15
+        assert abs(r["nf4_bytes_per_rank"] / r["nf4_bytes_unsharded"] - 0.5) < 0.01
+        assert r["losses"] == ranks[0]["losses"]
+        assert all(math.isfinite(x) for x in r["losses"])
+    assert calc.bytes_per_param("nf4_dq") / 2 / 2 < 0.15

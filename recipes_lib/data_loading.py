@@ -145,10 +145,56 @@ def padding_fraction(batch: dict[str, torch.Tensor]) -> float:
     return 1.0 - float(mask.sum()) / mask.numel()
 
 
+def plot_stall(runs: list[dict[str, Any]], predicted: dict[str, Callable[[float], float]]):
+    """Measured stall fraction against per-sample latency, one colour per loader, with the
+    predicted curve of each loader as a dashed line."""
+    import matplotlib.pyplot as plt
+
+    _, ax = plt.subplots(figsize=(5, 3.2))
+    for i, name in enumerate(predicted):
+        pts = sorted((r["read_latency_s"], r["stall_fraction"]) for r in runs
+                     if r["loader"] == name)
+        xs = [x for x, _ in pts]
+        grid = [xs[0] + (xs[-1] - xs[0]) * k / 50 for k in range(51)]
+        ax.plot([x * 1e3 for x in xs], [y for _, y in pts], "o", color=f"C{i}",
+                label=f"{name} (measured)")
+        ax.plot([x * 1e3 for x in grid], [predicted[name](x) for x in grid], "--",
+                color=f"C{i}", label=f"{name} (predicted)")
+    ax.set_xlabel("storage latency per sample (ms)")
+    ax.set_ylabel("stall fraction")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    return ax
+
+
 def stall_fraction(batch_times: list[float], step_times: list[float]) -> float:
     """Time waiting for batches over total time (waiting + computing)."""
     wait, compute = sum(batch_times), sum(step_times)
     return wait / (wait + compute) if wait + compute > 0 else 0.0
+
+
+def predicted_stall(per_sample_s: float, batch_size: int, step_s: float, num_workers: int = 0
+                    ) -> float:
+    """Steady-state share of time spent waiting for data.
+
+    One batch takes ``b * c`` to prepare. Loading in the training process, every step waits for
+    it: ``b c / (b c + t)``. With ``w`` workers a batch is ready every ``b c / w``; if that is no
+    longer than a step ``t`` the wait vanishes, else the step waits ``b c / w - t``.
+
+    Example:
+        >>> predicted_stall(0.05, 4, 0.4)
+        0.3333333333333333
+        >>> predicted_stall(0.05, 4, 0.4, num_workers=2)
+        0.0
+    """
+    if per_sample_s < 0 or batch_size < 1 or step_s <= 0 or num_workers < 0:
+        raise ValueError(f"per_sample_s={per_sample_s}, batch_size={batch_size}, step_s={step_s}, "
+                         f"num_workers={num_workers}: out of range")
+    load = per_sample_s * batch_size
+    if num_workers == 0:
+        return load / (load + step_s)
+    per_batch = load / num_workers
+    return max(0.0, per_batch - step_s) / max(per_batch, step_s)
 
 
 def measure_loader(loader: DataLoader, step: Callable[[dict[str, torch.Tensor]], Any],
@@ -183,7 +229,7 @@ def compare_loaders(
     steps: int = 10,
     global_batch_size: int = 8,
     seq_len: int = 128,
-    read_latency_s: float = 0.02,
+    read_latencies_s: tuple[float, ...] = (0.05,),
     strategy: str = "fsdp",
 ) -> dict[str, Any]:
     """Train with each loader configuration in turn and measure its stall fraction (every rank).
@@ -194,12 +240,12 @@ def compare_loaders(
         steps: measured steps per loader (after one warm-up batch).
         global_batch_size: examples per step over all ranks.
         seq_len: tokens per document kept.
-        read_latency_s: simulated storage latency per document.
+        read_latencies_s: simulated storage latencies per document; each loader runs at each.
         strategy: "fsdp" or "ddp" wrapper for the model.
 
     Returns:
-        name -> this rank's ``measure_loader`` result, plus ``"samples_seen"``: the indices this
-        rank's sampler produced in two epochs (to check the shards).
+        ``"runs"``: one row per (loader, latency) with this rank's ``measure_loader`` result;
+        ``"samples_seen"``: the indices this rank's sampler produced in two epochs.
     """
     from recipes_lib import model as models
     from recipes_lib.distributed import check_global_batch, world
@@ -211,7 +257,6 @@ def compare_loaders(
     micro = check_global_batch(global_batch_size, world_size)
     tok = models.load_tokenizer(model_path)
     texts = [row["text"] for row in data.load_corpus("base", "train")]
-    dataset = StoredTextDataset(texts, tok, seq_len, read_latency_s)
     model = _prepare(models.load_model(model_path), strategy, "fp32")
     optimizer = make_optimizer(model, TrainConfig(lr=1e-4))
 
@@ -219,12 +264,15 @@ def compare_loaders(
         forward_backward(model, batch)
         optimizer_step(model, optimizer, max_grad_norm=None)
 
-    out: dict[str, Any] = {"rank": rank}
-    for name, kwargs in loaders.items():
-        sampler = distributed_sampler(dataset, seed=0)
-        loader = make_loader(dataset, micro, tok.pad_token_id, sampler=sampler, **kwargs)
-        out[name] = measure_loader(loader, step, steps)
-        del loader
+    out: dict[str, Any] = {"rank": rank, "runs": []}
+    for latency in read_latencies_s:
+        dataset = StoredTextDataset(texts, tok, seq_len, latency)
+        for name, kwargs in loaders.items():
+            sampler = distributed_sampler(dataset, seed=0)
+            loader = make_loader(dataset, micro, tok.pad_token_id, sampler=sampler, **kwargs)
+            out["runs"].append({"loader": name, "read_latency_s": latency,
+                                **measure_loader(loader, step, steps)})
+            del loader
     sampler = distributed_sampler(dataset, seed=0)
     out["samples_seen"] = []
     for epoch in range(2):

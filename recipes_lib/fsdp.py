@@ -164,6 +164,21 @@ def export_pretrained(model: torch.nn.Module, path: str | Path, tokenizer=None) 
     return Path(path)
 
 
+def _runnable(precision: str) -> str:
+    """bf16 on a CUDA GPU without it (T4, V100) becomes fp16, said aloud. On CPU bf16 is kept:
+    without AVX512-BF16/AMX it is emulated (slow), but it stores the same bytes."""
+    import warnings
+
+    from recipes_lib.device import supports_bf16
+
+    if precision == "bf16" and torch.cuda.is_available() and not supports_bf16(
+            torch.device("cuda", torch.cuda.current_device())):
+        warnings.warn("precision='bf16': this GPU has no bf16; using fp16 with a "
+                      "ShardedGradScaler", stacklevel=3)
+        return "fp16"
+    return precision
+
+
 def _prepare(model: torch.nn.Module, strategy: str, precision: str) -> torch.nn.Module:
     if strategy == "fsdp":
         return shard_model(model, precision)
@@ -219,40 +234,43 @@ def train_sharded(
     from recipes_lib import model as models
     from recipes_lib.compare import measure_training_step
     from recipes_lib.distributed import check_global_batch, rank_slice, world
+    from recipes_lib.grad_accumulation import forward_backward
     from recipes_lib.train import TrainConfig, make_optimizer, train
 
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy={strategy!r}: expected one of {STRATEGIES}")
     mixed_precision_policy(precision)  # validates
+    precision = _runnable(precision)
     rank, world_size = world()
     micro = check_global_batch(global_batch_size, world_size)
     tok = models.load_tokenizer(model_path)
     examples = data.tokenize_examples(data.load_corpus("base", "train"), tok, seq_len, "lm")
     torch.manual_seed(seed)
     model = _prepare(models.load_model(model_path), strategy, precision)
+    # fp16 needs the (sharded) loss scaler, which the training loop adds for precision="fp16".
     config = TrainConfig(steps=steps, micro_batch_size=micro, lr=lr, schedule="constant_with_warmup",
-                         max_grad_norm=None, seed=seed, desc=f"{strategy} {precision}")
+                         max_grad_norm=None, seed=seed, desc=f"{strategy} {precision}",
+                         precision="fp16" if precision == "fp16" else "fp32")
     optimizer = make_optimizer(model, config)
     run = train(model, examples, tok.pad_token_id, config, optimizer=optimizer)
-
-    batch = rank_slice(next(data.batches(examples, global_batch_size, tok.pad_token_id,
-                                         seed=seed + 1)), rank, world_size)
-    from recipes_lib.grad_accumulation import forward_backward
-
-    forward_backward(model, batch)
-    state = local_state_bytes(model, optimizer)  # gradients alive, before the step frees them
-    optimizer.zero_grad(set_to_none=True)
-    step = measure_training_step(model, batch, optimizer, repeats=2)
     out = {"strategy": strategy, "precision": precision, "world_size": world_size,
-           "rank": rank, "losses": run.losses, "step_time_s": step.timing.median_s,
-           "state_bytes": state, "peak_bytes": step.memory.peak_bytes,
-           "peak_by_category": step.memory.by_category}
+           "rank": rank, "losses": run.losses}
+    # Checkpoints hold the trained weights, before the measurement steps below change them.
     if checkpoint_dir is not None:
         out["checkpoint"] = _checkpoint_round_trip(model, optimizer, model_path, strategy,
                                                    precision, checkpoint_dir, config)
     if export_dir is not None:
         export_pretrained(model, export_dir, tok)
         out["export_dir"] = str(export_dir)
+
+    batch = rank_slice(next(data.batches(examples, global_batch_size, tok.pad_token_id,
+                                         seed=seed + 1)), rank, world_size)
+    forward_backward(model, batch)
+    out["state_bytes"] = local_state_bytes(model, optimizer)  # gradients alive, before the step
+    optimizer.zero_grad(set_to_none=True)
+    step = measure_training_step(model, batch, optimizer, repeats=2)
+    out.update(step_time_s=step.timing.median_s, peak_bytes=step.memory.peak_bytes,
+               peak_by_category=step.memory.by_category)
     return out
 
 

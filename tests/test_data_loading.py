@@ -73,6 +73,14 @@ def test_measure_loader_counts_waits_and_compute():
     assert data_loading.stall_fraction([1.0], [3.0]) == 0.25
 
 
+def test_predicted_stall():
+    assert data_loading.predicted_stall(0.05, 4, 0.2) == 0.5
+    assert data_loading.predicted_stall(0.05, 4, 0.05, num_workers=2) == 0.5
+    assert data_loading.predicted_stall(0.05, 4, 0.2, num_workers=1) == 0.0
+    with pytest.raises(ValueError, match="step_s=0"):
+        data_loading.predicted_stall(0.05, 4, 0)
+
+
 def test_bad_inputs(tokenizer, texts):
     ds = data_loading.StoredTextDataset(texts, tokenizer, 64)
     with pytest.raises(ValueError, match="num_workers=-1"):

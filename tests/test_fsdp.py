@@ -48,3 +48,25 @@ def test_load_sharded_missing_folder(small_llama, tmp_path):
     with pytest.raises(FileNotFoundError, match="no sharded checkpoint"):
         fsdp.load_sharded(small_llama, torch.optim.AdamW(small_llama.parameters()),
                           tmp_path / "missing")
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_fp16_under_fsdp_gets_the_sharded_grad_scaler(small_llama, one_rank_group):
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    from recipes_lib.train import make_grad_scaler
+
+    assert make_grad_scaler(small_llama, "fp32", torch.device("cpu")) is None
+    assert type(make_grad_scaler(small_llama, "fp16", torch.device("cpu"))) is torch.amp.GradScaler
+    sharded = fsdp.shard_model(small_llama, precision="bf16")
+    assert isinstance(make_grad_scaler(sharded, "fp16", torch.device("cpu")), ShardedGradScaler)
+    assert sharded.model.layers[0].mlp.up_proj.weight.dtype == torch.float32  # fp32 master shards

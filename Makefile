@@ -17,7 +17,7 @@ run: $(STAMP)
 	$(PY) -m recipes_lib run
 
 test: $(STAMP)
-	$(PY) -m pytest -q --durations=10 tests notebooks --nbval-lax
+	$(PY) -m pytest -q --durations=10 tests notebooks --nbval-lax --ignore=notebooks/executed
 
 lab: $(STAMP)
 	$(VENV)/bin/jupyter lab notebooks/

@@ -1,9 +1,10 @@
-"""Command line: ``python -m recipes_lib {run,readme,data}``.
+"""Command line: ``python -m recipes_lib {run,readme,data,plan}``.
 
 - ``run``: execute every notebook headless into ``notebooks/executed/``, then refresh the README's
   results table from ``results/``. A notebook that fails is reported and the others still run.
 - ``readme``: refresh the README's results table only.
 - ``data``: regenerate the corpora in ``data/``.
+- ``plan``: which recipes make a training run fit (``recipes_lib.planner``).
 """
 
 from __future__ import annotations
@@ -54,7 +55,22 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("notebooks", nargs="*", help="default: notebooks/*.ipynb")
     sub.add_parser("readme", help="refresh the README's results table")
     sub.add_parser("data", help="regenerate data/")
+    pl = sub.add_parser("plan", help="which recipes make a training run fit in GPU memory")
+    pl.add_argument("--model", required=True, help="built-in name or a config.json path")
+    pl.add_argument("--gpu-mem", required=True, help="memory per GPU, e.g. 16GB or 80GiB")
+    pl.add_argument("--seq", type=int, default=2048, help="sequence length")
+    pl.add_argument("--batch", type=int, default=8, help="sequences per optimizer step")
+    pl.add_argument("--gpus", type=int, default=1, help="GPUs for the FSDP row")
     args = parser.parse_args(argv)
+
+    if args.command == "plan":
+        from recipes_lib.planner import format_plan, plan
+
+        try:
+            print(format_plan(plan(args.model, args.gpu_mem, args.seq, args.batch, args.gpus)))
+        except ValueError as err:
+            parser.error(str(err))
+        return 0
 
     if args.command == "data":
         for name, path in data.generate_corpora().items():

@@ -259,7 +259,15 @@ PRESETS = {
     "Llama-3.2-3B": ModelShape(128256, 3072, 8192, 28, 24, 8, tie_word_embeddings=True),
     "Llama-3.1-8B": ModelShape(128256, 4096, 14336, 32, 32, 8),
     "Llama-3.1-70B": ModelShape(128256, 8192, 28672, 80, 64, 8),
+    "Llama-2-7B": ModelShape(32000, 4096, 11008, 32, 32, 32),
+    "Llama-2-13B": ModelShape(32000, 5120, 13824, 40, 40, 40),
+    "Llama-2-70B": ModelShape(32000, 8192, 28672, 80, 64, 8),
+    "Mistral-7B": ModelShape(32000, 4096, 14336, 32, 32, 8),
+    "Qwen2.5-0.5B": ModelShape(151936, 896, 4864, 24, 14, 2, tie_word_embeddings=True),
+    "Qwen2.5-7B": ModelShape(152064, 3584, 18944, 28, 28, 4),
 }
+# The decision table in notebook 02 plans for the current Llama generation.
+LLAMA3 = {k: v for k, v in PRESETS.items() if k.startswith("Llama-3")}
 DATA_PARALLEL = ("ddp", "zero2", "fsdp", "fsdp_offload")
 # Gradient traffic per step relative to DDP's all-reduce (ZeRO paper, section 7): ZeRO-2 is a
 # reduce-scatter + all-gather (the same volume), ZeRO-3 adds one more all-gather of parameters.
@@ -317,7 +325,7 @@ def parallelism_table(world_size: int, gpu_bytes: float, seq_len: int = 4096,
     if gpu_bytes <= 0:
         raise ValueError(f"gpu_bytes={gpu_bytes}: must be > 0")
     rows = []
-    for name, shape in (models or PRESETS).items():
+    for name, shape in (models or LLAMA3).items():
         row: dict[str, Any] = {"model": name,
                                "params_B": param_count(shape)["total"] / 1e9}
         choice = "does not fit"

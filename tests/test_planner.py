@@ -1,0 +1,65 @@
+import json
+
+import pytest
+
+from recipes_lib import calc, planner
+from recipes_lib.__main__ import main
+
+
+def test_published_figures():
+    # ZeRO: 16 bytes/param for mixed-precision Adam; Llama-2-7B has 6.74 B parameters.
+    assert calc.training_state_bytes(1, "bf16")["total"] == 16.0
+    assert round(calc.param_count(calc.PRESETS["Llama-2-7B"])["total"] / 1e9, 2) == 6.74
+    # bs 8 x seq 4096 x 256k vocab logits in bf16: 16.8 GB
+    assert round(calc.logits_bytes(4096, 8, 256_000, 2) / 1e9, 1) == 16.8
+
+
+def test_a_7b_qlora_fits_a_t4_and_its_full_fine_tune_does_not():
+    result = planner.plan("Llama-2-7B", "16GB", seq_len=512, batch_size=1, grad_accum_steps=1)
+    fits = {r["step"]: r["fits"] for r in result["rows"]}
+    assert not fits["full fine-tune (bf16 + AdamW)"]
+    assert fits["QLoRA (NF4 base)"]
+    assert result["cheapest"] == "QLoRA (NF4 base)"
+
+
+def test_more_gpus_make_fsdp_fit():
+    one = planner.plan("Llama-3.1-8B", "80GB", 2048, 8, gpus=1)["rows"][-1]
+    eight = planner.plan("Llama-3.1-8B", "80GB", 2048, 8, gpus=8)["rows"][-1]
+    assert not one["fits"] and eight["fits"]
+
+
+def test_config_file_and_hub_style_names(tmp_path, small_llama):
+    small_llama.config.save_pretrained(tmp_path)
+    _, shape = planner.resolve_shape(str(tmp_path))
+    assert shape.hidden_size == 64 and shape.num_hidden_layers == 2
+    assert planner.resolve_shape("meta-llama/Llama-2-7B")[0] == "Llama-2-7B"
+
+
+def test_parse_bytes():
+    assert planner.parse_bytes("16GB") == 16e9
+    assert planner.parse_bytes("24GiB") == planner.parse_bytes("24") == 24 * 2**30
+    for bad in ("-3", "0GB", "lots", "16 parsecs"):
+        with pytest.raises(ValueError, match="gpu_mem="):
+            planner.parse_bytes(bad)
+
+
+def test_bad_models(tmp_path):
+    with pytest.raises(ValueError, match="model='nope': not a built-in model"):
+        planner.resolve_shape("nope")
+    (tmp_path / "config.json").write_text("not json")
+    with pytest.raises(ValueError, match="not a JSON config"):
+        planner.resolve_shape(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    with pytest.raises(ValueError, match="not a decoder config"):
+        planner.resolve_shape(str(tmp_path))
+    with pytest.raises(ValueError, match="batch_size=0"):
+        planner.plan("Llama-2-7B", "16GB", batch_size=0)
+
+
+def test_cli(capsys):
+    assert main(["plan", "--model", "Llama-2-7B", "--gpu-mem", "16GB", "--seq", "512",
+                 "--batch", "1"]) == 0
+    assert "cheapest that fits:" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["plan", "--model", "Llama-2-7B", "--gpu-mem", "-1"])
+    assert "gpu_mem='-1'" in capsys.readouterr().err

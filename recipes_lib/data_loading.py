@@ -249,7 +249,7 @@ def compare_loaders(
     """
     from recipes_lib import model as models
     from recipes_lib.distributed import check_global_batch, world
-    from recipes_lib.fsdp import _prepare
+    from recipes_lib.fsdp import wrap_model
     from recipes_lib.grad_accumulation import forward_backward
     from recipes_lib.train import TrainConfig, make_optimizer, optimizer_step
 
@@ -257,7 +257,7 @@ def compare_loaders(
     micro = check_global_batch(global_batch_size, world_size)
     tok = models.load_tokenizer(model_path)
     texts = [row["text"] for row in data.load_corpus("base", "train")]
-    model = _prepare(models.load_model(model_path), strategy, "fp32")
+    model = wrap_model(models.load_model(model_path), strategy, "fp32")
     optimizer = make_optimizer(model, TrainConfig(lr=1e-4))
 
     def step(batch):

@@ -179,7 +179,13 @@ def _runnable(precision: str) -> str:
     return precision
 
 
-def _prepare(model: torch.nn.Module, strategy: str, precision: str) -> torch.nn.Module:
+def wrap_model(model: torch.nn.Module, strategy: str, precision: str) -> torch.nn.Module:
+    """Wrap ``model`` for a data-parallel ``strategy``: "fsdp" (:func:`shard_model`), "ddp"
+    (``DistributedDataParallel``, fp32 only) or "single" (unchanged).
+
+    Raises:
+        ValueError: for mixed precision without FSDP.
+    """
     if strategy == "fsdp":
         return shard_model(model, precision)
     if precision != "fp32":
@@ -246,7 +252,7 @@ def train_sharded(
     tok = models.load_tokenizer(model_path)
     examples = data.tokenize_examples(data.load_corpus("base", "train"), tok, seq_len, "lm")
     torch.manual_seed(seed)
-    model = _prepare(models.load_model(model_path), strategy, precision)
+    model = wrap_model(models.load_model(model_path), strategy, precision)
     # fp16 needs the (sharded) loss scaler, which the training loop adds for precision="fp16".
     config = TrainConfig(steps=steps, micro_batch_size=micro, lr=lr, schedule="constant_with_warmup",
                          max_grad_norm=None, seed=seed, desc=f"{strategy} {precision}",
@@ -283,7 +289,7 @@ def _checkpoint_round_trip(model, optimizer, model_path, strategy, precision, pa
     t0 = time.perf_counter()
     save_sharded(model, optimizer, path)
     save_s = time.perf_counter() - t0
-    fresh = _prepare(models.load_model(model_path), strategy, precision)
+    fresh = wrap_model(models.load_model(model_path), strategy, precision)
     fresh_opt = make_optimizer(fresh, config)
     # AdamW creates its state lazily; one zero-gradient step creates it, then the load overwrites.
     for p in fresh.parameters():

@@ -91,8 +91,8 @@ def local_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer |
                       ) -> dict[str, int]:
     """Bytes this rank holds in parameters, gradients and optimizer state (its shards only).
 
-    Counted from the tensors' storages (each once), so DDP's replicas and FSDP's shards are
-    measured the same way. Tensor subclasses (e.g. NF4) count their inner tensors.
+    Counted from the tensors' storages (each once, ``memory.tensor_bytes``), so DDP's replicas
+    and FSDP's shards are measured the same way; NF4 weights count their inner tensors.
     """
     params = [_local(p) for p in model.parameters()]
     grads = [_local(p.grad) for p in model.parameters() if p.grad is not None]
@@ -100,26 +100,10 @@ def local_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer |
     if optimizer is not None:
         for state in optimizer.state.values():
             states += [_local(v) for v in state.values() if isinstance(v, torch.Tensor)]
-    out = {"parameters": subclass_bytes(params), "gradients": tensor_bytes(grads),
+    out = {"parameters": tensor_bytes(params), "gradients": tensor_bytes(grads),
            "optimizer": tensor_bytes(states)}
     out["total"] = sum(out.values())
     return out
-
-
-def subclass_bytes(tensors: list[torch.Tensor]) -> int:
-    """Storage bytes, looking inside wrapper subclasses (``__tensor_flatten__``) such as NF4."""
-    plain = []
-    for t in tensors:
-        if hasattr(t, "__tensor_flatten__") and type(t) is not torch.Tensor \
-                and not isinstance(t, torch.nn.Parameter):
-            names, _ = t.__tensor_flatten__()
-            plain += [getattr(t, n) for n in names]
-        elif isinstance(t, torch.nn.Parameter) and hasattr(t.data, "__tensor_flatten__") \
-                and type(t.data) is not torch.Tensor:
-            plain += [getattr(t.data, n) for n in t.data.__tensor_flatten__()[0]]
-        else:
-            plain.append(t)
-    return tensor_bytes(plain)
 
 
 def save_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: str | Path

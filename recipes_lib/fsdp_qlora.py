@@ -100,7 +100,7 @@ def apply_nf4_lora(model: nn.Module, r: int = 8, alpha: float = 16.0, dropout: f
 def nf4_base_bytes(model: nn.Module) -> dict[str, int]:
     """This rank's bytes of NF4 base weights (its shards' inner tensors) and the bytes the same
     weights take in bf16 unsharded (``2 * numel``)."""
-    from recipes_lib.fsdp import subclass_bytes
+    from recipes_lib.memory import tensor_bytes
 
     local, full = [], 0
     for m in model.modules():
@@ -108,7 +108,7 @@ def nf4_base_bytes(model: nn.Module) -> dict[str, int]:
             w = m.weight
             local.append(w.to_local() if hasattr(w, "to_local") else w.data)
             full += 2 * m.in_features * m.out_features
-    return {"nf4_local": subclass_bytes(local), "bf16_full": full}
+    return {"nf4_local": tensor_bytes(local), "bf16_full": full}
 
 
 def train_fsdp_qlora(

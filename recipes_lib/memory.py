@@ -4,8 +4,9 @@ On every device the breakdown comes from PyTorch's own dispatch-level tracker
 (``torch.distributed._tools.mem_tracker.MemTracker``): it sees each tensor storage as it is
 created and freed, and labels it parameter / buffer / gradient / optimizer state / activation /
 temporary. A model sharded with FSDP2 gets its FSDP-aware subclass (``FSDPMemTracker``), which
-also tells the rank's shards from the all-gathered copies and the communication buffers. On CUDA the allocator's own peak (``torch.cuda.max_memory_allocated``) is recorded
-beside it as a cross-check.
+also tells the rank's shards from the all-gathered copies and the communication buffers. On CUDA
+the allocator's own peak (``torch.cuda.max_memory_allocated``) is recorded beside it as a
+cross-check.
 """
 
 from __future__ import annotations
@@ -143,13 +144,23 @@ def measure_memory(
                         allocator_peak_bytes=allocator_peak)
 
 
+def _plain_tensors(t: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors that hold ``t``'s bytes: itself, or a wrapper subclass's inner tensors (e.g.
+    torchao's NF4Tensor: packed data, quantized scales, ...), looked into recursively."""
+    data = t.data if isinstance(t, torch.nn.Parameter) else t
+    if type(data) is not torch.Tensor and hasattr(data, "__tensor_flatten__"):
+        names, _ = data.__tensor_flatten__()
+        return [x for n in names for x in _plain_tensors(getattr(data, n))]
+    return [data]
+
+
 def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes held by ``tensors``, counting each underlying storage once."""
+    """Bytes held by ``tensors``, counting each underlying storage once (the inner tensors of
+    wrapper subclasses such as NF4 are counted, not the wrapper)."""
     seen: set[tuple[int, str]] = set()
     total = 0
-    for t in tensors:
-        if t is None or not isinstance(t, torch.Tensor):
-            continue
+    plain = [p for t in tensors if isinstance(t, torch.Tensor) for p in _plain_tensors(t)]
+    for t in plain:
         storage = t.untyped_storage()
         key = (storage.data_ptr(), str(t.device))
         if key in seen:
@@ -173,8 +184,7 @@ def saved_tensor_bytes(fn: Callable[[], Any]) -> dict[str, int]:
     by_dtype: dict[str, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        if isinstance(t, torch.Tensor) and type(t) is torch.Tensor and not isinstance(
-                t, torch.nn.Parameter):
+        if type(t) is torch.Tensor:  # not parameters (nn.Parameter), not wrapper subclasses
             storage = t.untyped_storage()
             if storage.data_ptr() not in seen:
                 seen.add(storage.data_ptr())

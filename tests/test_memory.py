@@ -62,3 +62,20 @@ def test_frozen_parameters_are_measured_not_hooked():
     rep = memory.measure_memory(lambda: model(torch.randn(4, 32)).sum().backward(), model)
     assert rep.by_category["parameters"] == sum(p.nbytes for p in model.parameters())
     assert rep.by_category["gradients"] <= sum(p.nbytes for p in model[1].parameters())
+
+
+def test_tensor_bytes_looks_inside_nf4_tensors():
+    from torchao.quantization import to_nf4
+
+    w = to_nf4(torch.randn(128, 256, dtype=torch.bfloat16))
+    packed = 128 * 256 // 2
+    assert packed < memory.tensor_bytes([w]) < packed * 1.1
+    assert memory.tensor_bytes([torch.nn.Parameter(w, requires_grad=False)]) == memory.tensor_bytes([w])
+
+
+def test_saved_tensor_bytes_by_dtype():
+    lin = torch.nn.Linear(64, 64).to(torch.bfloat16)
+    x = torch.randn(8, 64, dtype=torch.bfloat16, requires_grad=True)
+    saved = memory.saved_tensor_bytes(lambda: torch.relu(lin(x)).float().sum())
+    assert saved["torch.bfloat16"] >= 2 * 8 * 64 * 2  # x for the matmul, relu's output
+    assert "torch.float32" not in saved  # weights (parameters) are not counted

@@ -193,6 +193,37 @@ def kv_cache_bytes(shape: ModelShape, seq_len: int, batch_size: int, bytes_per_v
             * seq_len * batch_size * bytes_per_value)
 
 
+def int8_linear_bytes(out_features: int, in_features: int) -> int:
+    """A Linear layer in int8 with a per-output-channel fp32 scale and int32 zero point.
+
+    Example:
+        >>> int8_linear_bytes(256, 256) / (4 * 256 * 256)  # vs fp32: 1/4 + 2/in_features
+        0.2578125
+    """
+    if out_features < 1 or in_features < 1:
+        raise ValueError(f"out_features={out_features}, in_features={in_features}: must be >= 1")
+    return out_features * in_features + 8 * out_features
+
+
+def amdahl_speedup(fraction: float, part_speedup: float) -> float:
+    """Whole-program speed-up when a ``fraction`` of the time gets ``part_speedup`` x faster.
+
+    Example:
+        >>> round(amdahl_speedup(0.6, 1.5), 3)  # 60 % of the time in Linear layers, 1.5x int8
+        1.25
+    """
+    if not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"fraction={fraction}: must be in [0, 1]")
+    if part_speedup <= 0:
+        raise ValueError(f"part_speedup={part_speedup}: must be > 0")
+    return 1.0 / ((1.0 - fraction) + fraction / part_speedup)
+
+
+def kv_cache_bytes_per_token(shape: ModelShape, bytes_per_value: int = 2) -> float:
+    """KV cache bytes one token adds: ``2 (k and v) * L * kv_heads * head_dim * bytes``."""
+    return kv_cache_bytes(shape, 1, 1, bytes_per_value)
+
+
 def flops_per_token(n_params: int, training: bool = True, recompute: bool = False) -> float:
     """Matmul FLOPs per token: 2N forward, 6N training (forward + 2x backward), 8N with full
     recomputation (one more forward)."""

@@ -164,7 +164,8 @@ def tokenize_examples(dataset, tokenizer, max_length: int, kind: str) -> list[di
     """Tokenize rows into ``input_ids`` and ``labels`` (prompt tokens masked with -100).
 
     Args:
-        dataset: rows with "text" (kind="lm") or "prompt"/"answer" (kind="sft").
+        dataset: rows with "text" or "prompt"/"answer" (kind="lm" reads prompt + answer as
+            one text), or "prompt"/"answer" (kind="sft").
         tokenizer: a transformers tokenizer with bos and eos tokens.
         max_length: longest sequence kept; longer ones are truncated (lm) or rejected (sft).
         kind: "lm" (every token is a target) or "sft" (only the answer and eos are targets).
@@ -184,7 +185,8 @@ def tokenize_examples(dataset, tokenizer, max_length: int, kind: str) -> list[di
     out = []
     for row in dataset:
         if kind == "lm":
-            ids = bos + tokenizer.encode(row["text"], add_special_tokens=False)
+            text = row["text"] if "text" in row else row["prompt"] + row["answer"]
+            ids = bos + tokenizer.encode(text, add_special_tokens=False)
             ids = (ids + [tokenizer.eos_token_id])[:max_length]
             out.append({"input_ids": ids, "labels": list(ids)})
         elif kind == "sft":

@@ -42,7 +42,7 @@ def exact_match(
     model: torch.nn.Module,
     tokenizer,
     rows,
-    max_new_tokens: int = 4,
+    max_new_tokens: int | None = None,
     batch_size: int = 32,
 ) -> float:
     """Fraction of rows whose greedy answer (up to eos or newline) equals ``row["answer"]``.
@@ -51,13 +51,17 @@ def exact_match(
         model: a causal LM with ``generate``.
         tokenizer: its tokenizer.
         rows: a dataset (or list of dicts) with "prompt" and "answer".
-        max_new_tokens: generation budget per answer.
+        max_new_tokens: generation budget per answer; default the longest answer's token count
+            plus one (for eos), so no answer is cut short by the budget.
         batch_size: prompts per generate call (left-padded).
     """
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
     rows = list(rows)
+    if max_new_tokens is None:
+        max_new_tokens = 1 + max((len(tokenizer.encode(r["answer"], add_special_tokens=False))
+                                  for r in rows), default=1)
     hits = 0
     for i in range(0, len(rows), batch_size):
         chunk = rows[i:i + batch_size]

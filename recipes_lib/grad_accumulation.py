@@ -8,6 +8,8 @@ with few target tokens counts as much as one with many. The large-batch loss is 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -15,6 +17,8 @@ from recipes_lib.data import IGNORE_INDEX
 from recipes_lib.device import autocast
 
 NORMALIZATIONS = ("global_tokens", "mean_of_means")
+# loss_fn(model, micro_batch) -> the loss summed over the micro-batch's target tokens
+LossFn = Callable[[torch.nn.Module, dict[str, torch.Tensor]], torch.Tensor]
 
 
 def split_micro_batches(
@@ -66,6 +70,7 @@ def forward_backward(
     scaler: torch.amp.GradScaler | None = None,
     normalization: str = "global_tokens",
     num_target_tokens: float | None = None,
+    loss_fn: LossFn | None = None,
 ) -> float:
     """Accumulate the gradients of one global batch over ``grad_accum_steps`` micro-batches.
 
@@ -80,6 +85,8 @@ def forward_backward(
         num_target_tokens: the loss denominator when ``batch`` is one rank's share of a larger
             batch (data parallel): the global batch's target tokens divided by the world size,
             since DDP and FSDP average gradients over ranks. Default: ``batch``'s own count.
+        loss_fn: ``loss_fn(model, micro_batch) -> loss summed over the micro-batch's target
+            tokens`` (e.g. ``distillation.DistillationLoss``); default next-token cross-entropy.
 
     Returns:
         The loss sum over ``batch`` divided by the denominator: the global batch's mean loss per
@@ -104,8 +111,13 @@ def forward_backward(
     for mb in micro:
         mb = {k: v.to(device) for k, v in mb.items()}
         with autocast(device, precision):
-            logits = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).logits
-        loss_sum = causal_lm_loss_sum(logits, mb["labels"])
+            if loss_fn is not None:
+                loss_sum = loss_fn(model, mb)
+            else:
+                logits = model(input_ids=mb["input_ids"],
+                               attention_mask=mb["attention_mask"]).logits
+        if loss_fn is None:
+            loss_sum = causal_lm_loss_sum(logits, mb["labels"])
         total += float(loss_sum.detach())
         if normalization == "global_tokens":
             loss = loss_sum / n_global

@@ -44,10 +44,12 @@ class TinyModelSpec:
     pretrain_seq_len: int = 128
     pretrain_lr: float = 3e-3
     seed: int = 0
+    architecture: str = "llama"  # or "gpt_neox": LayerNorm instead of RMSNorm (notebook 03)
 
     def cache_name(self) -> str:
         digest = hashlib.sha1(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()
-        return f"tiny-llama-{self.hidden_size}h{self.num_hidden_layers}l-{digest[:8]}"
+        arch = self.architecture.replace("_", "")
+        return f"tiny-{arch}-{self.hidden_size}h{self.num_hidden_layers}l-{digest[:8]}"
 
 
 def train_tokenizer(texts: list[str], vocab_size: int, max_length: int):
@@ -72,10 +74,23 @@ def train_tokenizer(texts: list[str], vocab_size: int, max_length: int):
     )
 
 
-def llama_config(spec: TinyModelSpec, tokenizer) -> Any:
-    """A ``LlamaConfig`` for ``spec`` whose special-token ids match ``tokenizer``."""
-    from transformers import LlamaConfig
+ARCHITECTURES = ("llama", "gpt_neox")
 
+
+def model_config(spec: TinyModelSpec, tokenizer) -> Any:
+    """A ``LlamaConfig`` (or ``GPTNeoXConfig``) for ``spec`` with ``tokenizer``'s special ids.
+
+    """
+    from transformers import GPTNeoXConfig, LlamaConfig
+
+    if spec.architecture == "gpt_neox":
+        return GPTNeoXConfig(
+            vocab_size=len(tokenizer), hidden_size=spec.hidden_size,
+            intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_hidden_layers,
+            num_attention_heads=spec.num_attention_heads,
+            max_position_embeddings=spec.max_position_embeddings, rotary_pct=1.0,
+            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False)
     return LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=spec.hidden_size,
@@ -113,11 +128,13 @@ def build_tiny_model(
         >>> path = build_tiny_model()  # doctest: +SKIP
         >>> model, tok = load_model(path), load_tokenizer(path)  # doctest: +SKIP
     """
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     from recipes_lib.evaluation import eval_loss
     from recipes_lib.train import TrainConfig, train
 
+    if spec.architecture not in ARCHITECTURES:
+        raise ValueError(f"architecture={spec.architecture!r}: expected one of {ARCHITECTURES}")
     out = Path(out_dir) if out_dir is not None else DEFAULT_CACHE / spec.cache_name()
     if (out / "pretrain_report.json").exists():
         return out
@@ -129,7 +146,7 @@ def build_tiny_model(
     tokenizer = train_tokenizer(list(base_train["text"]), spec.vocab_size,
                                 spec.max_position_embeddings)
     torch.manual_seed(spec.seed)
-    model = LlamaForCausalLM(llama_config(spec, tokenizer))
+    model = AutoModelForCausalLM.from_config(model_config(spec, tokenizer))
     examples = data.tokenize_examples(base_train, tokenizer, spec.pretrain_seq_len, "lm")
     test = data.tokenize_examples(data.load_corpus("base", "test"), tokenizer,
                                   spec.pretrain_seq_len, "lm")
@@ -163,6 +180,17 @@ def load_tokenizer(model_id_or_path: str | Path):
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return tok
+
+
+def save_temporary(model: torch.nn.Module, tokenizer, prefix: str = "model-") -> Path:
+    """Save ``model`` and ``tokenizer`` to a new temporary folder (for reloading in another dtype,
+    attention implementation or quantization) and return it."""
+    import tempfile
+
+    out = Path(tempfile.mkdtemp(prefix=prefix))
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
 
 
 def load_model(

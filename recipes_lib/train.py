@@ -17,7 +17,7 @@ import torch
 from recipes_lib import data
 from recipes_lib.device import resolve_precision, synchronize
 from recipes_lib.distributed import all_reduce_sum, rank_slice, world
-from recipes_lib.grad_accumulation import count_target_tokens, forward_backward
+from recipes_lib.grad_accumulation import LossFn, count_target_tokens, forward_backward
 
 SCHEDULES = ("cosine", "linear", "constant_with_warmup")
 
@@ -120,6 +120,7 @@ def train(
     config: TrainConfig,
     optimizer: Any = None,
     batch_stream: Iterator[dict[str, torch.Tensor]] | None = None,
+    loss_fn: LossFn | None = None,
 ) -> TrainResult:
     """Train ``model`` on tokenized ``examples`` for ``config.steps`` optimizer steps.
 
@@ -137,6 +138,8 @@ def train(
             AdamW over trainable parameters.
         batch_stream: this rank's batches (e.g. a DataLoader with a DistributedSampler) instead
             of drawing them from ``examples``.
+        loss_fn: the loss summed over a micro-batch's target tokens, ``loss_fn(model, batch)``
+            (e.g. ``distillation.DistillationLoss``); default next-token cross-entropy.
 
     Returns:
         TrainResult with one loss (the global batch's) and one wall time per optimizer step.
@@ -182,7 +185,7 @@ def train(
         t0 = time.perf_counter()
         n_tokens = all_reduce_sum(count_target_tokens(batch["labels"]))
         loss = forward_backward(model, batch, config.grad_accum_steps, precision, scaler,
-                                num_target_tokens=n_tokens / world_size)
+                                num_target_tokens=n_tokens / world_size, loss_fn=loss_fn)
         loss = all_reduce_sum(loss) / world_size
         optimizer_step(model, optimizer, config.max_grad_norm, scaler)
         scheduler.step()

@@ -1,0 +1,257 @@
+"""Attention implementations side by side: eager (materialised softmax), SDPA's backends, flash-attn.
+
+Eager attention builds the (s x s) score matrix per head, softmaxes it and keeps it for backward:
+``O(s^2)`` memory and memory traffic. FlashAttention (Dao et al., 2022) tiles q, k and v, keeps a
+running max and sum (online softmax) and never writes the score matrix: memory ``O(s)`` (the
+output plus one log-sum-exp per row) and the same FLOPs, recomputing tiles in backward.
+PyTorch's ``scaled_dot_product_attention`` (SDPA) picks among backends: ``flash`` (CUDA and
+CPU), ``efficient`` (xformers-style, CUDA), ``cudnn`` (CUDA) and ``math`` (the eager formula).
+``sdpa_backend_used`` reports which one actually ran.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from functools import lru_cache
+
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from recipes_lib.device import has_module
+
+SDPA_BACKENDS = ("flash", "efficient", "cudnn", "math")
+IMPLEMENTATIONS = ("eager",) + tuple(f"sdpa-{b}" for b in SDPA_BACKENDS) + ("sdpa", "flash-attn")
+# the aten op each SDPA backend dispatches to (CPU and CUDA flavours)
+_BACKEND_OPS = {
+    "flash": ("_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu"),
+    "efficient": ("_scaled_dot_product_efficient_attention",),
+    "cudnn": ("_scaled_dot_product_cudnn_attention",),
+}
+
+
+def eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True
+                    ) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d) + mask) v with the score matrix materialised (the baseline).
+
+    Args:
+        q, k, v: (batch, heads, seq, head_dim); k and v may have fewer heads (GQA), repeated.
+        causal: mask future positions.
+    """
+    if k.shape[1] != q.shape[1]:
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+    if causal:
+        s_q, s_k = q.shape[-2], k.shape[-2]
+        mask = torch.ones(s_q, s_k, dtype=torch.bool, device=q.device).tril(s_k - s_q)
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v
+
+
+def _sdpa_backend_enum(name: str):
+    from torch.nn.attention import SDPBackend
+
+    return {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+            "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}[name]
+
+
+def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
+                   backend: str | None = None) -> torch.Tensor:
+    """``F.scaled_dot_product_attention``, optionally restricted to one backend.
+
+    Raises:
+        ValueError: for an unknown backend, or one this device / dtype cannot run.
+    """
+    enable_gqa = k.shape[1] != q.shape[1]
+    if backend is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=enable_gqa)
+    if backend not in SDPA_BACKENDS:
+        raise ValueError(f"backend={backend!r}: expected one of {SDPA_BACKENDS} or None")
+    if not backend_available(backend, q.device.type, q.dtype):
+        raise ValueError(f"backend={backend!r}: not available for {q.dtype} on {q.device.type}; "
+                         f"available: {available_backends(q.device, q.dtype)}")
+    from torch.nn.attention import sdpa_kernel
+
+    with sdpa_kernel([_sdpa_backend_enum(backend)]):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=enable_gqa)
+
+
+@lru_cache(maxsize=None)
+def backend_available(backend: str, device_type: str, dtype: torch.dtype) -> bool:
+    """Whether SDPA's ``backend`` runs forward and backward here (tried on a tiny input)."""
+    from torch.nn.attention import sdpa_kernel
+
+    if backend not in SDPA_BACKENDS:
+        raise ValueError(f"backend={backend!r}: expected one of {SDPA_BACKENDS}")
+    if device_type == "cuda" and not torch.cuda.is_available():
+        return False
+    q = torch.randn(1, 2, 16, 64, device=device_type, dtype=dtype, requires_grad=True)
+    try:
+        with sdpa_kernel([_sdpa_backend_enum(backend)]):
+            F.scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward()
+    except RuntimeError:  # "No available kernel": this backend cannot run these inputs
+        return False
+    return True
+
+
+def available_backends(device: torch.device | str, dtype: torch.dtype = torch.float32
+                       ) -> list[str]:
+    """SDPA backends that run on ``device`` in ``dtype``, e.g. ``['flash', 'math']`` on CPU."""
+    device_type = torch.device(device).type
+    return [b for b in SDPA_BACKENDS if backend_available(b, device_type, dtype)]
+
+
+class _OpNames(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.__name__.split(".")[0])
+        return func(*args, **(kwargs or {}))
+
+
+def sdpa_backend_used(fn: Callable[[], object]) -> str:
+    """Run ``fn`` and name the attention kernel that ran: an SDPA backend, or "math"/"none".
+
+    "math" means attention was computed from plain matmuls and softmax (eager attention or SDPA's
+    math fallback); "none" means no softmax ran at all.
+
+    Example:
+        >>> q = torch.randn(1, 2, 8, 16)
+        >>> sdpa_backend_used(lambda: sdpa_attention(q, q, q, backend="math"))
+        'math'
+    """
+    with _OpNames() as ops:
+        fn()
+    names = set(ops.names)
+    for backend, op_names in _BACKEND_OPS.items():
+        if names.intersection(op_names):
+            return backend
+    return "math" if names.intersection({"_softmax", "softmax", "_safe_softmax"}) else "none"
+
+
+def flash_attn_available(device: torch.device | str) -> bool:
+    """flash-attn (Dao-AILab) is installed and ``device`` is a CUDA GPU."""
+    return torch.device(device).type == "cuda" and has_module("flash_attn")
+
+
+def attention_fn(impl: str, device: torch.device | str) -> Callable[..., torch.Tensor]:
+    """The attention callable for an implementation name in ``IMPLEMENTATIONS``.
+
+    Raises:
+        ValueError: for an unknown name, or one that cannot run on ``device`` (with what can).
+    """
+    if impl not in IMPLEMENTATIONS:
+        raise ValueError(f"impl={impl!r}: expected one of {IMPLEMENTATIONS}")
+    if impl == "eager":
+        return eager_attention
+    if impl == "sdpa":
+        return sdpa_attention
+    if impl == "flash-attn":
+        if not flash_attn_available(device):
+            raise ValueError("impl='flash-attn': needs a CUDA GPU and `pip install flash-attn`; "
+                             "use 'sdpa' (PyTorch's own flash backend) instead")
+        from flash_attn import flash_attn_func
+
+        def flash(q, k, v, causal=True):  # flash-attn wants (batch, seq, heads, head_dim)
+            out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                  causal=causal)
+            return out.transpose(1, 2)
+        return flash
+    backend = impl.removeprefix("sdpa-")
+    if not backend_available(backend, torch.device(device).type, torch.float32) and \
+            not backend_available(backend, torch.device(device).type, torch.float16):
+        raise ValueError(f"impl={impl!r}: SDPA backend not available on "
+                         f"{torch.device(device).type}; available: "
+                         f"{available_backends(device)}")
+    return lambda q, k, v, causal=True: sdpa_attention(q, k, v, causal, backend)
+
+
+def benchmark_attention(
+    seq_lens: list[int],
+    impls: list[str],
+    batch_size: int = 1,
+    num_heads: int = 8,
+    head_dim: int = 64,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    repeats: int = 3,
+    progress: bool = True,
+) -> list[dict[str, float | str | int]]:
+    """Time and measure each implementation over sequence lengths, forward and forward+backward.
+
+    Memory is the attention op's own peak (outputs, what autograd saves, input gradients), measured
+    with the one memory meter; q, k and v exist before and are not counted.
+
+    Args:
+        seq_lens: sequence lengths to try.
+        impls: names from ``IMPLEMENTATIONS``.
+        batch_size, num_heads, head_dim: the q/k/v shape (batch, heads, seq, head_dim).
+        dtype, device: where it runs.
+        repeats: timed repetitions (median), after one warm-up.
+        progress: show a progress bar.
+
+    Returns:
+        One row per (impl, seq_len): ``forward_s``, ``forward_backward_s``, ``peak_bytes``,
+        ``backend`` (which kernel ran).
+
+    Raises:
+        ValueError: for an empty or non-positive seq_lens, or an implementation this device lacks.
+    """
+    from tqdm.auto import tqdm
+
+    from recipes_lib.memory import measure_memory
+    from recipes_lib.timing import time_fn
+
+    if not seq_lens or min(seq_lens) < 1:
+        raise ValueError(f"seq_lens={seq_lens!r}: expected positive lengths")
+    device = torch.device(device)
+    fns = {impl: attention_fn(impl, device) for impl in impls}
+    rows = []
+    bar = tqdm(total=len(seq_lens) * len(impls), desc="attention benchmark", disable=not progress,
+               leave=False)
+    for s in seq_lens:
+        g = torch.Generator(device="cpu").manual_seed(s)
+        q, k, v = (torch.randn(batch_size, num_heads, s, head_dim, generator=g).to(device, dtype)
+                   .requires_grad_() for _ in range(3))
+        grad = torch.randn(batch_size, num_heads, s, head_dim, generator=g).to(device, dtype)
+        for impl, fn in fns.items():
+            def fwd():
+                with torch.no_grad():
+                    return fn(q, k, v, causal=True)
+
+            def fwd_bwd():
+                fn(q, k, v, causal=True).backward(grad)
+                q.grad = k.grad = v.grad = None
+
+            backend = sdpa_backend_used(fwd)
+            t_f = time_fn(fwd, warmup=1, repeats=repeats, device=device).median_s
+            t_fb = time_fn(fwd_bwd, warmup=1, repeats=repeats, device=device).median_s
+            peak = measure_memory(fwd_bwd, device=device).peak_bytes
+            rows.append({"impl": impl, "seq_len": s, "forward_s": t_f, "forward_backward_s": t_fb,
+                         "peak_bytes": peak, "backend": backend})
+            bar.update()
+    bar.close()
+    return rows
+
+
+def max_abs_error(impl: str, reference: str = "eager", seq_len: int = 256, num_heads: int = 4,
+                  head_dim: int = 64, device: torch.device | str = "cpu",
+                  dtype: torch.dtype = torch.float32) -> dict[str, float]:
+    """Largest |difference| of output and input gradients between two implementations."""
+    g = torch.Generator().manual_seed(0)
+    base = [torch.randn(2, num_heads, seq_len, head_dim, generator=g).to(device, dtype)
+            for _ in range(3)]
+    grad = torch.randn(2, num_heads, seq_len, head_dim, generator=g).to(device, dtype)
+    results = []
+    for name in (impl, reference):
+        q, k, v = (t.clone().requires_grad_() for t in base)
+        out = attention_fn(name, device)(q, k, v, causal=True)
+        out.backward(grad)
+        results.append((out.detach(), q.grad, k.grad, v.grad))
+    (o1, *g1), (o2, *g2) = results
+    return {"output": float((o1 - o2).abs().max()),
+            "grad": max(float((a - b).abs().max()) for a, b in zip(g1, g2))}

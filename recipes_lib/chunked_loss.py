@@ -1,0 +1,163 @@
+"""Losses on the output projection computed in chunks of tokens, so the full logits never exist.
+
+A causal LM's last step is ``logits = hidden @ W.T`` (tokens x vocab) followed by a loss. For a
+128k vocabulary and 8k tokens that tensor alone is 4 GiB in fp32, and autograd keeps it (or its
+softmax) until backward. Here the tokens are split into chunks; for each chunk the logits are
+made, the loss and its gradients with respect to ``hidden`` and ``W`` are computed at once, and the
+chunk's logits are freed. Backward then only scales the stored gradients. This is the scheme of
+Liger-Kernel's fused linear cross-entropy, written with plain PyTorch ops: peak memory is one
+chunk's logits, and no matmul is recomputed (3 matmuls per chunk, as unchunked).
+
+``chunked_linear_loss`` takes any per-chunk loss (cross-entropy, knowledge distillation);
+``chunked_cross_entropy`` is the common case.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+IGNORE_INDEX = -100
+ChunkLoss = Callable[..., torch.Tensor]
+
+
+def _check(hidden: torch.Tensor, weight: torch.Tensor, chunk_size: int,
+           extras: tuple[torch.Tensor, ...]) -> None:
+    if not isinstance(chunk_size, int) or chunk_size <= 0:
+        raise ValueError(f"chunk_size={chunk_size!r}: must be an integer > 0")
+    if hidden.dim() != 2:
+        raise ValueError(f"hidden: expected (tokens, hidden_size), got shape {tuple(hidden.shape)}")
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[1]:
+        raise ValueError(f"weight: expected (vocab, {hidden.shape[1]}), got {tuple(weight.shape)}")
+    for i, t in enumerate(extras):
+        if t.shape[0] != hidden.shape[0]:
+            raise ValueError(f"targets[{i}]: first dimension {t.shape[0]} != tokens "
+                             f"{hidden.shape[0]}")
+
+
+class _ChunkedLinearLoss(torch.autograd.Function):
+    """Loss and gradients chunk by chunk in forward; backward scales the stored gradients."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, loss_fn, chunk_size, *extras):
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        ctx.weight_dtype, ctx.n_extras = weight.dtype, len(extras)
+        grad_h = torch.zeros_like(hidden) if need_h else None
+        # accumulate the weight gradient in fp32: it sums over every chunk
+        grad_w = torch.zeros_like(weight, dtype=torch.float32) if need_w else None
+        w = weight.detach().requires_grad_(need_w)
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for start in range(0, hidden.shape[0], chunk_size):
+            end = min(start + chunk_size, hidden.shape[0])
+            h = hidden[start:end].detach().requires_grad_(need_h)
+            with torch.enable_grad():
+                loss = loss_fn(h @ w.T, *(t[start:end] for t in extras))
+            inputs = [x for x, need in ((h, need_h), (w, need_w)) if need]
+            grads = iter(torch.autograd.grad(loss, inputs)) if inputs else iter(())
+            if need_h:
+                grad_h[start:end] = next(grads)
+            if need_w:
+                grad_w += next(grads)
+            total += loss.detach().float()
+        ctx.save_for_backward(grad_h, grad_w)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grad_h, grad_w = ctx.saved_tensors
+        gh = grad_h * grad_out if grad_h is not None else None
+        gw = (grad_w * grad_out).to(ctx.weight_dtype) if grad_w is not None else None
+        return (gh, gw, None, None) + (None,) * ctx.n_extras
+
+
+def chunked_linear_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    loss_fn: ChunkLoss,
+    chunk_size: int,
+    *targets: torch.Tensor,
+) -> torch.Tensor:
+    """``sum over chunks of loss_fn(hidden[c] @ weight.T, *(t[c] for t in targets))``, chunked.
+
+    Args:
+        hidden: (tokens, hidden_size) final hidden states.
+        weight: (vocab, hidden_size) output projection (the LM head's weight).
+        loss_fn: ``loss_fn(logits_chunk, *target_chunks) -> scalar``; it must be a *sum* over the
+            chunk's tokens (divide inside it by a global count if a mean is wanted), so chunks add.
+        chunk_size: tokens per chunk; peak memory is about ``chunk_size * vocab`` logits.
+        *targets: per-token tensors (first dimension = tokens) sliced alongside ``hidden``.
+
+    Returns:
+        The scalar loss, differentiable with respect to ``hidden`` and ``weight``.
+
+    Raises:
+        ValueError: if chunk_size <= 0 or the shapes do not match.
+
+    Example:
+        >>> h, w = torch.randn(6, 4), torch.randn(10, 4)
+        >>> y = torch.tensor([1, 2, 3, 4, 5, 6])
+        >>> ce = lambda logits, y: F.cross_entropy(logits, y, reduction="sum")
+        >>> bool(torch.allclose(chunked_linear_loss(h, w, ce, 4, y), ce(h @ w.T, y)))
+        True
+    """
+    _check(hidden, weight, chunk_size, targets)
+    if not torch.is_grad_enabled() or not (hidden.requires_grad or weight.requires_grad):
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for start in range(0, hidden.shape[0], chunk_size):
+            end = start + chunk_size
+            total += loss_fn(hidden[start:end] @ weight.T,
+                             *(t[start:end] for t in targets)).float()
+        return total
+    return _ChunkedLinearLoss.apply(hidden, weight, loss_fn, chunk_size, *targets)
+
+
+def chunked_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    chunk_size: int = 1024,
+    ignore_index: int = IGNORE_INDEX,
+    reduction: str = "mean",
+) -> torch.Tensor:
+    """Cross-entropy of ``hidden @ weight.T`` against ``labels`` without the full logits.
+
+    Equal to ``F.cross_entropy(hidden @ weight.T, labels, ignore_index=...)`` (forward and
+    gradients) up to float rounding; the logits are upcast to fp32 per chunk.
+
+    Args:
+        hidden: (..., hidden_size) hidden states; leading dimensions are flattened.
+        weight: (vocab, hidden_size) output projection.
+        labels: hidden.shape[:-1] target ids; ``ignore_index`` marks tokens without a loss.
+        chunk_size: tokens per chunk (> 0).
+        ignore_index: label value that carries no loss.
+        reduction: "mean" (over non-ignored tokens) or "sum".
+
+    Returns:
+        A scalar fp32 loss.
+
+    Raises:
+        ValueError: for chunk_size <= 0, mismatched shapes or an unknown reduction.
+
+    Example:
+        >>> h, w, y = torch.randn(2, 5, 8), torch.randn(32, 8), torch.randint(0, 32, (2, 5))
+        >>> ref = F.cross_entropy((h @ w.T).flatten(0, 1), y.flatten())
+        >>> bool(torch.allclose(chunked_cross_entropy(h, w, y, chunk_size=3), ref, atol=1e-6))
+        True
+    """
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction={reduction!r}: expected 'mean' or 'sum'")
+    if labels.shape != hidden.shape[:-1]:
+        raise ValueError(f"labels: shape {tuple(labels.shape)} != hidden's leading shape "
+                         f"{tuple(hidden.shape[:-1])}")
+    h, y = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
+
+    def ce_sum(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.float(), target, ignore_index=ignore_index, reduction="sum")
+
+    total = chunked_linear_loss(h, weight, ce_sum, chunk_size, y)
+    if reduction == "sum":
+        return total
+    # F.cross_entropy's mean is over non-ignored targets (nan when there are none, as here)
+    return total / (y != ignore_index).sum()

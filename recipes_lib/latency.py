@@ -1,0 +1,103 @@
+"""Inference latency with the one timer: batched prefill, token-by-token generation, and where
+the time goes (the share spent in one kind of module, for an Amdahl's-law prediction)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from recipes_lib.device import synchronize
+from recipes_lib.timing import Timing, time_fn
+
+
+def _device(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def prefill_time(model: torch.nn.Module, batch: dict[str, torch.Tensor], repeats: int = 5,
+                 warmup: int = 1) -> Timing:
+    """Time one forward pass over a padded batch (the prompt-processing "prefill" phase).
+
+    Raises:
+        ValueError: for a batch without ``input_ids``.
+    """
+    if "input_ids" not in batch:
+        raise ValueError("batch: needs 'input_ids' (and optionally 'attention_mask')")
+    device = _device(model)
+    inputs = {k: v.to(device) for k, v in batch.items() if k in ("input_ids", "attention_mask")}
+    model.eval()
+
+    def run():
+        with torch.inference_mode():
+            model(**inputs, use_cache=False)
+    return time_fn(run, warmup=warmup, repeats=repeats, device=device)
+
+
+def generation_speed(model: torch.nn.Module, input_ids: torch.Tensor, new_tokens: int = 32,
+                     use_cache: bool = True, cache_implementation: str | None = None,
+                     repeats: int = 3) -> dict[str, float]:
+    """Greedy generation of exactly ``new_tokens`` tokens: median seconds and tokens per second.
+
+    Args:
+        model: a causal LM.
+        input_ids: (batch, prompt_len) prompt.
+        new_tokens: tokens to generate (eos is ignored so every run does the same work).
+        use_cache: keep keys and values of past tokens (the KV cache) instead of recomputing them.
+        cache_implementation: e.g. "static" (preallocated, what torch.compile needs).
+        repeats: timed runs after one warm-up.
+
+    Raises:
+        ValueError: for new_tokens < 1.
+    """
+    if new_tokens < 1:
+        raise ValueError(f"new_tokens={new_tokens}: must be >= 1")
+    device = _device(model)
+    ids = input_ids.to(device)
+    kwargs = {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens, "do_sample": False,
+              "use_cache": use_cache, "pad_token_id": model.config.pad_token_id}
+    if cache_implementation is not None:
+        kwargs["cache_implementation"] = cache_implementation
+    model.eval()
+
+    def run():
+        with torch.inference_mode():
+            model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **kwargs)
+    t = time_fn(run, warmup=1, repeats=repeats, device=device)
+    return {"seconds": t.median_s, "tokens_per_s": new_tokens * ids.shape[0] / t.median_s}
+
+
+def module_time_share(model: torch.nn.Module, fn: Callable[[], object],
+                      is_target: Callable[[torch.nn.Module], bool]) -> float:
+    """Fraction of ``fn``'s wall time spent inside modules for which ``is_target`` is true.
+
+    Forward pre/post hooks time each target module (synchronising the device), so this is for
+    inference-mode forwards, not for backward.
+    """
+    device = _device(model)
+    spent = [0.0]
+    start: dict[int, float] = {}
+    hooks = []
+    for module in model.modules():
+        if is_target(module):
+            def pre(mod, args):
+                synchronize(device)
+                start[id(mod)] = time.perf_counter()
+
+            def post(mod, args, out):
+                synchronize(device)
+                spent[0] += time.perf_counter() - start.pop(id(mod))
+            hooks += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
+    try:
+        fn()  # warm-up
+        spent[0] = 0.0
+        synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        synchronize(device)
+        total = time.perf_counter() - t0
+    finally:
+        for h in hooks:
+            h.remove()
+    return spent[0] / total

@@ -1,0 +1,96 @@
+"""LayerNorm -> RMSNorm: model surgery, and what the swap buys per kernel.
+
+LayerNorm (Ba et al., 2016): ``y = (x - mean(x)) / sqrt(var(x) + eps) * g + b``, two reductions
+(mean, then variance) and a bias. RMSNorm (Zhang & Sennrich, 2019) drops the centring and the
+bias: ``y = x / sqrt(mean(x^2) + eps) * g``, one reduction. Both read x and write y once, so both
+are memory-bound: the saving is arithmetic and a bias, not bytes of the activation. A win needs a
+*fused* kernel (one pass over x). Eager ``torch.nn.RMSNorm`` on the CPU runs ~5 separate
+element-wise ops (pow, mean, add, rsqrt, mul, mul), each a full pass over x, while LayerNorm has
+had a fused kernel for years; ``torch.compile`` fuses RMSNorm into one pass.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from recipes_lib.timing import time_fn
+
+
+def swap_layernorm_for_rmsnorm(model: torch.nn.Module) -> dict[str, float]:
+    """Replace every ``torch.nn.LayerNorm`` in ``model`` by ``torch.nn.RMSNorm``, in place.
+
+    The learned scale is kept; the bias and the centring are dropped, which is why quality falls
+    right after the swap and needs a short fine-tune to recover.
+
+    Returns:
+        ``{"swapped": count, "max_abs_bias": largest |bias| dropped}``.
+
+    Raises:
+        ValueError: if the model has no LayerNorm (e.g. a Llama model already uses RMSNorm).
+
+    Example:
+        >>> m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
+        >>> swap_layernorm_for_rmsnorm(m)["swapped"], type(m[1]).__name__
+        (1, 'RMSNorm')
+    """
+    targets = [(name, m) for name, m in model.named_modules() if isinstance(m, torch.nn.LayerNorm)]
+    if not targets:
+        raise ValueError("model: has no torch.nn.LayerNorm to swap (does it already use RMSNorm?)")
+    max_bias = 0.0
+    for name, ln in targets:
+        rms = torch.nn.RMSNorm(ln.normalized_shape, eps=ln.eps,
+                               elementwise_affine=ln.elementwise_affine)
+        if ln.elementwise_affine:
+            rms.weight = torch.nn.Parameter(ln.weight.detach().clone(),
+                                            requires_grad=ln.weight.requires_grad)
+        if ln.bias is not None:
+            max_bias = max(max_bias, float(ln.bias.detach().abs().max()))
+        rms.to(device=ln.weight.device if ln.weight is not None else None)
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, rms)
+    return {"swapped": len(targets), "max_abs_bias": max_bias}
+
+
+def count_norms(model: torch.nn.Module) -> dict[str, int]:
+    """How many LayerNorm and RMSNorm modules (torch's or a model's own ``*RMSNorm``) it has."""
+    out = {"LayerNorm": 0, "RMSNorm": 0}
+    for m in model.modules():
+        if isinstance(m, torch.nn.LayerNorm):
+            out["LayerNorm"] += 1
+        elif type(m).__name__.endswith("RMSNorm"):
+            out["RMSNorm"] += 1
+    return out
+
+
+def benchmark_norms(hidden_sizes: list[int], tokens: int = 2048, compile_rmsnorm: bool = True,
+                    dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                    repeats: int = 5) -> list[dict[str, float]]:
+    """Forward+backward time of LayerNorm vs RMSNorm (eager, and compiled when asked).
+
+    Returns:
+        One row per hidden size: ``layernorm_s``, ``rmsnorm_eager_s``, ``rmsnorm_compiled_s``
+        (nan when not compiled).
+
+    Raises:
+        ValueError: for an empty list or sizes < 1.
+    """
+    if not hidden_sizes or min(hidden_sizes) < 1:
+        raise ValueError(f"hidden_sizes={hidden_sizes!r}: expected positive sizes")
+    device = torch.device(device)
+    rows = []
+    for h in hidden_sizes:
+        x = torch.randn(tokens, h, device=device, dtype=dtype, requires_grad=True)
+        grad = torch.randn(tokens, h, device=device, dtype=dtype)
+        ln = torch.nn.LayerNorm(h, device=device, dtype=dtype)
+        rms = torch.nn.RMSNorm(h, eps=1e-5, device=device, dtype=dtype)
+        fns = {"layernorm_s": ln, "rmsnorm_eager_s": rms}
+        if compile_rmsnorm:
+            fns["rmsnorm_compiled_s"] = torch.compile(rms, dynamic=False)
+        row: dict[str, float] = {"hidden_size": h, "rmsnorm_compiled_s": float("nan")}
+        for key, fn in fns.items():
+            def step(fn=fn):
+                fn(x).backward(grad)
+                x.grad = None
+            row[key] = time_fn(step, warmup=2, repeats=repeats, device=device).median_s
+        rows.append(row)
+    return rows

@@ -1,0 +1,193 @@
+"""INT8 post-training quantization of Linear layers, and which layers it hurts.
+
+Weights are stored as int8 with one fp32 scale and int32 zero point per output channel: 1 byte
+per weight plus ``8 / in_features``, about 0.25x fp32 (``calc.int8_linear_bytes``). *Dynamic* quantization also
+quantizes each activation on the fly (per tensor) and runs the matmul in int8 with int32
+accumulation, so it saves compute as well as bytes where the CPU has fast int8 instructions.
+
+- CPU: PyTorch's dynamic quantization (fbgemm / x86 kernels). torchao's
+  ``Int8DynamicActivationInt8WeightConfig`` is its successor, but on a CPU without a compiled
+  int8 path it falls back to a much slower reference (measured ~19x slower than fp32 here), so
+  the fbgemm path is the one that shows the recipe's speed.
+- CUDA: bitsandbytes' LLM.int8 (Dettmers et al., 2022), which keeps outlier feature columns in
+  fp16 (``load_int8``).
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import torch
+
+
+def linear_names(model: torch.nn.Module) -> list[str]:
+    """Names of every ``torch.nn.Linear`` in ``model`` (the LM head included)."""
+    return [n for n, m in model.named_modules() if type(m) is torch.nn.Linear]
+
+
+def quantize_int8_dynamic(model: torch.nn.Module, skip: Iterable[str] = ()) -> torch.nn.Module:
+    """A copy of ``model`` with every Linear (except ``skip``) dynamically quantized to int8.
+
+    Args:
+        model: an fp32 model on the CPU.
+        skip: names of Linear layers left in fp32 (e.g. the most sensitive ones).
+
+    Returns:
+        The quantized copy; ``model`` itself is unchanged.
+
+    Raises:
+        ValueError: if ``model`` has no Linear layer left to quantize, ``skip`` names a layer that
+            is not a Linear, or the model is not an fp32 CPU model.
+
+    Example:
+        >>> m = torch.nn.Sequential(torch.nn.Linear(64, 64))
+        >>> type(quantize_int8_dynamic(m)[0]).__name__
+        'Linear'
+    """
+    names = linear_names(model)
+    skip = set(skip)
+    unknown = skip - set(names)
+    if unknown:
+        raise ValueError(f"skip={sorted(unknown)}: not Linear layers of the model")
+    targets = [n for n in names if n not in skip]
+    if not targets:
+        raise ValueError("model: has no torch.nn.Linear layers to quantize"
+                         + (" (all were skipped)" if names else ""))
+    p = next(model.parameters())
+    if p.device.type != "cpu" or p.dtype != torch.float32:
+        raise ValueError(f"model: dynamic int8 quantization runs on fp32 CPU models, got "
+                         f"{p.dtype} on {p.device.type}; on CUDA use load_int8 (LLM.int8)")
+    from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
+
+    with warnings.catch_warnings():  # torch.ao's deprecation notice, see the module docstring
+        warnings.simplefilter("ignore")
+        return quantize_dynamic(copy.deepcopy(model).eval(),
+                                {n: per_channel_dynamic_qconfig for n in targets},
+                                dtype=torch.qint8)
+
+
+def load_int8(model_path: str | Path, device: torch.device, skip: Iterable[str] = ()
+              ) -> torch.nn.Module:
+    """Load a model with int8 Linear layers: LLM.int8 on CUDA, dynamic int8 on the CPU."""
+    from recipes_lib.model import load_model
+
+    if device.type == "cuda":
+        from transformers import BitsAndBytesConfig
+
+        from recipes_lib.quantization import require_bitsandbytes
+
+        require_bitsandbytes()
+        cfg = BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=list(skip) or None)
+        return load_model(model_path, dtype=torch.float16, quantization_config=cfg,
+                          device=device)
+    return quantize_int8_dynamic(load_model(model_path), skip)
+
+
+def int8_linear_bytes(model: torch.nn.Module) -> dict[str, int]:
+    """Bytes of the int8 Linear layers' weights and scales, and how many weights they hold.
+
+    Counts torch's dynamic quantized Linear (packed int8 weight + scales + zero points) and
+    bitsandbytes' ``Linear8bitLt`` (int8 weight + one fp32 scale per row).
+
+    Raises:
+        ValueError: if the model has no int8 Linear layer.
+    """
+    total = params = 0
+    for module in model.modules():
+        if isinstance(module, torch.ao.nn.quantized.dynamic.Linear):
+            w = module.weight()
+            scales = (w.q_per_channel_scales().numel()
+                      if w.qscheme() in (torch.per_channel_affine, torch.per_channel_symmetric)
+                      else 1)
+            total += w.numel() + scales * (4 + 4)  # fp32 scale + int32 zero point
+            params += w.numel()
+        elif type(module).__name__ == "Linear8bitLt":
+            w = module.weight
+            total += w.numel() * w.element_size()
+            scb = getattr(w, "SCB", None)
+            total += 0 if scb is None else scb.numel() * scb.element_size()
+            params += w.numel()
+    if params == 0:
+        raise ValueError("model: has no int8 Linear layers (quantize it first)")
+    return {"bytes": total, "params": params}
+
+
+def linear_kernel_speedup(model: torch.nn.Module, tokens: int = 2048, repeats: int = 5
+                          ) -> float:
+    """fp32 time / int8 time of the model's Linear layers alone, at their shapes, on random input.
+
+    The kernel-level ceiling of the recipe; with the share of prefill time spent in Linear layers
+    it predicts the whole-model speed-up (``calc.amdahl_speedup``).
+    """
+    from recipes_lib.timing import time_fn
+
+    shapes: dict[tuple[int, int], int] = {}
+    for name in linear_names(model):
+        m = model.get_submodule(name)
+        shapes[(m.in_features, m.out_features)] = shapes.get((m.in_features, m.out_features), 0) + 1
+    if not shapes:
+        raise ValueError("model: has no torch.nn.Linear layers")
+    t32 = t8 = 0.0
+    for (i, o), count in shapes.items():
+        fp32 = torch.nn.Sequential(torch.nn.Linear(i, o, bias=False))
+        int8 = quantize_int8_dynamic(fp32)
+        x = torch.randn(tokens, i)
+        with torch.inference_mode():
+            t32 += count * time_fn(lambda: fp32(x), repeats=repeats).median_s
+            t8 += count * time_fn(lambda: int8(x), repeats=repeats).median_s
+    return t32 / t8
+
+
+def layer_sensitivity(
+    model: torch.nn.Module,
+    eval_fn: Callable[[torch.nn.Module], float],
+    names: list[str] | None = None,
+    progress: bool = True,
+) -> dict[str, float]:
+    """How much each Linear alone hurts when quantized: ``eval_fn(one layer int8) - eval_fn(fp32)``.
+
+    Args:
+        model: the fp32 CPU model.
+        eval_fn: e.g. eval loss on a held-out subset (lower is better).
+        names: the layers to try (default every Linear).
+        progress: show a progress bar.
+
+    Returns:
+        layer name -> increase of ``eval_fn``, largest first.
+    """
+    from tqdm.auto import tqdm
+
+    names = names if names is not None else linear_names(model)
+    base = eval_fn(model)
+    out = {}
+    everything = set(linear_names(model))
+    for name in tqdm(names, desc="int8 sensitivity", disable=not progress, leave=False):
+        out[name] = eval_fn(quantize_int8_dynamic(model, skip=everything - {name})) - base
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+@torch.no_grad()
+def activation_outliers(model: torch.nn.Module, batch: dict[str, torch.Tensor]
+                        ) -> dict[str, float]:
+    """Per Linear: max |input| / mean |input| over a batch, the outlier ratio LLM.int8 is about.
+
+    A large ratio means one per-tensor int8 scale must cover a few huge values, so the many small
+    ones get few levels: the layer quantizes badly.
+    """
+    ratios: dict[str, float] = {}
+    hooks = []
+    for name, module in model.named_modules():
+        if type(module) is torch.nn.Linear:
+            def hook(mod, args, out, name=name):
+                x = args[0].abs().float()
+                ratios[name] = float(x.max() / x.mean().clamp_min(1e-12))
+            hooks.append(module.register_forward_hook(hook))
+    try:
+        model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    finally:
+        for h in hooks:
+            h.remove()
+    return ratios

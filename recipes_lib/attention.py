@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from functools import lru_cache
+from functools import cache
 
 import torch
 import torch.nn.functional as F
@@ -78,7 +78,7 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=enable_gqa)
 
 
-@lru_cache(maxsize=None)
+@cache
 def backend_available(backend: str, device_type: str, dtype: torch.dtype) -> bool:
     """Whether SDPA's ``backend`` runs forward and backward here (tried on a tiny input)."""
     from torch.nn.attention import sdpa_kernel
@@ -219,11 +219,11 @@ def benchmark_attention(
                    .requires_grad_() for _ in range(3))
         grad = torch.randn(batch_size, num_heads, s, head_dim, generator=g).to(device, dtype)
         for impl, fn in fns.items():
-            def fwd():
+            def fwd(fn=fn, q=q, k=k, v=v):
                 with torch.no_grad():
                     return fn(q, k, v, causal=True)
 
-            def fwd_bwd():
+            def fwd_bwd(fn=fn, q=q, k=k, v=v, grad=grad):
                 fn(q, k, v, causal=True).backward(grad)
                 q.grad = k.grad = v.grad = None
 

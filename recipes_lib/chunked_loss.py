@@ -23,6 +23,11 @@ IGNORE_INDEX = -100
 ChunkLoss = Callable[..., torch.Tensor]
 
 
+def upcast(x: torch.Tensor) -> torch.Tensor:
+    """At least fp32 (bf16 / fp16 logits lose too much in softmax); fp64 stays fp64."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 def _check(hidden: torch.Tensor, weight: torch.Tensor, chunk_size: int,
            extras: tuple[torch.Tensor, ...]) -> None:
     if not isinstance(chunk_size, int) or chunk_size <= 0:
@@ -46,9 +51,10 @@ class _ChunkedLinearLoss(torch.autograd.Function):
         ctx.weight_dtype, ctx.n_extras = weight.dtype, len(extras)
         grad_h = torch.zeros_like(hidden) if need_h else None
         # accumulate the weight gradient in fp32: it sums over every chunk
-        grad_w = torch.zeros_like(weight, dtype=torch.float32) if need_w else None
+        acc = torch.promote_types(weight.dtype, torch.float32)
+        grad_w = torch.zeros_like(weight, dtype=acc) if need_w else None
         w = weight.detach().requires_grad_(need_w)
-        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        total = torch.zeros((), dtype=acc, device=hidden.device)
         for start in range(0, hidden.shape[0], chunk_size):
             end = min(start + chunk_size, hidden.shape[0])
             h = hidden[start:end].detach().requires_grad_(need_h)
@@ -60,7 +66,7 @@ class _ChunkedLinearLoss(torch.autograd.Function):
                 grad_h[start:end] = next(grads)
             if need_w:
                 grad_w += next(grads)
-            total += loss.detach().float()
+            total += upcast(loss.detach())
         ctx.save_for_backward(grad_h, grad_w)
         return total
 
@@ -104,11 +110,12 @@ def chunked_linear_loss(
     """
     _check(hidden, weight, chunk_size, targets)
     if not torch.is_grad_enabled() or not (hidden.requires_grad or weight.requires_grad):
-        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        total = torch.zeros((), dtype=torch.promote_types(hidden.dtype, torch.float32),
+                            device=hidden.device)
         for start in range(0, hidden.shape[0], chunk_size):
             end = start + chunk_size
-            total += loss_fn(hidden[start:end] @ weight.T,
-                             *(t[start:end] for t in targets)).float()
+            total += upcast(loss_fn(hidden[start:end] @ weight.T,
+                                    *(t[start:end] for t in targets)))
         return total
     return _ChunkedLinearLoss.apply(hidden, weight, loss_fn, chunk_size, *targets)
 
@@ -124,7 +131,7 @@ def chunked_cross_entropy(
     """Cross-entropy of ``hidden @ weight.T`` against ``labels`` without the full logits.
 
     Equal to ``F.cross_entropy(hidden @ weight.T, labels, ignore_index=...)`` (forward and
-    gradients) up to float rounding; the logits are upcast to fp32 per chunk.
+    gradients) up to float rounding; the logits are upcast to at least fp32 per chunk.
 
     Args:
         hidden: (..., hidden_size) hidden states; leading dimensions are flattened.
@@ -135,7 +142,7 @@ def chunked_cross_entropy(
         reduction: "mean" (over non-ignored tokens) or "sum".
 
     Returns:
-        A scalar fp32 loss.
+        A scalar loss (fp32, or fp64 for fp64 inputs).
 
     Raises:
         ValueError: for chunk_size <= 0, mismatched shapes or an unknown reduction.
@@ -154,7 +161,8 @@ def chunked_cross_entropy(
     h, y = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
 
     def ce_sum(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits.float(), target, ignore_index=ignore_index, reduction="sum")
+        return F.cross_entropy(upcast(logits), target, ignore_index=ignore_index,
+                               reduction="sum")
 
     total = chunked_linear_loss(h, weight, ce_sum, chunk_size, y)
     if reduction == "sum":

@@ -20,7 +20,7 @@ import copy
 import torch
 import torch.nn.functional as F
 
-from recipes_lib.chunked_loss import IGNORE_INDEX, chunked_linear_loss
+from recipes_lib.chunked_loss import IGNORE_INDEX, chunked_linear_loss, upcast
 
 
 def _check_kd_args(temperature: float, alpha: float) -> None:
@@ -32,8 +32,8 @@ def _check_kd_args(temperature: float, alpha: float) -> None:
 
 def _token_kd(student_logits: torch.Tensor, teacher_logits: torch.Tensor, labels: torch.Tensor,
               temperature: float, alpha: float) -> torch.Tensor:
-    """Per-token ``alpha * T^2 * KL + (1 - alpha) * CE`` in fp32 (0 where labels are ignored)."""
-    s, t = student_logits.float(), teacher_logits.float()
+    """Per-token ``alpha * T^2 * KL + (1 - alpha) * CE``, at least fp32 (0 where no label)."""
+    s, t = upcast(student_logits), upcast(teacher_logits)
     log_p = F.log_softmax(t / temperature, dim=-1)
     log_q = F.log_softmax(s / temperature, dim=-1)
     kl = (log_p.exp() * (log_p - log_q)).sum(-1)

@@ -88,7 +88,7 @@ def benchmark_norms(hidden_sizes: list[int], tokens: int = 2048, compile_rmsnorm
             fns["rmsnorm_compiled_s"] = torch.compile(rms, dynamic=False)
         row: dict[str, float] = {"hidden_size": h, "rmsnorm_compiled_s": float("nan")}
         for key, fn in fns.items():
-            def step(fn=fn):
+            def step(fn=fn, x=x, grad=grad):
                 fn(x).backward(grad)
                 x.grad = None
             row[key] = time_fn(step, warmup=2, repeats=repeats, device=device).median_s

@@ -136,8 +136,8 @@ def linear_kernel_speedup(model: torch.nn.Module, tokens: int = 2048, repeats: i
         int8 = quantize_int8_dynamic(fp32)
         x = torch.randn(tokens, i)
         with torch.inference_mode():
-            t32 += count * time_fn(lambda: fp32(x), repeats=repeats).median_s
-            t8 += count * time_fn(lambda: int8(x), repeats=repeats).median_s
+            t32 += count * time_fn(lambda m=fp32, x=x: m(x), repeats=repeats).median_s
+            t8 += count * time_fn(lambda m=int8, x=x: m(x), repeats=repeats).median_s
     return t32 / t8
 
 

@@ -34,3 +34,20 @@ def test_hub_id_offline_is_a_clear_error(monkeypatch):
 def test_folder_without_config_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="could not be loaded"):
         models.load_model(tmp_path)
+
+
+def test_layernorm_architecture_builds(tmp_path):
+    spec = models.TinyModelSpec(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                num_attention_heads=2, num_key_value_heads=1, pretrain_steps=2,
+                                pretrain_batch_size=4, pretrain_seq_len=32, architecture="gpt_neox")
+    m = models.load_model(models.build_tiny_model(tmp_path / "neox", spec, progress=False))
+    assert m.config.model_type == "gpt_neox"
+    assert any(isinstance(x, torch.nn.LayerNorm) for x in m.modules())
+    with pytest.raises(ValueError, match="architecture='mamba'"):
+        models.build_tiny_model(tmp_path / "x", models.TinyModelSpec(architecture="mamba"))
+
+
+def test_save_temporary_round_trip(small_llama, tokenizer):
+    path = models.save_temporary(small_llama, tokenizer)
+    again = models.load_model(path)
+    assert all(torch.equal(a, b) for a, b in zip(small_llama.parameters(), again.parameters()))

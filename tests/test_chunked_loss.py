@@ -1,0 +1,83 @@
+import pytest
+import torch
+import torch.nn.functional as F
+
+from recipes_lib.chunked_loss import chunked_cross_entropy, chunked_linear_loss
+
+
+def _reference(h, w, y, **kw):
+    return F.cross_entropy((h @ w.T).flatten(0, 1), y.flatten(), **kw)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 7, 64, 1000])
+def test_equals_full_cross_entropy_forward_and_backward(chunk_size):
+    h = torch.randn(3, 50, 32, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(300, 32, dtype=torch.float64, requires_grad=True)
+    y = torch.randint(0, 300, (3, 50))
+    y[0, :10] = -100
+    ref = _reference(h, w, y, ignore_index=-100)
+    g_ref = torch.autograd.grad(ref, (h, w))
+    out = chunked_cross_entropy(h, w, y, chunk_size=chunk_size)
+    g_out = torch.autograd.grad(out, (h, w))
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-10)
+    for a, b in zip(g_out, g_ref):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
+
+
+def test_fp32_gradients_within_1e5():
+    h = torch.randn(2, 256, 64, requires_grad=True)
+    w = torch.randn(2048, 64, requires_grad=True)
+    y = torch.randint(0, 2048, (2, 256))
+    ref = _reference(h, w, y)
+    g_ref = torch.autograd.grad(ref, (h, w))
+    g = torch.autograd.grad(chunked_cross_entropy(h, w, y, chunk_size=100), (h, w))
+    assert max(float((a - b).abs().max()) for a, b in zip(g, g_ref)) <= 1e-5
+
+
+def test_bf16_inputs_within_bf16_tolerance():
+    h = torch.randn(64, 32, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(100, 32, dtype=torch.bfloat16, requires_grad=True)
+    y = torch.randint(0, 100, (64,))
+    ref = F.cross_entropy((h @ w.T).float(), y)
+    out = chunked_cross_entropy(h, w, y, chunk_size=16)
+    torch.testing.assert_close(out, ref, rtol=1e-2, atol=1e-2)
+    out.backward()
+    assert h.grad.dtype == torch.bfloat16 and w.grad.dtype == torch.bfloat16
+
+
+def test_sum_reduction_and_no_grad_path():
+    h, w, y = torch.randn(10, 8), torch.randn(20, 8), torch.randint(0, 20, (10,))
+    ref = F.cross_entropy(h @ w.T, y, reduction="sum")
+    torch.testing.assert_close(chunked_cross_entropy(h, w, y, 3, reduction="sum"), ref)
+    with torch.no_grad():
+        torch.testing.assert_close(chunked_cross_entropy(h, w, y, 3, reduction="sum"), ref)
+
+
+def test_only_one_chunk_of_logits_is_alive():
+    """Peak memory of the loss step is about one chunk's logits, not all of them."""
+    from recipes_lib.memory import measure_memory
+
+    h = torch.randn(2048, 64, requires_grad=True)
+    w = torch.randn(8000, 64, requires_grad=True)
+    y = torch.randint(0, 8000, (2048,))
+    full = measure_memory(lambda: _reference(h[None], w, y[None]).backward()).peak_bytes
+    chunked = measure_memory(lambda: chunked_cross_entropy(h, w, y, 256).backward()).peak_bytes
+    assert chunked / full < 0.25, (chunked, full)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"chunk_size": 0}, "chunk_size"),
+    ({"chunk_size": -3}, "chunk_size"),
+    ({"reduction": "none"}, "reduction"),
+])
+def test_bad_arguments_name_the_parameter(kwargs, match):
+    h, w, y = torch.randn(4, 8), torch.randn(10, 8), torch.randint(0, 10, (4,))
+    with pytest.raises(ValueError, match=match):
+        chunked_cross_entropy(h, w, y, **kwargs)
+
+
+def test_mismatched_shapes_are_refused():
+    with pytest.raises(ValueError, match="labels"):
+        chunked_cross_entropy(torch.randn(4, 8), torch.randn(10, 8), torch.zeros(5, dtype=torch.long))
+    with pytest.raises(ValueError, match="weight"):
+        chunked_linear_loss(torch.randn(4, 8), torch.randn(10, 9), lambda z: z.sum(), 2)

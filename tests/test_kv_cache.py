@@ -1,0 +1,39 @@
+import pytest
+import torch
+
+from recipes_lib import calc, kv_cache, latency
+
+
+def test_measured_cache_equals_the_calculator(small_llama):
+    ids = torch.randint(3, 128, (2, 10))
+    got = kv_cache.measure_kv_cache(small_llama, ids)
+    shape = calc.ModelShape.from_config(small_llama.config)
+    assert got["bytes_per_token"] == calc.kv_cache_bytes_per_token(shape, bytes_per_value=4)
+    assert got["bytes"] == calc.kv_cache_bytes(shape, 10, 2, bytes_per_value=4)
+
+
+def test_generation_with_and_without_cache_gives_the_same_tokens(small_llama):
+    ids = torch.randint(3, 128, (1, 6))
+    kw = {"max_new_tokens": 8, "min_new_tokens": 8, "do_sample": False, "pad_token_id": 0}
+    with torch.no_grad():
+        a = small_llama.generate(input_ids=ids, use_cache=True, **kw)
+        b = small_llama.generate(input_ids=ids, use_cache=False, **kw)
+    assert torch.equal(a, b)
+
+
+def test_generation_speed_and_prefill_time(small_llama):
+    ids = torch.randint(3, 128, (1, 6))
+    out = latency.generation_speed(small_llama, ids, new_tokens=4, repeats=1)
+    assert out["tokens_per_s"] > 0
+    assert latency.prefill_time(small_llama, {"input_ids": ids}, repeats=1).median_s > 0
+    with pytest.raises(ValueError, match="new_tokens"):
+        latency.generation_speed(small_llama, ids, new_tokens=0)
+    with pytest.raises(ValueError, match="input_ids"):
+        latency.prefill_time(small_llama, {})
+
+
+def test_module_time_share_is_a_fraction(small_llama):
+    ids = torch.randint(3, 128, (2, 32))
+    share = latency.module_time_share(small_llama, lambda: small_llama(input_ids=ids),
+                                      lambda m: type(m) is torch.nn.Linear)
+    assert 0.0 < share < 1.0

@@ -1,0 +1,67 @@
+import pytest
+import torch
+
+from recipes_lib import calc, ptq
+
+
+def test_int8_linear_close_to_fp32():
+    lin = torch.nn.Sequential(torch.nn.Linear(256, 128))
+    q = ptq.quantize_int8_dynamic(lin)
+    x = torch.randn(64, 256)
+    ref, out = lin(x), q(x)
+    # per-channel int8 weights + per-tensor int8 activations: relative error of ~1 %
+    assert float((out - ref).norm() / ref.norm()) < 0.02
+
+
+def test_model_bytes_match_the_calculator(small_llama):
+    q = ptq.quantize_int8_dynamic(small_llama)
+    stats = ptq.int8_linear_bytes(q)
+    shapes = [(small_llama.get_submodule(n).out_features, small_llama.get_submodule(n).in_features)
+              for n in ptq.linear_names(small_llama)]
+    assert stats["bytes"] == sum(calc.int8_linear_bytes(o, i) for o, i in shapes)
+    assert stats["params"] == sum(o * i for o, i in shapes)
+    # the original is untouched
+    assert all(type(small_llama.get_submodule(n)) is torch.nn.Linear
+               for n in ptq.linear_names(small_llama))
+
+
+def test_logits_close_and_skip_keeps_layers_fp32(small_llama):
+    ids = torch.randint(0, 128, (2, 16))
+    q = ptq.quantize_int8_dynamic(small_llama, skip=["lm_head"])
+    assert type(q.lm_head) is torch.nn.Linear
+    with torch.no_grad():
+        ref, out = small_llama(input_ids=ids).logits, q(input_ids=ids).logits
+    assert float((out - ref).abs().max()) < 0.05 * float(ref.abs().max())
+
+
+def test_sensitivity_and_outliers(small_llama):
+    ids = torch.randint(0, 128, (2, 16))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+    def loss(m):
+        with torch.no_grad():
+            return float(m(input_ids=ids, labels=ids).loss)
+    names = ptq.linear_names(small_llama)[:3]
+    sens = ptq.layer_sensitivity(small_llama, loss, names, progress=False)
+    assert set(sens) == set(names)
+    out = ptq.activation_outliers(small_llama, batch)
+    assert set(out) == set(ptq.linear_names(small_llama)) and min(out.values()) >= 1.0
+
+
+def test_bad_inputs():
+    with pytest.raises(ValueError, match="no torch.nn.Linear"):
+        ptq.quantize_int8_dynamic(torch.nn.Sequential(torch.nn.Conv1d(2, 2, 1)))
+    with pytest.raises(ValueError, match="skip"):
+        ptq.quantize_int8_dynamic(torch.nn.Sequential(torch.nn.Linear(4, 4)), skip=["nope"])
+    with pytest.raises(ValueError, match="all were skipped"):
+        ptq.quantize_int8_dynamic(torch.nn.Sequential(torch.nn.Linear(4, 4)), skip=["0"])
+    with pytest.raises(ValueError, match="fp32 CPU"):
+        ptq.quantize_int8_dynamic(torch.nn.Sequential(torch.nn.Linear(4, 4)).half())
+    with pytest.raises(ValueError, match="no int8 Linear"):
+        ptq.int8_linear_bytes(torch.nn.Sequential(torch.nn.Linear(4, 4)))
+
+
+def test_amdahl():
+    assert calc.amdahl_speedup(1.0, 2.0) == 2.0 and calc.amdahl_speedup(0.0, 9.0) == 1.0
+    with pytest.raises(ValueError, match="fraction"):
+        calc.amdahl_speedup(1.5, 2.0)

@@ -9,7 +9,7 @@ import torch
 
 from recipes_lib.grad_accumulation import forward_backward
 from recipes_lib.memory import CATEGORIES, MemoryReport, measure_memory
-from recipes_lib.timing import Timing, time_fn
+from recipes_lib.timing import Timing, time_interleaved
 from recipes_lib.train import optimizer_step
 
 
@@ -19,6 +19,17 @@ class StepMeasurement:
 
     memory: MemoryReport
     timing: Timing
+
+
+def _step_fn(model: torch.nn.Module, batch: dict[str, torch.Tensor], optimizer: Any,
+             grad_accum_steps: int, precision: str):
+    def step() -> None:
+        forward_backward(model, batch, grad_accum_steps, precision)
+        if optimizer is not None:
+            optimizer_step(model, optimizer, max_grad_norm=None)
+        else:
+            model.zero_grad(set_to_none=True)
+    return step
 
 
 def measure_training_step(
@@ -34,18 +45,38 @@ def measure_training_step(
     A warm-up step runs first, so optimizer states exist when memory is measured, as in every
     step after the first.
     """
-    def step() -> None:
-        forward_backward(model, batch, grad_accum_steps, precision)
-        if optimizer is not None:
-            optimizer_step(model, optimizer, max_grad_norm=None)
-        else:
-            model.zero_grad(set_to_none=True)
+    return measure_training_steps({"model": model}, batch, {"model": optimizer},
+                                  grad_accum_steps, precision, repeats)["model"]
 
-    model.train()
-    step()
-    memory = measure_memory(step, model, optimizer)
-    timing = time_fn(step, warmup=0, repeats=repeats, device=next(model.parameters()).device)
-    return StepMeasurement(memory, timing)
+
+def measure_training_steps(
+    models: dict[str, torch.nn.Module],
+    batch: dict[str, torch.Tensor],
+    optimizers: dict[str, Any] | None = None,
+    grad_accum_steps: int = 1,
+    precision: str = "fp32",
+    repeats: int = 3,
+) -> dict[str, StepMeasurement]:
+    """``measure_training_step`` for several variants, their step times taken in alternation.
+
+    Each model's memory is measured alone; the timed steps alternate between models
+    (``timing.time_interleaved``), so machine drift does not favour the one measured first.
+
+    Example:
+        >>> m = measure_training_steps({"plain": plain, "checkpointed": ckpt}, batch)  # doctest: +SKIP
+        >>> m["checkpointed"].timing.median_s / m["plain"].timing.median_s  # doctest: +SKIP
+    """
+    optimizers = optimizers or {}
+    steps = {name: _step_fn(m, batch, optimizers.get(name), grad_accum_steps, precision)
+             for name, m in models.items()}
+    memory = {}
+    for name, model in models.items():
+        model.train()
+        steps[name]()
+        memory[name] = measure_memory(steps[name], model, optimizers.get(name))
+    device = next(next(iter(models.values())).parameters()).device
+    timings = time_interleaved(steps, warmup=0, repeats=repeats, device=device)
+    return {name: StepMeasurement(memory[name], timings[name]) for name in models}
 
 
 def side_by_side(rows: dict[str, tuple[float, float]], names: tuple[str, str] = ("baseline",

@@ -62,3 +62,44 @@ def time_fn(
         synchronize(device)
         times.append(time.perf_counter() - t0)
     return Timing(median_s=statistics.median(times), times_s=times)
+
+
+def time_interleaved(
+    fns: dict[str, Callable[[], Any]],
+    warmup: int = 1,
+    repeats: int = 5,
+    device: torch.device | None = None,
+) -> dict[str, Timing]:
+    """Time several functions in alternation (A B A B ...), the median of each.
+
+    Comparing two variants measured one after the other lets slow drift of the machine (clock
+    speed, other processes, the allocator's state) land on one of them; alternating spreads it
+    over both.
+
+    Raises:
+        ValueError: for no functions, warmup < 0 or repeats < 1.
+
+    Example:
+        >>> t = time_interleaved({"a": lambda: sum(range(100)), "b": lambda: sum(range(200))})
+        >>> sorted(t)
+        ['a', 'b']
+    """
+    if not fns:
+        raise ValueError("fns: nothing to time")
+    if warmup < 0:
+        raise ValueError(f"warmup={warmup}: must be >= 0")
+    if repeats < 1:
+        raise ValueError(f"repeats={repeats}: must be >= 1")
+    device = device or torch.device("cpu")
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            synchronize(device)
+            t0 = time.perf_counter()
+            fn()
+            synchronize(device)
+            times[name].append(time.perf_counter() - t0)
+    return {name: Timing(median_s=statistics.median(t), times_s=t) for name, t in times.items()}

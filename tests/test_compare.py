@@ -14,3 +14,11 @@ def test_side_by_side_ratio_and_plots(small_llama, varlen_batch):
     assert compare.memory_table({"a": m.memory}).loc["peak", "a"] > 0
     assert compare.plot_memory_breakdown({"a": m.memory, "b": m.memory}).axes
     assert compare.plot_losses({"run": [3.0, 2.0]}).axes
+
+
+def test_several_variants_measured_with_interleaved_timing(small_llama, varlen_batch):
+    m = compare.measure_training_steps({"a": small_llama, "b": small_llama}, varlen_batch,
+                                       repeats=2)
+    assert set(m) == {"a", "b"}
+    assert m["a"].memory.peak_bytes == m["b"].memory.peak_bytes
+    assert len(m["a"].timing.times_s) == 2

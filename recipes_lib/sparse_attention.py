@@ -1,0 +1,210 @@
+"""Attention that skips most of the s x s matrix: sliding-window and local + global patterns.
+
+Full causal attention costs ``O(s^2)`` time (and memory, unless a flash kernel is used). Many
+long-context models restrict each query to a local window of the ``W`` previous tokens (Mistral,
+Longformer's local part, Gemma 2's local layers): ``O(s W)``. A few *global* tokens that every
+query may see (Longformer's global tokens, StreamingLLM's "attention sinks") keep a path to the
+beginning of the sequence.
+
+Both patterns are computed here block by block with PyTorch's SDPA: queries are split into blocks
+of ``W``; each block attends only to the keys its pattern can reach (the global prefix plus the
+previous and its own block), with a boolean mask inside, in one batched call. Forward and backward are ordinary
+autograd through SDPA, so they run on CPU and GPU alike. FlexAttention expresses the same
+patterns as a ``mask_mod`` and skips empty blocks in a fused kernel; on CPU its backward is not
+available, so it is an option on GPUs only (``flex_available``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+PATTERNS = ("causal", "sliding_window", "local_global")
+
+
+def _check(seq_len: int, window: int | None, n_global: int) -> None:
+    if window is not None:
+        if not isinstance(window, int) or window < 1:
+            raise ValueError(f"window={window!r}: must be an integer >= 1")
+        if window > seq_len:
+            raise ValueError(f"window={window}: larger than the sequence ({seq_len} tokens); "
+                             "use full causal attention instead")
+    if not isinstance(n_global, int) or n_global < 0:
+        raise ValueError(f"n_global={n_global!r}: must be an integer >= 0")
+    if n_global > seq_len:
+        raise ValueError(f"n_global={n_global}: more global tokens than the sequence has "
+                         f"({seq_len})")
+
+
+def _allowed(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None, n_global: int
+             ) -> torch.Tensor:
+    """Boolean (len(q_pos), len(k_pos)) mask: causal, within the window or a global key."""
+    diff = q_pos[:, None] - k_pos[None, :]
+    ok = diff >= 0
+    if window is not None:
+        ok = ok & ((diff < window) | (k_pos[None, :] < n_global))
+    return ok
+
+
+def attention_mask(seq_len: int, window: int | None = None, n_global: int = 0,
+                   device: torch.device | str = "cpu") -> torch.Tensor:
+    """The dense (s, s) boolean mask of a pattern (True = may attend); the reference.
+
+    Args:
+        seq_len: s.
+        window: each query sees itself and the ``window - 1`` tokens before it (None = all).
+        n_global: the first ``n_global`` tokens are visible to every later query.
+
+    Raises:
+        ValueError: for window < 1, window > seq_len, or n_global outside [0, seq_len].
+
+    Example:
+        >>> attention_mask(4, window=2).int().tolist()
+        [[1, 0, 0, 0], [1, 1, 0, 0], [0, 1, 1, 0], [0, 0, 1, 1]]
+    """
+    _check(seq_len, window, n_global)
+    pos = torch.arange(seq_len, device=device)
+    return _allowed(pos, pos, window, n_global)
+
+
+def dense_masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
+                           ) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d) masked) v, materialised: the reference for every pattern."""
+    scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v
+
+
+def blockwise_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        window: int | None = None, n_global: int = 0) -> torch.Tensor:
+    """Causal attention restricted to a sliding window (+ a global prefix), in blocks of W.
+
+    The sequence is cut into blocks of ``W`` queries; block ``i`` attends to key blocks ``i - 1``
+    and ``i`` (which hold every key within ``W`` of its queries) plus the ``n_global`` first
+    keys, with a boolean mask inside: one batched SDPA call over all blocks, ``O(s (2W + G))``
+    time and memory instead of ``O(s^2)``. Equal to ``dense_masked_attention`` with
+    ``attention_mask(s, window, n_global)``.
+
+    Args:
+        q, k, v: (batch, heads, seq, head_dim); k and v may have fewer heads (GQA).
+        window: local window W (None: full causal attention through SDPA).
+        n_global: leading tokens visible to every query.
+
+    Raises:
+        ValueError: for a bad window or n_global.
+    """
+    s = q.shape[-2]
+    _check(s, window, n_global)
+    gqa = k.shape[1] != q.shape[1]
+    if window is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    if gqa:  # grouped-query attention: share each kv head
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    w = window
+    n = -(-s // w)  # blocks
+    pad = n * w - s  # padded queries are dropped; padded keys lie after every real query
+
+    def blocks(x: torch.Tensor) -> torch.Tensor:  # (b, h, n, w, d)
+        x = F.pad(x, (0, 0, 0, pad))
+        return x.reshape(*x.shape[:2], n, w, x.shape[-1])
+
+    kb, vb = blocks(k), blocks(v)
+    prev = lambda x: F.pad(x, (0, 0, 0, 0, 1, 0))[:, :, :-1]  # noqa: E731 - block i-1, zeros first
+    keys = [torch.cat([prev(kb), kb], dim=3)]
+    values = [torch.cat([prev(vb), vb], dim=3)]
+    q_pos = torch.arange(n * w, device=q.device).reshape(n, w, 1)
+    k_pos = (torch.arange(n, device=q.device).reshape(n, 1, 1) * w - w
+             + torch.arange(2 * w, device=q.device).reshape(1, 1, 2 * w))
+    diff = q_pos - k_pos
+    masks = [(diff >= 0) & (diff < w) & (k_pos >= 0)]
+    if n_global:
+        g_shape = (k.shape[0], k.shape[1], n, n_global, k.shape[-1])
+        keys.insert(0, k[:, :, None, :n_global].expand(g_shape))
+        values.insert(0, v[:, :, None, :n_global].expand(g_shape))
+        g_pos = torch.arange(n_global, device=q.device).reshape(1, 1, n_global)
+        masks.insert(0, q_pos - g_pos >= w)  # global keys outside the window (no duplicates)
+    out = F.scaled_dot_product_attention(blocks(q), torch.cat(keys, 3), torch.cat(values, 3),
+                                         attn_mask=torch.cat(masks, -1))
+    return out.reshape(*out.shape[:2], n * w, out.shape[-1])[:, :, :s]
+
+
+def flex_available(device: torch.device | str) -> bool:
+    """FlexAttention trains (forward and backward) here: CUDA only; on CPU it is forward-only."""
+    if torch.device(device).type != "cuda":
+        return False
+    try:
+        from torch.nn.attention.flex_attention import flex_attention  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def flex_attention_fn(window: int | None, n_global: int = 0):
+    """A compiled FlexAttention callable for the pattern (GPU training path).
+
+    Raises:
+        ValueError: on a device where FlexAttention cannot train (see ``flex_available``).
+    """
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    compiled = torch.compile(flex_attention)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        ok = q_idx >= kv_idx
+        if window is not None:
+            ok = ok & ((q_idx - kv_idx < window) | (kv_idx < n_global))
+        return ok
+
+    def fn(q, k, v):
+        if not flex_available(q.device):
+            raise ValueError(f"device={q.device.type!r}: FlexAttention has no backward here; "
+                             "use blockwise_attention")
+        mask = create_block_mask(mask_mod, None, None, q.shape[-2], k.shape[-2],
+                                 device=q.device)
+        return compiled(q, k, v, block_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
+    return fn
+
+
+def register_with_transformers(window: int | None, n_global: int = 0) -> str:
+    """Register the pattern as a transformers attention implementation; return its name.
+
+    Load or switch a model with ``attn_implementation=<name>``. The function ignores the padding
+    mask, which is exact for right-padded or packed causal batches (pad keys come after every real
+    query); it refuses left padding.
+
+    Example:
+        >>> name = register_with_transformers(window=256)  # doctest: +SKIP
+        >>> model.set_attn_implementation(name)  # doctest: +SKIP
+    """
+    from transformers import AttentionInterface
+
+    name = f"blockwise_w{window}_g{n_global}"
+
+    def attention_forward(module, query, key, value, attention_mask=None, scaling=None,
+                          dropout=0.0, **kwargs):
+        if attention_mask is not None and attention_mask.dim() == 2 and \
+                bool((attention_mask[:, 0] == 0).any()):
+            raise ValueError("attention_mask: left padding is not supported by blockwise "
+                             "attention; pad on the right")
+        if scaling is not None and not math.isclose(scaling, query.shape[-1] ** -0.5):
+            raise ValueError(f"scaling={scaling}: blockwise attention uses 1/sqrt(head_dim)")
+        s = query.shape[-2]
+        w = None if window is None or window >= s else window
+        out = blockwise_attention(query, key, value, w, min(n_global, s))
+        return out.transpose(1, 2).contiguous(), None
+
+    AttentionInterface.register(name, attention_forward)
+    return name
+
+
+def time_exponent(seq_lens: list[int], seconds: list[float]) -> float:
+    """Slope of log(time) against log(seq_len) (least squares): 1 linear, 2 quadratic."""
+    if len(seq_lens) != len(seconds) or len(seq_lens) < 2:
+        raise ValueError("seq_lens, seconds: need two or more (length, time) pairs")
+    x = torch.log(torch.tensor(seq_lens, dtype=torch.float64))
+    y = torch.log(torch.tensor(seconds, dtype=torch.float64))
+    x = x - x.mean()
+    return float((x * (y - y.mean())).sum() / (x * x).sum())

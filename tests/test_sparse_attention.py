@@ -1,0 +1,71 @@
+import pytest
+import torch
+
+from recipes_lib import sparse_attention as sa
+
+
+@pytest.mark.parametrize("seq_len, window, n_global", [
+    (100, 16, 0), (100, 16, 4), (64, 64, 0), (77, None, 0), (128, 8, 20), (50, 7, 50), (33, 1, 3),
+])
+def test_blockwise_equals_dense_masked_reference_forward_and_backward(seq_len, window, n_global):
+    q = torch.randn(2, 4, seq_len, 16, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(2, 2, seq_len, 16, dtype=torch.float64, requires_grad=True)
+            for _ in range(2))
+    mask = sa.attention_mask(seq_len, window, n_global)
+    ref = sa.dense_masked_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), mask)
+    out = sa.blockwise_attention(q, k, v, window, n_global)
+    grad = torch.randn_like(ref)
+    g_ref = torch.autograd.grad(ref, (q, k, v), grad)
+    g_out = torch.autograd.grad(out, (q, k, v), grad)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+    for a, b in zip(g_out, g_ref):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+
+def test_fp32_within_1e5():
+    q, k, v = (torch.randn(1, 2, 300, 32, requires_grad=True) for _ in range(3))
+    ref = sa.dense_masked_attention(q, k, v, sa.attention_mask(300, 64, 8))
+    assert float((sa.blockwise_attention(q, k, v, 64, 8) - ref).abs().max()) <= 1e-5
+
+
+def test_mask_pattern():
+    m = sa.attention_mask(6, window=2, n_global=1).int().tolist()
+    assert m == [[1, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0], [1, 1, 1, 0, 0, 0],
+                 [1, 0, 1, 1, 0, 0], [1, 0, 0, 1, 1, 0], [1, 0, 0, 0, 1, 1]]
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"window": 0}, "window=0"), ({"window": 20}, "window=20: larger than the sequence"),
+    ({"window": 4, "n_global": -1}, "n_global"), ({"window": 4, "n_global": 11}, "n_global"),
+])
+def test_bad_patterns_name_the_parameter(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        sa.attention_mask(10, **kwargs)
+    q = torch.randn(1, 1, 10, 4)
+    with pytest.raises(ValueError, match=match):
+        sa.blockwise_attention(q, q, q, **kwargs)
+
+
+def test_plugs_into_a_transformers_model(small_llama):
+    ids = torch.randint(3, 128, (2, 40))
+    name = sa.register_with_transformers(window=None)
+    with torch.no_grad():
+        ref = small_llama(input_ids=ids).logits
+        small_llama.set_attn_implementation(name)
+        same = small_llama(input_ids=ids).logits
+        small_llama.set_attn_implementation(sa.register_with_transformers(window=8))
+        local = small_llama(input_ids=ids).logits
+    torch.testing.assert_close(same, ref, rtol=1e-5, atol=1e-5)
+    # the first 8 positions see the same keys either way; later ones do not
+    torch.testing.assert_close(local[:, :8], ref[:, :8], rtol=1e-5, atol=1e-5)
+    assert float((local[:, 8:] - ref[:, 8:]).abs().max()) > 1e-3
+
+
+def test_time_exponent():
+    assert sa.time_exponent([1, 2, 4], [3.0, 12.0, 48.0]) == pytest.approx(2.0)
+    with pytest.raises(ValueError, match="seq_lens"):
+        sa.time_exponent([1], [1.0])
+
+
+def test_flex_is_gpu_only_here():
+    assert sa.flex_available("cpu") is False

@@ -169,3 +169,27 @@ def chunked_cross_entropy(
         return total
     # F.cross_entropy's mean is over non-ignored targets (nan when there are none, as here)
     return total / (y != ignore_index).sum()
+
+
+class ChunkedCausalLMLoss:
+    """``loss_fn`` for ``train.train``: next-token cross-entropy from the final hidden states,
+    chunked so the tokens x vocab logits never exist. Returns the sum over target tokens.
+
+    Example:
+        >>> train.train(model, examples, pad_id, config,
+        ...             loss_fn=ChunkedCausalLMLoss(1024))  # doctest: +SKIP
+    """
+
+    def __init__(self, chunk_size: int = 1024):
+        if not isinstance(chunk_size, int) or chunk_size <= 0:
+            raise ValueError(f"chunk_size={chunk_size!r}: must be an integer > 0")
+        self.chunk_size = chunk_size
+
+    def __call__(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        head = model.get_output_embeddings()
+        if getattr(head, "bias", None) is not None:
+            raise ValueError("model: its output layer has a bias; expected a bias-free LM head")
+        hidden = model.get_decoder()(input_ids=batch["input_ids"],
+                                     attention_mask=batch["attention_mask"]).last_hidden_state
+        return chunked_cross_entropy(hidden[:, :-1], head.weight, batch["labels"][:, 1:],
+                                     self.chunk_size, reduction="sum")

@@ -112,7 +112,9 @@ def blockwise_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         return x.reshape(*x.shape[:2], n, w, x.shape[-1])
 
     kb, vb = blocks(k), blocks(v)
-    prev = lambda x: F.pad(x, (0, 0, 0, 0, 1, 0))[:, :, :-1]  # noqa: E731 - block i-1, zeros first
+    def prev(x: torch.Tensor) -> torch.Tensor:  # block i - 1 at position i (zeros for block 0)
+        return F.pad(x, (0, 0, 0, 0, 1, 0))[:, :, :-1]
+
     keys = [torch.cat([prev(kb), kb], dim=3)]
     values = [torch.cat([prev(vb), vb], dim=3)]
     q_pos = torch.arange(n * w, device=q.device).reshape(n, w, 1)

@@ -1,0 +1,99 @@
+"""The longest sequence that trains within a memory budget, found by measurement.
+
+Activation memory grows with the sequence length s: linearly for the layers' tensors, as s^2 for
+eager attention's score matrices, and as s x vocab for the logits. Each recipe removes one term
+(flash / blockwise attention the s^2, checkpointing most of the per-layer tensors, chunked
+cross-entropy the logits); ``max_seq_len`` finds, by measuring real training steps with the one
+memory meter, how far each combination goes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+def check_positions(config: Any, seq_len: int) -> None:
+    """Refuse a sequence longer than the model's positional capacity, saying how to extend it.
+
+    Raises:
+        ValueError: if seq_len > config.max_position_embeddings.
+    """
+    limit = getattr(config, "max_position_embeddings", None)
+    if seq_len < 1:
+        raise ValueError(f"seq_len={seq_len}: must be >= 1")
+    if limit is not None and seq_len > limit:
+        raise ValueError(
+            f"seq_len={seq_len}: beyond the model's max_position_embeddings={limit}. RoPE models "
+            "can be stretched: set config.rope_scaling, e.g. {'rope_type': 'linear', 'factor': "
+            f"{seq_len / limit:.2g}}} (position interpolation) or 'dynamic' / 'yarn', and "
+            "fine-tune briefly at the new length")
+
+
+def training_step_peak(model: torch.nn.Module, seq_len: int, batch_size: int = 1,
+                       loss_fn: Callable | None = None) -> int:
+    """Measured peak bytes of one forward + backward at ``seq_len`` (random tokens, no padding)."""
+    from recipes_lib.grad_accumulation import forward_backward
+    from recipes_lib.memory import measure_memory
+
+    check_positions(model.config, seq_len)
+    device = next(model.parameters()).device
+    g = torch.Generator().manual_seed(seq_len)
+    ids = torch.randint(0, model.config.vocab_size, (batch_size, seq_len), generator=g)
+    batch = {"input_ids": ids.to(device), "attention_mask": torch.ones_like(ids, device=device),
+             "labels": ids.to(device)}
+    model.train()
+
+    def step():
+        forward_backward(model, batch, loss_fn=loss_fn)
+        model.zero_grad(set_to_none=True)
+    return measure_memory(step, model, device=device).peak_bytes
+
+
+def max_seq_len(peak_at: Callable[[int], float], budget_bytes: float, start: int = 256,
+                limit: int = 65536, multiple_of: int = 128) -> dict[str, Any]:
+    """Largest multiple of ``multiple_of`` whose measured peak fits ``budget_bytes``.
+
+    Doubles from ``start`` until a length does not fit (or ``limit``), then bisects. Assumes the
+    peak grows with the length.
+
+    Returns:
+        ``{"seq_len": best (0 if even start does not fit), "probes": {length: peak}}``.
+
+    Raises:
+        ValueError: for a non-positive budget, start, limit or multiple_of, or start > limit.
+    """
+    for name, v in (("budget_bytes", budget_bytes), ("start", start), ("limit", limit),
+                    ("multiple_of", multiple_of)):
+        if v <= 0:
+            raise ValueError(f"{name}={v}: must be > 0")
+    if start > limit:
+        raise ValueError(f"start={start} > limit={limit}")
+    probes: dict[int, float] = {}
+
+    def fits(n: int) -> bool:
+        probes[n] = float(peak_at(n))
+        return probes[n] <= budget_bytes
+
+    lo, hi = 0, None
+    n = start
+    while True:
+        if fits(n):
+            lo = n
+            if n >= limit:
+                return {"seq_len": lo, "probes": probes}
+            n = min(2 * n, limit)
+        else:
+            hi = n
+            break
+    while hi - lo > multiple_of:
+        mid = (lo + hi) // 2 // multiple_of * multiple_of
+        if mid <= lo:
+            break
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    return {"seq_len": lo, "probes": probes}

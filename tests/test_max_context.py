@@ -1,0 +1,59 @@
+import pytest
+import torch
+
+from recipes_lib import max_context as mc
+from recipes_lib.chunked_loss import ChunkedCausalLMLoss
+from recipes_lib.grad_accumulation import causal_lm_loss_sum
+
+
+def test_search_finds_the_largest_fitting_multiple():
+    calls = []
+
+    def peak(n):
+        calls.append(n)
+        return 1000 * n
+    out = mc.max_seq_len(peak, budget_bytes=1000 * 3000, start=256, limit=65536, multiple_of=128)
+    assert out["seq_len"] == 2944 and set(out["probes"]) == set(calls)
+    assert mc.max_seq_len(peak, 10, start=256)["seq_len"] == 0
+    assert mc.max_seq_len(peak, 1e12, start=256, limit=1024)["seq_len"] == 1024
+
+
+@pytest.mark.parametrize("kwargs, match", [({"budget_bytes": 0}, "budget_bytes"),
+                                           ({"multiple_of": 0}, "multiple_of"),
+                                           ({"start": 4096, "limit": 1024}, "start=4096")])
+def test_bad_search_settings(kwargs, match):
+    args = {"peak_at": lambda n: n, "budget_bytes": 100, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        mc.max_seq_len(**args)
+
+
+def test_sequence_beyond_positions_says_how_rope_scaling_extends_it(small_llama):
+    with pytest.raises(ValueError, match=r"seq_len=512: beyond .*max_position_embeddings=128.*rope"):
+        mc.check_positions(small_llama.config, 512)
+    with pytest.raises(ValueError, match="seq_len"):
+        mc.training_step_peak(small_llama, 512)
+
+
+def test_chunked_causal_lm_loss_equals_the_model_loss(small_llama, varlen_batch):
+    inputs = {k: varlen_batch[k] for k in ("input_ids", "attention_mask")}
+    ref = causal_lm_loss_sum(small_llama(**inputs).logits, varlen_batch["labels"])
+    ref.backward()
+    g_ref = {n: p.grad.clone() for n, p in small_llama.named_parameters()}
+    small_llama.zero_grad()
+    got = ChunkedCausalLMLoss(chunk_size=7)(small_llama, varlen_batch)
+    got.backward()
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-4)
+    for n, p in small_llama.named_parameters():
+        torch.testing.assert_close(p.grad, g_ref[n], rtol=1e-4, atol=1e-6, msg=n)
+    with pytest.raises(ValueError, match="chunk_size"):
+        ChunkedCausalLMLoss(0)
+
+
+def test_each_recipe_lowers_the_measured_peak(small_llama):
+    from recipes_lib import checkpointing
+
+    base = mc.training_step_peak(small_llama, 128, batch_size=2)
+    chunked = mc.training_step_peak(small_llama, 128, batch_size=2, loss_fn=ChunkedCausalLMLoss(16))
+    checkpointing.enable_activation_checkpointing(small_llama)
+    both = mc.training_step_peak(small_llama, 128, batch_size=2, loss_fn=ChunkedCausalLMLoss(16))
+    assert both < chunked < base

@@ -174,6 +174,8 @@ def tokenize_examples(dataset, tokenizer, max_length: int, kind: str) -> list[di
         ValueError: if max_length exceeds the tokenizer's model_max_length, or an sft example
             does not fit in max_length.
     """
+    if kind not in ("lm", "sft"):
+        raise ValueError(f"kind={kind!r}: expected 'lm' or 'sft'")
     if max_length <= 1:
         raise ValueError(f"max_length={max_length}: must be at least 2")
     limit = getattr(tokenizer, "model_max_length", None)

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from recipes_lib import data
+from recipes_lib import data, train_state
 from recipes_lib.device import resolve_precision, synchronize
 from recipes_lib.distributed import all_reduce_sum, rank_slice, world
 from recipes_lib.grad_accumulation import LossFn, count_target_tokens, forward_backward
@@ -39,6 +39,8 @@ class TrainConfig:
     progress: bool = True
     desc: str = "training"
     log_dir: str | None = None
+    checkpoint_dir: str | None = None  # resume from here if a checkpoint exists; save into it
+    checkpoint_every: int = 0  # steps between checkpoints (0: only at the end)
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""
@@ -52,6 +54,8 @@ class TrainConfig:
             raise ValueError(f"warmup_steps={self.warmup_steps}: must be in [0, steps]")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule={self.schedule!r}: expected one of {SCHEDULES}")
+        if not isinstance(self.checkpoint_every, int) or self.checkpoint_every < 0:
+            raise ValueError(f"checkpoint_every={self.checkpoint_every!r}: must be an integer >= 0")
         if self.max_grad_norm is not None and self.max_grad_norm <= 0:
             raise ValueError(f"max_grad_norm={self.max_grad_norm}: must be > 0 or None")
 
@@ -141,11 +145,17 @@ def train(
         loss_fn: the loss summed over a micro-batch's target tokens, ``loss_fn(model, batch)``
             (e.g. ``distillation.DistillationLoss``); default next-token cross-entropy.
 
+    With ``config.checkpoint_dir`` the run saves every ``checkpoint_every`` steps and at the end
+    (``train_state``: atomic, safetensors + weights-only state) and, when a checkpoint is already
+    there, resumes from it: weights, optimizer, scheduler, scaler, RNG and data position, so the
+    losses continue exactly as an uninterrupted run's.
+
     Returns:
         TrainResult with one loss (the global batch's) and one wall time per optimizer step.
 
     Raises:
-        ValueError: for an invalid config or a global batch larger than the data.
+        ValueError: for an invalid config, a global batch larger than the data, or a
+            checkpoint_dir in a multi-process run (use ``fsdp.save_sharded`` there).
 
     Example:
         >>> result = train(model, examples, tok.pad_token_id, TrainConfig(steps=50))  # doctest: +SKIP
@@ -177,9 +187,23 @@ def train(
     else:
         stream = iter(batch_stream)
     result = TrainResult(precision=precision)
+    start = 0
+    if config.checkpoint_dir is not None:
+        if world_size > 1:
+            raise ValueError("checkpoint_dir: train() checkpoints single-process runs; under "
+                             "FSDP use fsdp.save_sharded / load_sharded")
+        found = train_state.latest(config.checkpoint_dir)
+        if found is not None:
+            restored = train_state.load(found, model, optimizer, scheduler, scaler)
+            start = min(restored["step"], config.steps)
+            history = restored["history"]
+            result.losses, result.step_times = history["losses"], history["step_times"]
+            result.target_tokens = history["target_tokens"]
+            for _ in range(start):  # the data position: replay the seeded stream
+                next(stream)
     model.train()
-    bar = tqdm(range(config.steps), desc=config.desc, disable=not config.progress or rank != 0,
-               leave=False)
+    bar = tqdm(range(start, config.steps), desc=config.desc, initial=start, total=config.steps,
+               disable=not config.progress or rank != 0, leave=False)
     for step in bar:
         batch = next(stream)
         t0 = time.perf_counter()
@@ -197,6 +221,12 @@ def train(
         if writer is not None:
             writer.add_scalar("train/loss", loss, step)
             writer.add_scalar("train/lr", scheduler.get_last_lr()[0], step)
+        done = step + 1
+        if config.checkpoint_dir is not None and (
+                done == config.steps or (config.checkpoint_every and done % config.checkpoint_every == 0)):
+            train_state.save(config.checkpoint_dir, done, model, optimizer, scheduler, scaler,
+                             {"losses": result.losses, "step_times": result.step_times,
+                              "target_tokens": result.target_tokens})
     bar.close()
     if writer is not None:
         writer.close()

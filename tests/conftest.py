@@ -66,13 +66,15 @@ def varlen_batch():
     return collate(examples, pad_token_id=0)
 
 
-def pytest_terminal_summary(terminalreporter):
-    """Print how many bad inputs were tried and how many gave a clear error."""
-    import sys
+SUMMARY: list[str] = []  # lines for the end of the test output (figures the issues ask to see)
 
-    mod = sys.modules.get("tests.test_bad_inputs") or sys.modules.get("test_bad_inputs")
-    tried = getattr(mod, "TRIED", None)
-    if tried:
-        ok = sum(tried.values())
-        terminalreporter.write_line(f"bad inputs: {len(tried)} tried, {ok} gave a clear error "
-                                    "naming the parameter")
+
+@pytest.fixture
+def summary() -> list[str]:
+    """Append a line here to have it printed in the test summary."""
+    return SUMMARY
+
+
+def pytest_terminal_summary(terminalreporter):
+    for line in SUMMARY:
+        terminalreporter.write_line(line)

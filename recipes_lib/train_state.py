@@ -1,0 +1,132 @@
+"""Checkpoint and resume for the one training loop, without losing or repeating a step.
+
+A checkpoint is a folder ``step-000123/`` holding
+- ``weights.safetensors``: the trainable parameters (the whole model, or only the adapter under
+  LoRA / QLoRA: frozen weights never change, so they are not copied);
+- ``state.pt``: optimizer, LR scheduler and grad scaler states, the RNG states and the step, with
+  the loss history so far, read back with ``torch.load(weights_only=True)`` (no pickle code runs).
+
+Writes are atomic: everything goes into ``step-000123.tmp/``, which is renamed to its final name
+only when complete, and then ``latest`` (a one-line text file, itself replaced atomically) points
+to it. A process killed mid-write leaves a ``.tmp`` folder that is never read and is removed by
+the next save. The data position is the step: ``train`` replays its seeded batch stream up to it,
+so a resumed run sees exactly the batches an uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+LATEST = "latest"
+WEIGHTS = "weights.safetensors"
+STATE = "state.pt"
+
+
+def _trainable(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p for n, p in model.named_parameters() if p.requires_grad}
+
+
+def _rng_state() -> dict[str, Any]:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(_as_tuple(state["python"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _as_tuple(x):
+    return tuple(_as_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x
+
+
+def save(checkpoint_dir: str | Path, step: int, model: torch.nn.Module, optimizer: Any,
+         scheduler: Any, scaler: Any, history: dict[str, Any], keep: int = 2) -> Path:
+    """Write the checkpoint after ``step`` optimizer steps, atomically; keep the newest ``keep``.
+
+    Returns:
+        The checkpoint's folder.
+    """
+    from safetensors.torch import save_file
+
+    root = Path(checkpoint_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    for stale in root.glob("*.tmp"):  # left by a process killed mid-write
+        shutil.rmtree(stale, ignore_errors=True)
+    final = root / f"step-{step:06d}"
+    tmp = root / f"step-{step:06d}.tmp"
+    tmp.mkdir()
+    weights = {n: p.detach().to("cpu").contiguous().clone() for n, p in _trainable(model).items()}
+    save_file(weights, str(tmp / WEIGHTS))
+    inner = getattr(optimizer, "optimizer", optimizer)
+    torch.save({"step": step, "optimizer": inner.state_dict(),
+                "scheduler": scheduler.state_dict() if scheduler is not None else None,
+                "scaler": scaler.state_dict() if scaler is not None else None,
+                "rng": _rng_state(), "history": history}, tmp / STATE)
+    _fault_point("before_rename", step)
+    shutil.rmtree(final, ignore_errors=True)
+    tmp.rename(final)
+    pointer = root / (LATEST + ".tmp")
+    pointer.write_text(final.name + "\n")
+    pointer.replace(root / LATEST)
+    for old in sorted(root.glob("step-[0-9]*"))[:-keep] if keep > 0 else []:
+        if old.is_dir() and old.suffix != ".tmp" and old != final:
+            shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def latest(checkpoint_dir: str | Path) -> Path | None:
+    """The newest complete checkpoint folder, or None (``.tmp`` folders are never returned)."""
+    root = Path(checkpoint_dir)
+    pointer = root / LATEST
+    if not pointer.exists():
+        return None
+    path = root / pointer.read_text().strip()
+    if path.suffix == ".tmp" or not (path / WEIGHTS).exists() or not (path / STATE).exists():
+        return None
+    return path
+
+
+def load(path: str | Path, model: torch.nn.Module, optimizer: Any, scheduler: Any, scaler: Any
+         ) -> dict[str, Any]:
+    """Restore a checkpoint into the given objects; return ``{"step", "history"}``.
+
+    Raises:
+        ValueError: if the checkpoint's parameters do not match the model's trainable ones.
+    """
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    weights = load_file(str(path / WEIGHTS))
+    params = _trainable(model)
+    if set(weights) != set(params):
+        missing, extra = sorted(set(params) - set(weights)), sorted(set(weights) - set(params))
+        raise ValueError(f"checkpoint_dir: {path} does not match this model's trainable "
+                         f"parameters (missing {missing[:3]}, unexpected {extra[:3]})")
+    with torch.no_grad():
+        for name, p in params.items():
+            p.copy_(weights[name].to(p.device, p.dtype))
+    state = torch.load(path / STATE, weights_only=True)
+    getattr(optimizer, "optimizer", optimizer).load_state_dict(state["optimizer"])
+    if scheduler is not None and state["scheduler"] is not None:
+        scheduler.load_state_dict(state["scheduler"])
+    if scaler is not None and state["scaler"] is not None:
+        scaler.load_state_dict(state["scaler"])
+    _set_rng_state(state["rng"])
+    return {"step": int(state["step"]), "history": state["history"]}
+
+
+def _fault_point(name: str, step: int) -> None:
+    """Test hook: ``RECIPES_FAULT=before_rename:3`` kills the process there in step 3's save."""
+    if os.environ.get("RECIPES_FAULT") == f"{name}:{step}":
+        os._exit(17)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import platform
+import shutil
 import warnings
 from collections.abc import Iterator
 
@@ -167,5 +168,14 @@ def capabilities(device: torch.device | None = None) -> dict[str, str]:
             else "no: QLoRA cells raise a clear error; pip install bitsandbytes"
         ),
         "flash-attn": "yes" if has_module("flash_attn") else "no: PyTorch SDPA is used",
+        "FlexAttention training": ("yes" if cuda else "no (forward only on CPU): blockwise "
+                                   "SDPA attention (sparse_attention) instead"),
+        "CPU vector ISA": (f"{torch.backends.cpu.get_cpu_capability()} (int8 matmuls gain most "
+                           "with VNNI / AMX)"),
+        "torch.compile": ("yes" if cuda or shutil.which("g++") or shutil.which("clang++")
+                          else "no C++ compiler: eager kernels only"),
+        "Liger-Kernel": ("yes" if has_module("liger_kernel")
+                         else "no: chunked_loss (plain PyTorch) computes the fused losses"),
         "torchao": "yes" if has_module("torchao") else "no",
+        "safe loading": "trust_remote_code=False; torch.load(weights_only=True); safetensors",
     }

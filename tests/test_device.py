@@ -36,3 +36,12 @@ def test_capabilities_report_every_fallback():
     caps = device.capabilities(torch.device("cpu"))
     assert {"device", "CUDA", "bf16", "bitsandbytes 4-bit", "flash-attn"} <= caps.keys()
     assert caps["flash-attn"] in ("yes", "no: PyTorch SDPA is used")
+
+
+def test_capabilities_name_each_fallback_on_cpu():
+    caps = device.capabilities(torch.device("cpu"))
+    if not torch.cuda.is_available():
+        assert caps["FlexAttention training"].startswith("no (forward only on CPU)")
+    assert caps["CPU vector ISA"].split()[0] in ("DEFAULT", "AVX2", "AVX512", "ZVECTOR", "NEON",
+                                                 "SVE256", "VSX")
+    assert "trust_remote_code=False" in caps["safe loading"]

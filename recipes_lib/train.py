@@ -8,7 +8,7 @@ LR schedule, a progress bar, the loss history and optional TensorBoard logging.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +41,7 @@ class TrainConfig:
     log_dir: str | None = None
     checkpoint_dir: str | None = None  # resume from here if a checkpoint exists; save into it
     checkpoint_every: int = 0  # steps between checkpoints (0: only at the end)
+    eval_every: int = 0  # steps between calls of train()'s eval_fn (0: never)
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""
@@ -54,6 +55,8 @@ class TrainConfig:
             raise ValueError(f"warmup_steps={self.warmup_steps}: must be in [0, steps]")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule={self.schedule!r}: expected one of {SCHEDULES}")
+        if not isinstance(self.eval_every, int) or self.eval_every < 0:
+            raise ValueError(f"eval_every={self.eval_every!r}: must be an integer >= 0")
         if not isinstance(self.checkpoint_every, int) or self.checkpoint_every < 0:
             raise ValueError(f"checkpoint_every={self.checkpoint_every!r}: must be an integer >= 0")
         if self.max_grad_norm is not None and self.max_grad_norm <= 0:
@@ -73,6 +76,8 @@ class TrainResult:
     step_times: list[float] = field(default_factory=list)
     precision: str = "fp32"
     target_tokens: int = 0
+    # (step, target tokens so far, eval_fn's value) every ``eval_every`` steps
+    evals: list[tuple[int, int, float]] = field(default_factory=list)
 
 
 def make_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
@@ -125,6 +130,7 @@ def train(
     optimizer: Any = None,
     batch_stream: Iterator[dict[str, torch.Tensor]] | None = None,
     loss_fn: LossFn | None = None,
+    eval_fn: Callable[[torch.nn.Module], float] | None = None,
 ) -> TrainResult:
     """Train ``model`` on tokenized ``examples`` for ``config.steps`` optimizer steps.
 
@@ -144,6 +150,8 @@ def train(
             of drawing them from ``examples``.
         loss_fn: the loss summed over a micro-batch's target tokens, ``loss_fn(model, batch)``
             (e.g. ``distillation.DistillationLoss``); default next-token cross-entropy.
+        eval_fn: called with the model every ``config.eval_every`` steps (and after the last);
+            its values land in ``TrainResult.evals`` with the step and the tokens seen.
 
     With ``config.checkpoint_dir`` the run saves every ``checkpoint_every`` steps and at the end
     (``train_state``: atomic, safetensors + weights-only state) and, when a checkpoint is already
@@ -222,6 +230,10 @@ def train(
             writer.add_scalar("train/loss", loss, step)
             writer.add_scalar("train/lr", scheduler.get_last_lr()[0], step)
         done = step + 1
+        if eval_fn is not None and config.eval_every and (
+                done % config.eval_every == 0 or done == config.steps):
+            result.evals.append((done, result.target_tokens, float(eval_fn(model))))
+            model.train()
         if config.checkpoint_dir is not None and (
                 done == config.steps or (config.checkpoint_every and done % config.checkpoint_every == 0)):
             train_state.save(config.checkpoint_dir, done, model, optimizer, scheduler, scaler,

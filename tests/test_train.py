@@ -36,3 +36,17 @@ def test_global_batch_larger_than_data(small_llama):
     with pytest.raises(ValueError, match="batch_size=64"):
         train(small_llama, _examples(8), 0, TrainConfig(steps=1, micro_batch_size=64,
                                                         progress=False))
+
+
+def test_eval_every_records_step_tokens_and_value(small_llama, varlen_batch):
+    from recipes_lib import train
+
+    examples = [{"input_ids": ids[m.bool()].tolist(), "labels": lab[m.bool()].tolist()}
+                for ids, lab, m in zip(varlen_batch["input_ids"], varlen_batch["labels"],
+                                       varlen_batch["attention_mask"])]
+    calls = []
+    result = train.train(small_llama, examples, 0, train.TrainConfig(
+        steps=5, micro_batch_size=4, eval_every=2, progress=False),
+        eval_fn=lambda m: calls.append(m.training) or 1.5)
+    assert [e[0] for e in result.evals] == [2, 4, 5] and calls == [True, True, True]
+    assert result.evals[-1][1] == result.target_tokens and result.evals[0][2] == 1.5

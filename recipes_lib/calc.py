@@ -170,20 +170,49 @@ def activation_bytes_per_layer(seq_len: int, batch_size: int, hidden_size: int, 
 
 
 def activation_bytes(shape: ModelShape, seq_len: int, batch_size: int, recompute: str = "none",
-                     bytes_per_value: int = 2, flash_attention: bool = False) -> dict[str, float]:
+                     bytes_per_value: int = 2, flash_attention: bool = False,
+                     loss_chunk: int | None = None) -> dict[str, float]:
     """Peak activation bytes of a training step for the whole model.
 
     Layers: ``L`` times the per-layer count; with full recomputation, plus one layer's full
     activations, alive while that layer is recomputed in backward. Logits: the output head's
-    logits, their fp32 copy for the loss and the log-probabilities (3 tensors of ``s*b*V``).
+    logits, their fp32 copy for the loss and the log-probabilities (3 tensors of ``s*b*V``);
+    with a chunked loss (``loss_chunk`` tokens at a time) only one chunk's.
     """
     L = shape.num_hidden_layers
     args = (seq_len, batch_size, shape.hidden_size, shape.num_attention_heads)
     layers = L * activation_bytes_per_layer(*args, recompute, bytes_per_value, flash_attention)
     if recompute == "full":
         layers += activation_bytes_per_layer(*args, "none", bytes_per_value, flash_attention)
-    logits = 3 * seq_len * batch_size * shape.vocab_size * max(bytes_per_value, 4)
+    tokens = seq_len * batch_size if loss_chunk is None else min(loss_chunk, seq_len * batch_size)
+    logits = 3 * tokens * shape.vocab_size * max(bytes_per_value, 4)
     return {"layers": layers, "logits": logits, "total": layers + logits}
+
+
+def max_seq_len(shape: ModelShape, budget_bytes: float, fixed_bytes: float = 0.0,
+                batch_size: int = 1, recompute: str = "none", bytes_per_value: int = 4,
+                flash_attention: bool = False, loss_chunk: int | None = None,
+                limit: int = 1 << 20) -> int:
+    """Longest sequence whose predicted activations plus ``fixed_bytes`` (weights, gradients,
+    optimizer) fit ``budget_bytes``; 0 if none does.
+
+    Example:
+        >>> s = ModelShape(32000, 4096, 11008, 32, 32, 32)
+        >>> max_seq_len(s, 80e9, flash_attention=True, recompute="full", bytes_per_value=2) > 8192
+        True
+    """
+    if budget_bytes <= 0:
+        raise ValueError(f"budget_bytes={budget_bytes}: must be > 0")
+
+    def fits(n: int) -> bool:
+        act = activation_bytes(shape, n, batch_size, recompute, bytes_per_value,
+                               flash_attention, loss_chunk)["total"]
+        return fixed_bytes + act <= budget_bytes
+    lo, hi = 0, limit + 1
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
 
 
 def kv_cache_bytes(shape: ModelShape, seq_len: int, batch_size: int, bytes_per_value: int = 2

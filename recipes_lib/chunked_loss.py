@@ -50,32 +50,51 @@ class _ChunkedLinearLoss(torch.autograd.Function):
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         ctx.weight_dtype, ctx.n_extras = weight.dtype, len(extras)
         grad_h = torch.zeros_like(hidden) if need_h else None
-        # accumulate the weight gradient in fp32: it sums over every chunk
+        # accumulate the weight gradient in (at least) fp32, in place: it sums over every chunk
         acc = torch.promote_types(weight.dtype, torch.float32)
         grad_w = torch.zeros_like(weight, dtype=acc) if need_w else None
-        w = weight.detach().requires_grad_(need_w)
+        w = weight.detach()
         total = torch.zeros((), dtype=acc, device=hidden.device)
         for start in range(0, hidden.shape[0], chunk_size):
             end = min(start + chunk_size, hidden.shape[0])
-            h = hidden[start:end].detach().requires_grad_(need_h)
+            h = hidden[start:end].detach()
             with torch.enable_grad():
-                loss = loss_fn(h @ w.T, *(t[start:end] for t in extras))
-            inputs = [x for x, need in ((h, need_h), (w, need_w)) if need]
-            grads = iter(torch.autograd.grad(loss, inputs)) if inputs else iter(())
+                logits = (h @ w.T).requires_grad_()
+                loss = loss_fn(logits, *(t[start:end] for t in extras))
+            (g_logits,) = torch.autograd.grad(loss, logits)  # one chunk of tokens x vocab
+            # the two matmuls of the Linear's backward, written out so nothing weight-sized is
+            # allocated per chunk
             if need_h:
-                grad_h[start:end] = next(grads)
+                grad_h[start:end] = g_logits @ w
             if need_w:
-                grad_w += next(grads)
+                grad_w.addmm_(g_logits.T.to(acc), h.to(acc))
             total += upcast(loss.detach())
-        ctx.save_for_backward(grad_h, grad_w)
+        # kept as attributes (not saved tensors) so backward can drop ctx's references and
+        # autograd can take the gradient buffers over instead of copying them
+        ctx.grads = (grad_h, grad_w)
         return total
 
     @staticmethod
     def backward(ctx, grad_out):
-        grad_h, grad_w = ctx.saved_tensors
-        gh = grad_h * grad_out if grad_h is not None else None
-        gw = (grad_w * grad_out).to(ctx.weight_dtype) if grad_w is not None else None
+        grad_h, grad_w = ctx.grads
+        del ctx.grads  # backward runs once (retain_graph is not supported)
+        one = bool(grad_out == 1)  # the usual case: the loss is the graph's output, no copy
+        gh = grad_h if grad_h is None or one else grad_h * grad_out
+        gw = None if grad_w is None else (grad_w if one else grad_w * grad_out).to(ctx.weight_dtype)
         return (gh, gw, None, None) + (None,) * ctx.n_extras
+
+
+def default_chunk_size(tokens: int, vocab_size: int, hidden_size: int) -> int:
+    """Liger-Kernel's rule: chunks whose logits are about as large as the hidden states,
+    ``next_pow2(ceil(tokens / ceil(vocab / hidden)))``.
+
+    Example:
+        >>> default_chunk_size(2048, 32000, 256)  # 125x more vocab than hidden: 32-token chunks
+        32
+    """
+    ratio = -(-vocab_size // hidden_size)
+    n = max(1, -(-tokens // ratio))
+    return 1 << (n - 1).bit_length()
 
 
 def chunked_linear_loss(

@@ -122,3 +122,39 @@ class SeqLenCurriculum:
             used += batch_size * (self.max_len if self.mode == "split" else self.length_at(steps))
             steps += 1
         return steps
+
+
+def train_with_curriculum(model: torch.nn.Module, packed: list[dict[str, list[int]]],
+                          pad_token_id: int, schedule: SeqLenCurriculum, token_budget: int,
+                          batch_size: int, lr: float, eval_fn=None, eval_points: int = 8,
+                          seed: int = 0, desc: str = "training"):
+    """Train on full-length packed sequences shortened by ``schedule``, for a token budget.
+
+    The number of steps is what the budget buys under the schedule (more steps when early
+    sequences are short, in "crop" mode), and the cosine LR schedule is laid out over exactly
+    those steps. ``eval_fn`` runs at ``eval_points`` evenly spaced steps.
+
+    Returns:
+        The ``train.TrainResult`` (``evals`` holds (step, tokens, eval value)).
+    """
+    from recipes_lib import data, train
+
+    steps = schedule.steps_for_token_budget(token_budget, batch_size)
+    stream = schedule.wrap(data.batches(packed, batch_size, pad_token_id, seed=seed))
+    config = train.TrainConfig(steps=steps, micro_batch_size=batch_size, lr=lr,
+                               warmup_steps=max(1, steps // 10), seed=seed, desc=desc,
+                               eval_every=max(1, steps // eval_points) if eval_fn else 0)
+    return train.train(model, [], pad_token_id, config, batch_stream=stream, eval_fn=eval_fn)
+
+
+def tokens_to_reach(evals: list[tuple[int, int, float]], target: float) -> float | None:
+    """Tokens seen when the eval value first reaches ``target`` (linear between evals), or None."""
+    prev = None
+    for _, tokens, value in evals:
+        if value <= target:
+            if prev is None or prev[1] == value:
+                return float(tokens)
+            t0, v0 = prev
+            return t0 + (v0 - target) / (v0 - value) * (tokens - t0)
+        prev = (tokens, value)
+    return None

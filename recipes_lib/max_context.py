@@ -97,3 +97,29 @@ def max_seq_len(peak_at: Callable[[int], float], budget_bytes: float, start: int
         else:
             hi = mid
     return {"seq_len": lo, "probes": probes}
+
+
+def load_with_rope_scaling(model_path, max_positions: int, rope_type: str = "linear",
+                           device: torch.device | str | None = None) -> torch.nn.Module:
+    """Load a RoPE model with its positions stretched to ``max_positions`` (position
+    interpolation: ``factor = max_positions / trained positions``). Quality at the new length
+    needs a short fine-tune there; memory and time do not depend on it.
+
+    Raises:
+        ValueError: if max_positions is not larger than the trained positions, or the model has
+            no RoPE parameters.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(str(model_path))
+    trained = cfg.max_position_embeddings
+    if max_positions <= trained:
+        raise ValueError(f"max_positions={max_positions}: not beyond the trained {trained}")
+    rope = getattr(cfg, "rope_parameters", None)
+    if rope is None:
+        raise ValueError("model_path: the model has no rope_parameters (not a RoPE model)")
+    cfg.rope_parameters = {**rope, "rope_type": rope_type, "factor": max_positions / trained}
+    cfg.max_position_embeddings = max_positions
+    model = AutoModelForCausalLM.from_pretrained(str(model_path), config=cfg,
+                                                 trust_remote_code=False)
+    return model.to(device) if device is not None else model

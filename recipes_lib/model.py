@@ -238,3 +238,33 @@ def load_model(
     if device is not None and quantization_config is None:
         model = model.to(device)
     return model
+
+
+def small_llama(tokenizer=None, max_positions: int = 512, vocab_size: int | None = None,
+                hidden_size: int = 64, num_hidden_layers: int = 2,
+                attn_implementation: str = "sdpa", seed: int = 0):
+    """A freshly initialised, very small Llama for from-scratch experiments (notebook 04).
+
+    Args:
+        tokenizer: gives the vocabulary size and special ids (None: ids 0/1/2).
+        max_positions: RoPE positions the config allows.
+        vocab_size: overrides the tokenizer's (e.g. 32000 to study the logits' memory).
+        hidden_size: width (heads of 32; MLP 3x wide; 2 query heads per kv head).
+        num_hidden_layers: depth.
+        attn_implementation: "sdpa", "eager" or a registered name.
+        seed: initialisation seed.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    heads = max(1, hidden_size // 32)
+    special = ({"pad_token_id": tokenizer.pad_token_id, "bos_token_id": tokenizer.bos_token_id,
+                "eos_token_id": tokenizer.eos_token_id} if tokenizer is not None
+               else {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2})
+    cfg = LlamaConfig(vocab_size=vocab_size or len(tokenizer), hidden_size=hidden_size,
+                      intermediate_size=3 * hidden_size, num_hidden_layers=num_hidden_layers,
+                      num_attention_heads=heads, num_key_value_heads=max(1, heads // 2),
+                      max_position_embeddings=max_positions, tie_word_embeddings=False, **special)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg)
+    model.set_attn_implementation(attn_implementation)
+    return model

@@ -128,9 +128,16 @@ def blockwise_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         values.insert(0, v[:, :, None, :n_global].expand(g_shape))
         g_pos = torch.arange(n_global, device=q.device).reshape(1, 1, n_global)
         masks.insert(0, q_pos - g_pos >= w)  # global keys outside the window (no duplicates)
-    out = F.scaled_dot_product_attention(blocks(q), torch.cat(keys, 3), torch.cat(values, 3),
-                                         attn_mask=torch.cat(masks, -1))
-    return out.reshape(*out.shape[:2], n * w, out.shape[-1])[:, :, :s]
+    b, h, d = q.shape[0], q.shape[1], q.shape[-1]
+
+    def as_batch(x: torch.Tensor) -> torch.Tensor:  # (b, h, n, len, d) -> (b * n, h, len, d)
+        return x.transpose(1, 2).reshape(b * n, h, x.shape[3], d)
+    # 4-D inputs (blocks folded into the batch) let SDPA pick its flash kernel, CPU included
+    mask = torch.cat(masks, -1)
+    mask = mask.expand(b, *mask.shape).reshape(b * n, 1, w, mask.shape[-1])
+    out = F.scaled_dot_product_attention(as_batch(blocks(q)), as_batch(torch.cat(keys, 3)),
+                                         as_batch(torch.cat(values, 3)), attn_mask=mask)
+    return out.reshape(b, n, h, w, d).transpose(1, 2).reshape(b, h, n * w, d)[:, :, :s]
 
 
 def flex_available(device: torch.device | str) -> bool:
@@ -210,3 +217,35 @@ def time_exponent(seq_lens: list[int], seconds: list[float]) -> float:
     y = torch.log(torch.tensor(seconds, dtype=torch.float64))
     x = x - x.mean()
     return float((x * (y - y.mean())).sum() / (x * x).sum())
+
+
+def benchmark(seq_lens: list[int], window: int, n_global: int = 0, num_heads: int = 4,
+              head_dim: int = 64, repeats: int = 3, device: torch.device | str = "cpu",
+              progress: bool = True) -> list[dict[str, float | int | str]]:
+    """Forward+backward time of full causal SDPA, sliding-window and local+global attention.
+
+    Returns:
+        One row per (pattern, seq_len) with ``forward_backward_s``.
+    """
+    from tqdm.auto import tqdm
+
+    from recipes_lib.timing import time_interleaved
+
+    if not seq_lens or min(seq_lens) <= window:
+        raise ValueError(f"seq_lens={seq_lens!r}: expected lengths larger than window={window}")
+    rows = []
+    for s in tqdm(seq_lens, desc="attention patterns", disable=not progress, leave=False):
+        g = torch.Generator().manual_seed(s)
+        q, k, v = (torch.randn(1, num_heads, s, head_dim, generator=g).to(device).requires_grad_()
+                   for _ in range(3))
+        patterns = {"full causal (SDPA flash)": (None, 0), f"sliding window W={window}": (window, 0),
+                    f"local W={window} + {n_global} global": (window, n_global)}
+
+        def step(w, g_, q=q, k=k, v=v):
+            blockwise_attention(q, k, v, w, g_).sum().backward()
+            q.grad = k.grad = v.grad = None
+        fns = {name: (lambda w=w, g_=g_: step(w, g_)) for name, (w, g_) in patterns.items()}
+        times = time_interleaved(fns, warmup=1, repeats=repeats, device=torch.device(device))
+        rows += [{"pattern": name, "seq_len": s, "forward_backward_s": t.median_s}
+                 for name, t in times.items()]
+    return rows

@@ -81,3 +81,10 @@ def test_mismatched_shapes_are_refused():
         chunked_cross_entropy(torch.randn(4, 8), torch.randn(10, 8), torch.zeros(5, dtype=torch.long))
     with pytest.raises(ValueError, match="weight"):
         chunked_linear_loss(torch.randn(4, 8), torch.randn(10, 9), lambda z: z.sum(), 2)
+
+
+def test_default_chunk_size_follows_liger_rule():
+    from recipes_lib.chunked_loss import default_chunk_size
+
+    assert default_chunk_size(2048, 32000, 256) == 32
+    assert default_chunk_size(8192, 128256, 4096) == 256

@@ -67,3 +67,25 @@ def test_bad_settings_name_the_parameter(kwargs, match):
     args = {"min_len": 16, "max_len": 64, "warmup_steps": 10, **kwargs}
     with pytest.raises(ValueError, match=match):
         SeqLenCurriculum(**args)
+
+
+def test_tokens_to_reach_interpolates():
+    from recipes_lib.curriculum import tokens_to_reach
+
+    evals = [(1, 100, 5.0), (2, 200, 3.0), (3, 300, 2.0)]
+    assert tokens_to_reach(evals, 4.0) == 150.0 and tokens_to_reach(evals, 5.0) == 100.0
+    assert tokens_to_reach(evals, 1.0) is None
+
+
+def test_train_with_curriculum_spends_the_budget(tokenizer):
+    from recipes_lib import model as models
+    from recipes_lib.curriculum import train_with_curriculum
+
+    ids = list(range(3, 67))
+    packed = [{"input_ids": ids, "labels": ids}] * 8
+    sched = SeqLenCurriculum(16, 64, warmup_steps=2)
+    result = train_with_curriculum(models.small_llama(tokenizer, 64), packed,
+                                   tokenizer.pad_token_id, sched, token_budget=4 * 64 * 3,
+                                   batch_size=4, lr=1e-3, eval_fn=lambda m: 1.0, eval_points=2)
+    assert len(result.losses) == sched.steps_for_token_budget(4 * 64 * 3, 4)
+    assert result.evals and result.evals[-1][0] == len(result.losses)

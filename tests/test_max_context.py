@@ -57,3 +57,26 @@ def test_each_recipe_lowers_the_measured_peak(small_llama):
     checkpointing.enable_activation_checkpointing(small_llama)
     both = mc.training_step_peak(small_llama, 128, batch_size=2, loss_fn=ChunkedCausalLMLoss(16))
     assert both < chunked < base
+
+
+def test_rope_scaling_stretches_positions(tiny_model_path):
+    m = mc.load_with_rope_scaling(tiny_model_path, 4096)
+    assert m.config.max_position_embeddings == 4096
+    assert m.config.rope_parameters["rope_type"] == "linear"
+    assert m.config.rope_parameters["factor"] == 4096 / 512
+    mc.check_positions(m.config, 4096)
+    with pytest.raises(ValueError, match="max_positions"):
+        mc.load_with_rope_scaling(tiny_model_path, 256)
+
+
+def test_calculator_max_seq_len_grows_with_each_recipe():
+    from recipes_lib import calc
+
+    shape = calc.ModelShape(32000, 64, 192, 2, 2, 1)
+    base = calc.max_seq_len(shape, 192 * 2**20, 33e6)
+    flash = calc.max_seq_len(shape, 192 * 2**20, 33e6, flash_attention=True)
+    chunked = calc.max_seq_len(shape, 192 * 2**20, 33e6, flash_attention=True, recompute="full",
+                               loss_chunk=128)
+    assert 0 < base <= flash < chunked
+    with pytest.raises(ValueError, match="budget_bytes"):
+        calc.max_seq_len(shape, 0)

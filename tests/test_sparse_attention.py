@@ -69,3 +69,18 @@ def test_time_exponent():
 
 def test_flex_is_gpu_only_here():
     assert sa.flex_available("cpu") is False
+
+
+def test_benchmark_rows():
+    rows = sa.benchmark([64, 128], window=16, n_global=2, num_heads=1, head_dim=8, repeats=1,
+                        progress=False)
+    assert len(rows) == 6 and all(r["forward_backward_s"] > 0 for r in rows)
+    with pytest.raises(ValueError, match="seq_lens"):
+        sa.benchmark([8], window=16)
+
+
+def test_small_llama_from_the_model_module():
+    from recipes_lib.model import small_llama
+
+    m = small_llama(None, 256, vocab_size=1000, attn_implementation="eager")
+    assert m.config.vocab_size == 1000 and m.config._attn_implementation == "eager"

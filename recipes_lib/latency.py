@@ -9,7 +9,7 @@ from collections.abc import Callable
 import torch
 
 from recipes_lib.device import synchronize
-from recipes_lib.timing import Timing, time_fn
+from recipes_lib.timing import Timing, time_fn, time_interleaved
 
 
 def _device(model: torch.nn.Module) -> torch.device:
@@ -33,6 +33,27 @@ def prefill_time(model: torch.nn.Module, batch: dict[str, torch.Tensor], repeats
         with torch.inference_mode():
             model(**inputs, use_cache=False)
     return time_fn(run, warmup=warmup, repeats=repeats, device=device)
+
+
+def prefill_times(models: dict[str, torch.nn.Module], batch: dict[str, torch.Tensor],
+                  repeats: int = 5) -> dict[str, Timing]:
+    """``prefill_time`` for several models, their runs alternating (A B A B ...) so machine drift
+    does not favour one of them."""
+    if "input_ids" not in batch:
+        raise ValueError("batch: needs 'input_ids' (and optionally 'attention_mask')")
+    fns = {}
+    for name, model in models.items():
+        device = _device(model)
+        inputs = {k: v.to(device) for k, v in batch.items()
+                  if k in ("input_ids", "attention_mask")}
+        model.eval()
+
+        def run(model=model, inputs=inputs):
+            with torch.inference_mode():
+                model(**inputs, use_cache=False)
+        fns[name] = run
+    device = _device(next(iter(models.values())))
+    return time_interleaved(fns, warmup=1, repeats=repeats, device=device)
 
 
 def generation_speed(model: torch.nn.Module, input_ids: torch.Tensor, new_tokens: int = 32,

@@ -58,25 +58,33 @@ def episode(tokenizer, length: int, depth: float, rng: random.Random) -> dict:
               + enc(QUESTION))
     target = enc(answer) + [tokenizer.eos_token_id]
     return {"input_ids": prompt + target, "labels": [data.IGNORE_INDEX] * len(prompt) + target,
-            "answer": answer, "depth": depth, "prompt_ids": prompt}
+            "answer": answer, "depth": depth, "prompt_ids": prompt, "length": length,
+            "prompt": tokenizer.decode(prompt, skip_special_tokens=True)}
+
+
+TEST_SET = data.DATA_DIR / "passkey_test.jsonl"
+FIELDS = ("prompt", "answer", "depth", "length")
 
 
 def write_test_set(tokenizer, lengths: tuple[int, ...] = (128, 256, 512),
-                   depths: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0), per_cell: int = 8,
-                   path: Path | str = data.DATA_DIR / "passkey_test.jsonl", seed: int = 1234
-                   ) -> Path:
-    """Write the held-out episodes (every length x depth, ``per_cell`` each) as JSON lines."""
+                   depths: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0), per_cell: int = 4,
+                   path: Path | str = TEST_SET, seed: int = 1234) -> Path:
+    """Write the held-out episodes (every length x depth, ``per_cell`` each) as JSON lines.
+
+    Rows hold text (``prompt``, ``answer``) so any tokenizer can read them; ``length`` is the
+    episode's length in tokens of the tokenizer that wrote it.
+    """
     rng = random.Random(seed)
     rows = [episode(tokenizer, n, d, rng) for n in lengths for d in depths for _ in range(per_cell)]
     path = Path(path)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(json.dumps({**r, "length": len(r["input_ids"])}) + "\n" for r in rows))
+    tmp.write_text("".join(json.dumps({k: r[k] for k in FIELDS}) + "\n" for r in rows))
     tmp.replace(path)
     return path
 
 
-def load_test_set(path: Path | str = data.DATA_DIR / "passkey_test.jsonl") -> list[dict]:
-    """The held-out episodes written by ``write_test_set``."""
+def load_test_set(path: Path | str = TEST_SET) -> list[dict]:
+    """The held-out episodes written by ``write_test_set`` (the default set is in ``data/``)."""
     path = Path(path)
     if not path.exists():
         raise ValueError(f"path={str(path)!r}: no passkey test set; run write_test_set first")
@@ -117,10 +125,12 @@ def accuracy_by_depth(model: torch.nn.Module, tokenizer, rows: list[dict]) -> di
     model.eval()
     cells: dict[tuple, list[int]] = {}
     for r in rows:
-        ids = torch.tensor([r["prompt_ids"]], device=device)
+        prompt = data.bos_ids(tokenizer) + tokenizer.encode(r["prompt"], add_special_tokens=False)
+        ids = torch.tensor([prompt], device=device)
+        budget = len(tokenizer.encode(r["answer"], add_special_tokens=False)) + 1
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
-                             max_new_tokens=len(r["input_ids"]) - len(r["prompt_ids"]),
-                             do_sample=False, pad_token_id=tokenizer.pad_token_id,
+                             max_new_tokens=budget, do_sample=False,
+                             pad_token_id=tokenizer.pad_token_id,
                              eos_token_id=tokenizer.eos_token_id)
         text = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
         cells.setdefault((r["length"], r["depth"]), []).append(text.strip() == r["answer"].strip())

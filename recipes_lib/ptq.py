@@ -122,7 +122,7 @@ def linear_kernel_speedup(model: torch.nn.Module, tokens: int = 2048, repeats: i
     The kernel-level ceiling of the recipe; with the share of prefill time spent in Linear layers
     it predicts the whole-model speed-up (``calc.amdahl_speedup``).
     """
-    from recipes_lib.timing import time_fn
+    from recipes_lib.timing import time_interleaved
 
     shapes: dict[tuple[int, int], int] = {}
     for name in linear_names(model):
@@ -136,8 +136,10 @@ def linear_kernel_speedup(model: torch.nn.Module, tokens: int = 2048, repeats: i
         int8 = quantize_int8_dynamic(fp32)
         x = torch.randn(tokens, i)
         with torch.inference_mode():
-            t32 += count * time_fn(lambda m=fp32, x=x: m(x), repeats=repeats).median_s
-            t8 += count * time_fn(lambda m=int8, x=x: m(x), repeats=repeats).median_s
+            t = time_interleaved({"fp32": lambda m=fp32, x=x: m(x),
+                                  "int8": lambda m=int8, x=x: m(x)}, repeats=repeats)
+        t32 += count * t["fp32"].median_s
+        t8 += count * t["int8"].median_s
     return t32 / t8
 
 

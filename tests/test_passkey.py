@@ -34,6 +34,16 @@ def test_test_set_round_trip(tokenizer, tmp_path):
                                   path=tmp_path / "pk.jsonl")
     rows = passkey.load_test_set(path)
     assert len(rows) == 4 and {r["length"] for r in rows} == {64}
+    assert set(rows[0]) == set(passkey.FIELDS)
+
+
+def test_shipped_test_set_and_accuracy(tokenizer):
+    from recipes_lib.model import small_llama
+
+    rows = passkey.load_test_set()
+    assert {r["length"] for r in rows} == {128, 256, 512} and len(rows) == 60
+    acc = passkey.accuracy_by_depth(small_llama(tokenizer, 1024), tokenizer, rows[:2])
+    assert set(acc) == {(128, 0.0)} and 0.0 <= acc[(128, 0.0)] <= 1.0
 
 
 def test_bad_inputs(tokenizer, tmp_path):

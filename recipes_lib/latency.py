@@ -89,6 +89,34 @@ def generation_speed(model: torch.nn.Module, input_ids: torch.Tensor, new_tokens
     return {"seconds": t.median_s, "tokens_per_s": new_tokens * ids.shape[0] / t.median_s}
 
 
+def generation_speeds(models: dict[str, torch.nn.Module], input_ids: torch.Tensor,
+                      new_tokens: int = 32, repeats: int = 5) -> dict[str, dict[str, float]]:
+    """``generation_speed`` (greedy, KV cache) for several models, their runs alternating so
+    machine drift does not favour one of them.
+
+    Raises:
+        ValueError: for new_tokens < 1.
+    """
+    if new_tokens < 1:
+        raise ValueError(f"new_tokens={new_tokens}: must be >= 1")
+    fns = {}
+    for name, model in models.items():
+        ids = input_ids.to(_device(model))
+        model.eval()
+
+        def run(model=model, ids=ids):
+            with torch.inference_mode():
+                model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                               max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                               do_sample=False, pad_token_id=model.config.pad_token_id)
+        fns[name] = run
+    times = time_interleaved(fns, warmup=1, repeats=repeats,
+                             device=_device(next(iter(models.values()))))
+    return {name: {"seconds": t.median_s,
+                   "tokens_per_s": new_tokens * input_ids.shape[0] / t.median_s}
+            for name, t in times.items()}
+
+
 def module_time_share(model: torch.nn.Module, fn: Callable[[], object],
                       is_target: Callable[[torch.nn.Module], bool]) -> float:
     """Fraction of ``fn``'s wall time spent inside modules for which ``is_target`` is true.

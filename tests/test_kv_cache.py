@@ -37,3 +37,14 @@ def test_module_time_share_is_a_fraction(small_llama):
     share = latency.module_time_share(small_llama, lambda: small_llama(input_ids=ids),
                                       lambda m: type(m) is torch.nn.Linear)
     assert 0.0 < share < 1.0
+
+
+def test_interleaved_generation_and_prefill_timings(small_llama):
+    ids = torch.randint(3, 128, (1, 6))
+    g = latency.generation_speeds({"a": small_llama, "b": small_llama}, ids, new_tokens=2,
+                                  repeats=1)
+    assert set(g) == {"a", "b"} and g["a"]["tokens_per_s"] > 0
+    p = latency.prefill_times({"a": small_llama}, {"input_ids": ids}, repeats=1)
+    assert p["a"].median_s > 0
+    with pytest.raises(ValueError, match="new_tokens"):
+        latency.generation_speeds({"a": small_llama}, ids, new_tokens=0)

@@ -1,7 +1,9 @@
 """Command line: ``python -m recipes_lib {run,readme,data,plan}``.
 
 - ``run``: execute every notebook headless into ``notebooks/executed/``, then refresh the README's
-  results table from ``results/``. A notebook that fails is reported and the others still run.
+  results table from ``results/`` and write ``results/report.md`` and the self-contained
+  ``results/report.html`` (figures, ratios, predictions, plots). A notebook that fails is
+  reported as failed and the others still run.
 - ``readme``: refresh the README's results table only.
 - ``data``: regenerate the corpora in ``data/``.
 - ``plan``: which recipes make a training run fit (``recipes_lib.planner``).
@@ -48,6 +50,7 @@ def run_notebooks(paths: list[Path], out_dir: Path, timeout: int = 1800) -> dict
 
 def main(argv: list[str] | None = None) -> int:
     from recipes_lib import data, results
+    from recipes_lib.report import write_html_report
 
     parser = argparse.ArgumentParser(prog="python -m recipes_lib")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -83,8 +86,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name}: {state}")
         results.update_readme(ROOT / "README.md")
         report = results.write_report(status)
+        page = write_html_report(status, ROOT / "notebooks" / "executed")
         print(results.markdown_table())
-        print(f"report: {report.relative_to(ROOT)}")
+        print(f"report: {report.relative_to(ROOT)} and {page.relative_to(ROOT)}")
         return 0 if all(s == "ok" for s in status.values()) else 1
     results.update_readme(ROOT / "README.md")
     return 0

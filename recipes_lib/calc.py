@@ -189,6 +189,32 @@ def activation_bytes(shape: ModelShape, seq_len: int, batch_size: int, recompute
     return {"layers": layers, "logits": logits, "total": layers + logits}
 
 
+def llama_activation_bytes(shape: ModelShape, seq_len: int, batch_size: int,
+                           bytes_per_value: int = 4) -> dict[str, float]:
+    """What autograd saves in a Llama training step (transformers, SDPA, no recomputation).
+
+    Counted op by op, per token: each RMSNorm keeps its input, the normalised input, its output
+    (the next matmul's input) and one rsqrt (``3h + 1``); SDPA's flash kernel keeps q, k, v, the
+    output and one log-sum-exp per head (``2h + 2 kv_dim + heads``); o_proj keeps its input
+    (``h``); SwiGLU keeps gate, up, silu(gate) and their product (``4 I``); RoPE keeps cos and
+    sin (``2 head_dim``). Per layer ``9h + 2 kv_dim + 4I + heads + 2 head_dim``, plus the final
+    norm (``3h``) and the loss's log-probabilities (``V``, fp32). Korthikanti's ``34 s b h``
+    (GPT, 16-bit) undercounts a Llama layer, whose SwiGLU and RMSNorms keep more.
+
+    Example:
+        >>> s = ModelShape(32000, 4096, 11008, 32, 32, 32)
+        >>> round(llama_activation_bytes(s, 4096, 1, 2)["total"] / 2**30, 1)  # Llama-2-7B, bf16
+        22.4
+    """
+    h, kv_dim = shape.hidden_size, shape.num_key_value_heads * shape.head_dim
+    per_layer = (9 * h + 2 * kv_dim + 4 * shape.intermediate_size + shape.num_attention_heads
+                 + 2 * shape.head_dim)
+    tokens = seq_len * batch_size
+    layers = shape.num_hidden_layers * per_layer * tokens * bytes_per_value
+    final = 3 * h * tokens * bytes_per_value + tokens * shape.vocab_size * 4
+    return {"layers": float(layers), "logits": float(final), "total": float(layers + final)}
+
+
 def max_seq_len(shape: ModelShape, budget_bytes: float, fixed_bytes: float = 0.0,
                 batch_size: int = 1, recompute: str = "none", bytes_per_value: int = 4,
                 flash_attention: bool = False, loss_chunk: int | None = None,

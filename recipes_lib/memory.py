@@ -184,7 +184,8 @@ def saved_tensor_bytes(fn: Callable[[], Any]) -> dict[str, int]:
     by_dtype: dict[str, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        if type(t) is torch.Tensor:  # not parameters (nn.Parameter), not wrapper subclasses
+        # not parameters, not views of them (a Linear saves weight.t()), not wrapper subclasses
+        if type(t) is torch.Tensor and not isinstance(t._base, torch.nn.Parameter):
             storage = t.untyped_storage()
             if storage.data_ptr() not in seen:
                 seen.add(storage.data_ptr())

@@ -18,7 +18,7 @@ class StepMeasurement:
     """Peak memory (by category) and median time of one training step."""
 
     memory: MemoryReport
-    timing: Timing
+    timing: Timing | None  # None when measured with repeats=0 (memory only)
 
 
 def _step_fn(model: torch.nn.Module, batch: dict[str, torch.Tensor], optimizer: Any,
@@ -39,14 +39,16 @@ def measure_training_step(
     grad_accum_steps: int = 1,
     precision: str = "fp32",
     repeats: int = 3,
+    warmup: bool = True,
 ) -> StepMeasurement:
     """Measure one step (forward + backward, and the optimizer step if one is given).
 
-    A warm-up step runs first, so optimizer states exist when memory is measured, as in every
-    step after the first.
+    A warm-up step runs first (unless ``warmup=False``, for a model that has already trained),
+    so optimizer states exist when memory is measured, as in every step after the first.
+    ``repeats=0`` measures memory only (``timing`` is None).
     """
     return measure_training_steps({"model": model}, batch, {"model": optimizer},
-                                  grad_accum_steps, precision, repeats)["model"]
+                                  grad_accum_steps, precision, repeats, warmup)["model"]
 
 
 def measure_training_steps(
@@ -56,6 +58,7 @@ def measure_training_steps(
     grad_accum_steps: int = 1,
     precision: str = "fp32",
     repeats: int = 3,
+    warmup: bool = True,
 ) -> dict[str, StepMeasurement]:
     """``measure_training_step`` for several variants, their step times taken in alternation.
 
@@ -69,11 +72,16 @@ def measure_training_steps(
     optimizers = optimizers or {}
     steps = {name: _step_fn(m, batch, optimizers.get(name), grad_accum_steps, precision)
              for name, m in models.items()}
+    if repeats < 0:
+        raise ValueError(f"repeats={repeats}: must be >= 0 (0 = memory only)")
     memory = {}
     for name, model in models.items():
         model.train()
-        steps[name]()
+        if warmup:
+            steps[name]()
         memory[name] = measure_memory(steps[name], model, optimizers.get(name))
+    if repeats == 0:
+        return {name: StepMeasurement(memory[name], None) for name in models}
     device = next(next(iter(models.values())).parameters()).device
     timings = time_interleaved(steps, warmup=0, repeats=repeats, device=device)
     return {name: StepMeasurement(memory[name], timings[name]) for name in models}

@@ -1,4 +1,5 @@
 import matplotlib
+import pytest
 
 from recipes_lib import compare
 
@@ -22,3 +23,10 @@ def test_several_variants_measured_with_interleaved_timing(small_llama, varlen_b
     assert set(m) == {"a", "b"}
     assert m["a"].memory.peak_bytes == m["b"].memory.peak_bytes
     assert len(m["a"].timing.times_s) == 2
+
+
+def test_memory_only_and_no_warmup(small_llama, varlen_batch):
+    m = compare.measure_training_step(small_llama, varlen_batch, repeats=0, warmup=False)
+    assert m.timing is None and m.memory.peak_bytes > 0
+    with pytest.raises(ValueError, match="repeats"):
+        compare.measure_training_step(small_llama, varlen_batch, repeats=-1)

@@ -212,3 +212,30 @@ class ChunkedCausalLMLoss:
                                      attention_mask=batch["attention_mask"]).last_hidden_state
         return chunked_cross_entropy(hidden[:, :-1], head.weight, batch["labels"][:, 1:],
                                      self.chunk_size, reduction="sum")
+
+
+def compare_with_full(tokens: int, vocab_size: int, hidden_size: int, chunk_size: int,
+                      seed: int = 0, repeats: int = 3) -> dict[str, float]:
+    """Chunked vs full cross-entropy on random data: peak bytes and time of a loss step
+    (forward + backward, timed in alternation) and the largest gradient difference.
+
+    A tenth of the labels are ``-100``, so ignored positions are part of the comparison.
+    """
+    from recipes_lib.memory import measure_memory
+    from recipes_lib.timing import time_interleaved
+
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(tokens, hidden_size, generator=g, requires_grad=True)
+    w = (torch.randn(vocab_size, hidden_size, generator=g) / hidden_size**0.5).requires_grad_()
+    y = torch.randint(0, vocab_size, (tokens,), generator=g)
+    y[: tokens // 10] = IGNORE_INDEX
+    losses = {"full": lambda: F.cross_entropy(h @ w.T, y),
+              "chunked": lambda: chunked_cross_entropy(h, w, y, chunk_size)}
+    steps = {name: (lambda f=f: f().backward()) for name, f in losses.items()}
+    peaks = {name: measure_memory(step).peak_bytes for name, step in steps.items()}
+    times = time_interleaved(steps, warmup=0, repeats=repeats)  # the memory runs warmed up
+    grads = {name: torch.autograd.grad(f(), (h, w)) for name, f in losses.items()}
+    return {"peak_full": peaks["full"], "peak_chunked": peaks["chunked"],
+            "time_full": times["full"].median_s, "time_chunked": times["chunked"].median_s,
+            "max_grad_error": max(float((a - b).abs().max())
+                                  for a, b in zip(grads["full"], grads["chunked"]))}

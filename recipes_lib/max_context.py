@@ -123,3 +123,43 @@ def load_with_rope_scaling(model_path, max_positions: int, rope_type: str = "lin
     model = AutoModelForCausalLM.from_pretrained(str(model_path), config=cfg,
                                                  trust_remote_code=False)
     return model.to(device) if device is not None else model
+
+
+def search_recipes(variants: dict[str, dict[str, Any]], budget_bytes: float, limit: int,
+                   vocab_size: int, multiple_of: int = 128) -> list[dict[str, Any]]:
+    """``max_seq_len`` for each variant of a small Llama, with the calculator's prediction.
+
+    Args:
+        variants: name -> ``{"attn": "eager" | "sdpa" | registered name, "ckpt": bool,
+            "chunk": tokens per loss chunk or None}``, measured in order.
+        budget_bytes: the memory budget.
+        limit: the longest length tried (a result at the limit is a lower bound).
+        vocab_size: the model's vocabulary (large vocabularies make the logits matter).
+        multiple_of: the lengths' granularity.
+
+    Returns:
+        One row per variant: measured and predicted longest length, whether the search hit the
+        limit, and how many lengths it measured.
+    """
+    from recipes_lib import calc
+    from recipes_lib.checkpointing import enable_activation_checkpointing
+    from recipes_lib.chunked_loss import ChunkedCausalLMLoss
+    from recipes_lib.model import small_llama
+
+    rows = []
+    for name, v in variants.items():
+        model = small_llama(None, limit, vocab_size=vocab_size, attn_implementation=v["attn"])
+        if v.get("ckpt"):
+            enable_activation_checkpointing(model)
+        loss_fn = ChunkedCausalLMLoss(v["chunk"]) if v.get("chunk") else None
+        found = max_seq_len(lambda s, m=model, f=loss_fn: training_step_peak(m, s, loss_fn=f),
+                            budget_bytes, start=multiple_of, limit=limit, multiple_of=multiple_of)
+        fixed = 8 * sum(p.numel() for p in model.parameters())  # fp32 weights + gradients
+        predicted = calc.max_seq_len(calc.ModelShape.from_config(model.config), budget_bytes,
+                                     fixed, recompute="full" if v.get("ckpt") else "none",
+                                     flash_attention=v["attn"] != "eager",
+                                     loss_chunk=v.get("chunk"), limit=limit)
+        rows.append({"variant": name, "max seq_len (measured)": found["seq_len"],
+                     "predicted": predicted, "at the search limit": found["seq_len"] >= limit,
+                     "probes": len(found["probes"])})
+    return rows

@@ -80,3 +80,12 @@ def test_calculator_max_seq_len_grows_with_each_recipe():
     assert 0 < base <= flash < chunked
     with pytest.raises(ValueError, match="budget_bytes"):
         calc.max_seq_len(shape, 0)
+
+
+def test_search_recipes_rows():
+    rows = mc.search_recipes({"base": {"attn": "eager"},
+                              "combined": {"attn": "sdpa", "ckpt": True, "chunk": 64}},
+                             budget_bytes=24 * 2**20, limit=1024, vocab_size=4000)
+    assert [r["variant"] for r in rows] == ["base", "combined"]
+    assert rows[1]["max seq_len (measured)"] >= rows[0]["max seq_len (measured)"] > 0
+    assert all(r["predicted"] > 0 for r in rows)

@@ -47,21 +47,7 @@ def time_fn(
         >>> time_fn(lambda: sum(range(1000)), warmup=1, repeats=3).median_s > 0
         True
     """
-    if warmup < 0:
-        raise ValueError(f"warmup={warmup}: must be >= 0")
-    if repeats < 1:
-        raise ValueError(f"repeats={repeats}: must be >= 1")
-    device = device or torch.device("cpu")
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        synchronize(device)
-        t0 = time.perf_counter()
-        fn()
-        synchronize(device)
-        times.append(time.perf_counter() - t0)
-    return Timing(median_s=statistics.median(times), times_s=times)
+    return time_interleaved({"fn": fn}, warmup, repeats, device)["fn"]
 
 
 def time_interleaved(

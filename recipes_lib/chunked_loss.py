@@ -214,28 +214,64 @@ class ChunkedCausalLMLoss:
                                      self.chunk_size, reduction="sum")
 
 
+def liger_available(device: torch.device | str) -> bool:
+    """Liger-Kernel's fused linear cross-entropy can run here: installed, and a CUDA device."""
+    if torch.device(device).type != "cuda":
+        return False
+    try:
+        import liger_kernel.transformers  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def compare_with_full(tokens: int, vocab_size: int, hidden_size: int, chunk_size: int,
-                      seed: int = 0, repeats: int = 3) -> dict[str, float]:
+                      seed: int = 0, repeats: int = 3, device: torch.device | str = "cpu",
+                      dtype: torch.dtype = torch.float32, include_liger: bool = False
+                      ) -> dict[str, float]:
     """Chunked vs full cross-entropy on random data: peak bytes and time of a loss step
     (forward + backward, timed in alternation) and the largest gradient difference.
 
-    A tenth of the labels are ``-100``, so ignored positions are part of the comparison.
+    A tenth of the labels are ``-100``, so ignored positions are part of the comparison. With
+    ``include_liger`` (CUDA, Liger-Kernel installed) Liger's ``LigerFusedLinearCrossEntropyLoss``
+    is measured the same way, under keys ending in ``_liger``.
+
+    Raises:
+        ValueError: ``include_liger`` where Liger cannot run (see ``liger_available``).
     """
     from recipes_lib.memory import measure_memory
     from recipes_lib.timing import time_interleaved
 
+    if include_liger and not liger_available(device):
+        raise ValueError(f"include_liger=True: Liger-Kernel is not installed or device={device!s} "
+                         "is not CUDA")
     g = torch.Generator().manual_seed(seed)
-    h = torch.randn(tokens, hidden_size, generator=g, requires_grad=True)
-    w = (torch.randn(vocab_size, hidden_size, generator=g) / hidden_size**0.5).requires_grad_()
-    y = torch.randint(0, vocab_size, (tokens,), generator=g)
+    h = torch.randn(tokens, hidden_size, generator=g).to(device, dtype).requires_grad_()
+    w = (torch.randn(vocab_size, hidden_size, generator=g) / hidden_size**0.5
+         ).to(device, dtype).requires_grad_()
+    y = torch.randint(0, vocab_size, (tokens,), generator=g).to(device)
     y[: tokens // 10] = IGNORE_INDEX
-    losses = {"full": lambda: F.cross_entropy(h @ w.T, y),
+    losses = {"full": lambda: F.cross_entropy(upcast(h @ w.T), y),
               "chunked": lambda: chunked_cross_entropy(h, w, y, chunk_size)}
+    if include_liger:
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+        fused = LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE_INDEX)
+        losses["liger"] = lambda: fused(w, h, y)
     steps = {name: (lambda f=f: f().backward()) for name, f in losses.items()}
-    peaks = {name: measure_memory(step).peak_bytes for name, step in steps.items()}
-    times = time_interleaved(steps, warmup=0, repeats=repeats)  # the memory runs warmed up
-    grads = {name: torch.autograd.grad(f(), (h, w)) for name, f in losses.items()}
-    return {"peak_full": peaks["full"], "peak_chunked": peaks["chunked"],
-            "time_full": times["full"].median_s, "time_chunked": times["chunked"].median_s,
-            "max_grad_error": max(float((a - b).abs().max())
-                                  for a, b in zip(grads["full"], grads["chunked"]))}
+    device = torch.device(device)
+    peaks = {name: measure_memory(step, device=device).peak_bytes for name, step in steps.items()}
+    times = time_interleaved(steps, warmup=0, repeats=repeats, device=device)  # memory runs warmed up
+    grads = {}
+    for name, f in losses.items():  # backward(), not autograd.grad: Liger's hooks refuse the latter
+        h.grad = w.grad = None
+        f().backward()
+        grads[name] = (h.grad, w.grad)
+    out = {"peak_full": peaks["full"], "time_full": times["full"].median_s}
+    for name in losses.keys() - {"full"}:
+        out[f"peak_{name}"] = peaks[name]
+        out[f"time_{name}"] = times[name].median_s
+        err = max(float((a.float() - b.float()).abs().max())
+                  for a, b in zip(grads["full"], grads[name]))
+        out["max_grad_error" if name == "chunked" else f"max_grad_error_{name}"] = err
+    return out

@@ -204,11 +204,24 @@ def tokenize_examples(dataset, tokenizer, max_length: int, kind: str) -> list[di
     return out
 
 
-def collate(examples: list[dict[str, list[int]]], pad_token_id: int) -> dict[str, torch.Tensor]:
-    """Right-pad a list of examples into a batch with attention_mask; padded labels are -100."""
+def collate(examples: list[dict[str, list[int]]], pad_token_id: int, pad_to_multiple_of: int = 8
+            ) -> dict[str, torch.Tensor]:
+    """Right-pad a list of examples into a batch with attention_mask; padded labels are -100.
+
+    The width is rounded up to ``pad_to_multiple_of`` (8 by default, as transformers'
+    ``DataCollatorWithPadding(pad_to_multiple_of=8)``): tensor cores want multiples of 8, and
+    CUDA's memory-efficient SDPA kernel rejects a padding mask whose row stride is not aligned
+    ("attn_bias is not correctly aligned"). Padded positions carry no loss, so losses are unchanged.
+
+    Raises:
+        ValueError: for no examples or ``pad_to_multiple_of`` < 1.
+    """
     if not examples:
         raise ValueError("examples: empty list, nothing to collate")
+    if not isinstance(pad_to_multiple_of, int) or pad_to_multiple_of < 1:
+        raise ValueError(f"pad_to_multiple_of={pad_to_multiple_of!r}: must be an integer >= 1")
     width = max(len(e["input_ids"]) for e in examples)
+    width = -(-width // pad_to_multiple_of) * pad_to_multiple_of
     ids = torch.full((len(examples), width), pad_token_id, dtype=torch.long)
     labels = torch.full((len(examples), width), IGNORE_INDEX, dtype=torch.long)
     mask = torch.zeros((len(examples), width), dtype=torch.long)

@@ -60,9 +60,14 @@ class RankInfo:
     device: torch.device
 
 
-def default_backend() -> str:
-    """NCCL when CUDA is present, gloo otherwise."""
-    return "nccl" if torch.cuda.is_available() else "gloo"
+def default_backend(world_size: int = 1) -> str:
+    """NCCL when this node has a CUDA GPU for every rank, gloo (ranks on the CPU) otherwise.
+
+    One Colab GPU and ``world_size=2`` therefore runs two CPU ranks on gloo rather than failing:
+    NCCL needs one GPU per rank.
+    """
+    n_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return "nccl" if n_gpu >= world_size else "gloo"
 
 
 def check_backend(backend: str | None, world_size: int) -> str:
@@ -71,7 +76,7 @@ def check_backend(backend: str | None, world_size: int) -> str:
     Raises:
         ValueError: for an unknown backend, or NCCL without enough CUDA devices.
     """
-    backend = backend or default_backend()
+    backend = backend or default_backend(world_size)
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r}: expected one of {BACKENDS}")
     if backend == "nccl":
@@ -104,7 +109,7 @@ def init_distributed(backend: str | None = None, pg_timeout_s: float = 300.0) ->
     """Join the process group described by torchrun's environment (RANK, WORLD_SIZE, ...).
 
     Args:
-        backend: "gloo", "nccl" or None (NCCL with CUDA, else gloo).
+        backend: "gloo", "nccl" or None (NCCL with a GPU per rank, else gloo).
         pg_timeout_s: how long a collective waits for the other ranks before raising.
 
     Raises:
@@ -243,7 +248,7 @@ def launch(
     Args:
         calls: the functions to run and their keyword arguments (JSON-serialisable).
         world_size: number of ranks (processes) on this node.
-        backend: "gloo", "nccl" or None (NCCL with CUDA, else gloo).
+        backend: "gloo", "nccl" or None (NCCL with a GPU per rank, else gloo).
         timeout_s: wall-clock limit for the whole run; past it every process is killed.
         pg_timeout_s: a collective waiting longer than this for another rank raises.
         threads_per_rank: intra-op threads per rank (default: cores // world_size).

@@ -76,10 +76,17 @@ def shard_model(model: torch.nn.Module, precision: str = "fp32",
     if not dist.is_initialized():
         raise RuntimeError("shard_model: no process group; call distributed.init_distributed() "
                            "first (or run under distributed.launch / torchrun)")
+    from torch.distributed.device_mesh import init_device_mesh
+
     policy = mixed_precision_policy(precision)
+    # The mesh follows the model's device. fully_shard's default mesh takes the accelerator
+    # when one exists, so gloo ranks on the CPU of a GPU machine (one GPU, two ranks) would
+    # otherwise shard onto CUDA through a CPU-only process group (seen: SIGSEGV on both ranks).
+    device_type = next(model.parameters()).device.type
+    mesh = init_device_mesh(device_type, (dist.get_world_size(),))
     for layer in decoder_layers(model):
-        fully_shard(layer, mp_policy=policy, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+        fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     return model
 
 

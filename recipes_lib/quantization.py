@@ -152,8 +152,12 @@ def trainable_fraction(model: torch.nn.Module) -> tuple[int, int]:
 
 
 def reload_adapter(base_path: str | Path, adapter_dir: str | Path, quantization_config=None,
-                   dtype: torch.dtype = torch.bfloat16, merge: bool = False):
+                   dtype: torch.dtype = torch.bfloat16, merge: bool = False,
+                   device: torch.device | str | None = None):
     """Load the base again, attach a saved adapter; optionally merge it into the weights.
+
+    ``device`` is where the base is loaded (None: the CPU); use the trained model's device to
+    compare their outputs.
 
     Merging into 4-bit weights would re-quantize them (lossy), so with ``merge=True`` a 4-bit
     base is first dequantized to ``dtype`` and the adapter merged into those dense weights: the
@@ -163,7 +167,7 @@ def reload_adapter(base_path: str | Path, adapter_dir: str | Path, quantization_
 
     from recipes_lib.model import load_model
 
-    base = load_model(base_path, dtype=dtype, quantization_config=quantization_config)
+    base = load_model(base_path, dtype=dtype, quantization_config=quantization_config, device=device)
     if merge and quantization_config is not None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

@@ -37,9 +37,13 @@ def test_tokenize_masks_prompt_and_rejects_too_long(tokenizer):
 def test_collate_pads_and_batches_validate():
     b = data.collate([{"input_ids": [5, 6, 7], "labels": [5, 6, 7]},
                       {"input_ids": [8], "labels": [8]}], pad_token_id=0)
-    assert b["input_ids"].tolist() == [[5, 6, 7], [8, 0, 0]]
-    assert b["labels"][1].tolist() == [8, -100, -100]
+    assert b["input_ids"].tolist() == [[5, 6, 7, 0, 0, 0, 0, 0], [8, 0, 0, 0, 0, 0, 0, 0]]
+    assert b["labels"][1].tolist() == [8] + [-100] * 7
     assert b["attention_mask"].sum().item() == 4
+    exact = data.collate([{"input_ids": [5, 6, 7], "labels": [5, 6, 7]}], 0, pad_to_multiple_of=1)
+    assert exact["input_ids"].shape == (1, 3)
+    with pytest.raises(ValueError, match="pad_to_multiple_of=0"):
+        data.collate([{"input_ids": [5], "labels": [5]}], 0, pad_to_multiple_of=0)
     with pytest.raises(ValueError, match="batch_size=0"):
         next(data.batches([{"input_ids": [1], "labels": [1]}], 0, 0))
     with pytest.raises(ValueError, match="batch_size=5"):

@@ -99,6 +99,17 @@ def test_nccl_without_gpus_is_refused_before_launch():
                            backend="nccl")
 
 
+@pytest.mark.parametrize("n_gpu, world_size, expected", [
+    (0, 1, "gloo"), (0, 2, "gloo"), (1, 2, "gloo"), (1, 1, "nccl"), (8, 2, "nccl"),
+])
+def test_default_backend_needs_a_gpu_per_rank(monkeypatch, n_gpu, world_size, expected):
+    # One Colab GPU with two ranks must fall back to gloo, not fail in check_backend.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: n_gpu > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: n_gpu)
+    assert distributed.default_backend(world_size) == expected
+    assert distributed.check_backend(None, world_size) == expected
+
+
 def test_bad_launch_arguments():
     with pytest.raises(ValueError, match="world_size=0"):
         distributed.launch([("recipes_lib.distributed:fail_on_rank", {"rank": 0})], world_size=0)

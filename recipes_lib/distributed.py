@@ -128,7 +128,15 @@ def init_distributed(backend: str | None = None, pg_timeout_s: float = 300.0) ->
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         kwargs = {"device_id": device} if backend == "nccl" else {}
-        dist.init_process_group(backend, timeout=timedelta(seconds=pg_timeout_s), **kwargs)
+        timeout = timedelta(seconds=pg_timeout_s)
+        # torchrun's workers share the agent's store, which outlives a restart. Keys are prefixed
+        # with the restart count so a restarted rank never reads a dead rank's address left by
+        # the previous attempt (seen: "Gloo connectFullMesh failed ... Connect timeout").
+        store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        dist.init_process_group(backend, store=dist.PrefixStore(f"attempt{attempt}", store),
+                                rank=int(os.environ["RANK"]), world_size=world_size,
+                                timeout=timeout, **kwargs)
     return RankInfo(dist.get_rank(), dist.get_world_size(), local_rank, backend, device)
 
 
@@ -239,6 +247,7 @@ def launch(
     pg_timeout_s: float = 120.0,
     threads_per_rank: int | None = None,
     verbose: bool = True,
+    max_restarts: int = 0,
 ) -> list[list[Any]]:
     """Run functions on ``world_size`` real processes started by torchrun on this node.
 
@@ -253,6 +262,9 @@ def launch(
         pg_timeout_s: a collective waiting longer than this for another rank raises.
         threads_per_rank: intra-op threads per rank (default: cores // world_size).
         verbose: echo rank 0's output (progress bars included) as it comes.
+        max_restarts: torchrun's ``--max-restarts``: when a rank dies, every rank is stopped and
+            the job started again, up to this many times; a training call that checkpoints
+            (``train_sharded(resume_dir=...)``) then resumes from its last checkpoint.
 
     Returns:
         ``results[i][r]``: what call ``i`` returned on rank ``r``.
@@ -266,6 +278,8 @@ def launch(
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size={world_size!r}: must be an integer >= 1")
+    if not isinstance(max_restarts, int) or max_restarts < 0:
+        raise ValueError(f"max_restarts={max_restarts!r}: must be an integer >= 0")
     backend = check_backend(backend, world_size)
     if not calls:
         raise ValueError("calls: empty, nothing to run")
@@ -277,7 +291,8 @@ def launch(
     (work / "calls.json").write_text(json.dumps([[t, k] for t, k in calls]))
     out = work / "out"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={world_size}", "--local-ranks-filter=0",
+           f"--nproc-per-node={world_size}", f"--max-restarts={max_restarts}",
+           "--local-ranks-filter=0",
            "-m", "recipes_lib.distributed", f"@{work / 'calls.json'}", "--out", str(out),
            "--backend", backend, "--pg-timeout", str(pg_timeout_s)]
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false",

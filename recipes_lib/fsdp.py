@@ -9,6 +9,7 @@ Per rank, full sharding costs ``16 * P / N`` bytes of training state for mixed-p
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -200,6 +201,9 @@ def train_sharded(
     seed: int = 0,
     checkpoint_dir: str | None = None,
     export_dir: str | None = None,
+    resume_dir: str | None = None,
+    checkpoint_every: int = 0,
+    measure_repeats: int = 2,
 ) -> dict[str, Any]:
     """Train the model at ``model_path`` on the base corpus with DDP, FSDP or a single process.
 
@@ -219,10 +223,18 @@ def train_sharded(
         checkpoint_dir: when given, save a sharded checkpoint there, reload it into a freshly
             sharded model and report whether parameters and optimizer state round-trip.
         export_dir: when given, export a full ``from_pretrained`` folder there (rank 0 writes).
+        resume_dir: the training loop's own sharded checkpoints (``train_state``): saved every
+            ``checkpoint_every`` steps and at the end, and resumed from when one is there, e.g.
+            after a rank died and ``torchrun --max-restarts`` restarted the job.
+        checkpoint_every: steps between those checkpoints (0: only at the end).
+        measure_repeats: timed runs of the measured step after training (each a full step: keep
+            it small where a step is slow, e.g. emulated bf16 on a CPU); 0 measures memory only
+            (``step_time_s`` is None).
 
     Returns:
         JSON-ready dict: losses, step_time_s, state_bytes, peak_bytes, peak_by_category,
-        world_size, and the checkpoint checks when asked.
+        world_size, resumed_from (step), restart_count (torchrun's), and the checkpoint checks
+        when asked.
 
     Raises:
         ValueError: for an unknown strategy/precision or a global batch the world size does not
@@ -247,11 +259,13 @@ def train_sharded(
     # fp16 needs the (sharded) loss scaler, which the training loop adds for precision="fp16".
     config = TrainConfig(steps=steps, micro_batch_size=micro, lr=lr, schedule="constant_with_warmup",
                          max_grad_norm=None, seed=seed, desc=f"{strategy} {precision}",
-                         precision="fp16" if precision == "fp16" else "fp32")
+                         precision="fp16" if precision == "fp16" else "fp32",
+                         checkpoint_dir=resume_dir, checkpoint_every=checkpoint_every)
     optimizer = make_optimizer(model, config)
     run = train(model, examples, tok.pad_token_id, config, optimizer=optimizer)
     out = {"strategy": strategy, "precision": precision, "world_size": world_size,
-           "rank": rank, "losses": run.losses}
+           "rank": rank, "losses": run.losses, "resumed_from": run.resumed_from,
+           "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))}
     # Checkpoints hold the trained weights, before the measurement steps below change them.
     if checkpoint_dir is not None:
         out["checkpoint"] = _checkpoint_round_trip(model, optimizer, model_path, strategy,
@@ -266,8 +280,9 @@ def train_sharded(
     out["state_bytes"] = local_state_bytes(model, optimizer)  # gradients alive, before the step
     optimizer.zero_grad(set_to_none=True)
     # the model has trained, so optimizer states exist: no warm-up step needed
-    step = measure_training_step(model, batch, optimizer, repeats=2, warmup=False)
-    out.update(step_time_s=step.timing.median_s, peak_bytes=step.memory.peak_bytes,
+    step = measure_training_step(model, batch, optimizer, repeats=measure_repeats, warmup=False)
+    out.update(step_time_s=step.timing.median_s if step.timing is not None else None,
+               peak_bytes=step.memory.peak_bytes,
                peak_by_category=step.memory.by_category)
     return out
 

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import torch
 
 from recipes_lib.device import synchronize
-from recipes_lib.timing import Timing, time_fn, time_interleaved
+from recipes_lib.timing import Timing, time_interleaved
 
 
 def _device(model: torch.nn.Module) -> torch.device:
@@ -23,22 +23,17 @@ def prefill_time(model: torch.nn.Module, batch: dict[str, torch.Tensor], repeats
     Raises:
         ValueError: for a batch without ``input_ids``.
     """
-    if "input_ids" not in batch:
-        raise ValueError("batch: needs 'input_ids' (and optionally 'attention_mask')")
-    device = _device(model)
-    inputs = {k: v.to(device) for k, v in batch.items() if k in ("input_ids", "attention_mask")}
-    model.eval()
-
-    def run():
-        with torch.inference_mode():
-            model(**inputs, use_cache=False)
-    return time_fn(run, warmup=warmup, repeats=repeats, device=device)
+    return prefill_times({"model": model}, batch, repeats, warmup)["model"]
 
 
 def prefill_times(models: dict[str, torch.nn.Module], batch: dict[str, torch.Tensor],
-                  repeats: int = 5) -> dict[str, Timing]:
+                  repeats: int = 5, warmup: int = 1) -> dict[str, Timing]:
     """``prefill_time`` for several models, their runs alternating (A B A B ...) so machine drift
-    does not favour one of them."""
+    does not favour one of them.
+
+    Raises:
+        ValueError: for a batch without ``input_ids``.
+    """
     if "input_ids" not in batch:
         raise ValueError("batch: needs 'input_ids' (and optionally 'attention_mask')")
     fns = {}
@@ -53,7 +48,7 @@ def prefill_times(models: dict[str, torch.nn.Module], batch: dict[str, torch.Ten
                 model(**inputs, use_cache=False)
         fns[name] = run
     device = _device(next(iter(models.values())))
-    return time_interleaved(fns, warmup=1, repeats=repeats, device=device)
+    return time_interleaved(fns, warmup=warmup, repeats=repeats, device=device)
 
 
 def generation_speed(model: torch.nn.Module, input_ids: torch.Tensor, new_tokens: int = 32,
@@ -72,27 +67,15 @@ def generation_speed(model: torch.nn.Module, input_ids: torch.Tensor, new_tokens
     Raises:
         ValueError: for new_tokens < 1.
     """
-    if new_tokens < 1:
-        raise ValueError(f"new_tokens={new_tokens}: must be >= 1")
-    device = _device(model)
-    ids = input_ids.to(device)
-    kwargs = {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens, "do_sample": False,
-              "use_cache": use_cache, "pad_token_id": model.config.pad_token_id}
-    if cache_implementation is not None:
-        kwargs["cache_implementation"] = cache_implementation
-    model.eval()
-
-    def run():
-        with torch.inference_mode():
-            model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **kwargs)
-    t = time_fn(run, warmup=1, repeats=repeats, device=device)
-    return {"seconds": t.median_s, "tokens_per_s": new_tokens * ids.shape[0] / t.median_s}
+    return generation_speeds({"model": model}, input_ids, new_tokens, repeats, use_cache,
+                             cache_implementation)["model"]
 
 
 def generation_speeds(models: dict[str, torch.nn.Module], input_ids: torch.Tensor,
-                      new_tokens: int = 32, repeats: int = 5) -> dict[str, dict[str, float]]:
-    """``generation_speed`` (greedy, KV cache) for several models, their runs alternating so
-    machine drift does not favour one of them.
+                      new_tokens: int = 32, repeats: int = 5, use_cache: bool = True,
+                      cache_implementation: str | None = None) -> dict[str, dict[str, float]]:
+    """``generation_speed`` for several models, their runs alternating so machine drift does not
+    favour one of them.
 
     Raises:
         ValueError: for new_tokens < 1.
@@ -102,13 +85,15 @@ def generation_speeds(models: dict[str, torch.nn.Module], input_ids: torch.Tenso
     fns = {}
     for name, model in models.items():
         ids = input_ids.to(_device(model))
+        kwargs = {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens, "do_sample": False,
+                  "use_cache": use_cache, "pad_token_id": model.config.pad_token_id}
+        if cache_implementation is not None:
+            kwargs["cache_implementation"] = cache_implementation
         model.eval()
 
-        def run(model=model, ids=ids):
+        def run(model=model, ids=ids, kwargs=kwargs):
             with torch.inference_mode():
-                model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
-                               max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                               do_sample=False, pad_token_id=model.config.pad_token_id)
+                model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **kwargs)
         fns[name] = run
     times = time_interleaved(fns, warmup=1, repeats=repeats,
                              device=_device(next(iter(models.values()))))

@@ -120,19 +120,36 @@ def markdown_table(results_dir: Path | str = RESULTS_DIR) -> str:
     return "\n".join(lines)
 
 
+def _markers(section: str | None) -> tuple[str, str]:
+    if section is None:
+        return README_BEGIN, README_END
+    return f"<!-- results-table:{section}:begin -->", f"<!-- results-table:{section}:end -->"
+
+
 def update_readme(readme: Path | str, results_dir: Path | str = RESULTS_DIR) -> bool:
     """Replace the table between the README's results markers; return True if it changed.
+
+    A sub-folder of ``results_dir`` (e.g. ``results/h100/``, figures from a run on another
+    machine) fills the table between ``<!-- results-table:h100:begin -->`` and its end marker,
+    where the README has them.
 
     Raises:
         ValueError: if the README lacks the begin/end markers.
     """
-    readme = Path(readme)
+    readme, results_dir = Path(readme), Path(results_dir)
     text = readme.read_text()
     if README_BEGIN not in text or README_END not in text:
         raise ValueError(f"readme={str(readme)!r}: missing {README_BEGIN} / {README_END} markers")
-    head, rest = text.split(README_BEGIN, 1)
-    _, tail = rest.split(README_END, 1)
-    new = f"{head}{README_BEGIN}\n{markdown_table(results_dir)}\n{README_END}{tail}"
+    new = text
+    sections = [(None, results_dir)] + [(d.name, d) for d in sorted(results_dir.iterdir())
+                                        if d.is_dir() and any(d.glob("*.json"))]
+    for section, folder in sections:
+        begin, end = _markers(section)
+        if begin not in new or end not in new:
+            continue
+        head, rest = new.split(begin, 1)
+        _, tail = rest.split(end, 1)
+        new = f"{head}{begin}\n{markdown_table(folder)}\n{end}{tail}"
     if new != text:
         readme.write_text(new)
     return new != text

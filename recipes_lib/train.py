@@ -78,6 +78,7 @@ class TrainResult:
     target_tokens: int = 0
     # (step, target tokens so far, eval_fn's value) every ``eval_every`` steps
     evals: list[tuple[int, int, float]] = field(default_factory=list)
+    resumed_from: int = 0  # the checkpoint's step when the run resumed, else 0
 
 
 def make_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
@@ -156,14 +157,16 @@ def train(
     With ``config.checkpoint_dir`` the run saves every ``checkpoint_every`` steps and at the end
     (``train_state``: atomic, safetensors + weights-only state) and, when a checkpoint is already
     there, resumes from it: weights, optimizer, scheduler, scaler, RNG and data position, so the
-    losses continue exactly as an uninterrupted run's.
+    losses continue exactly as an uninterrupted run's. Under torchrun every rank calls this and
+    the checkpoint is sharded (``torch.distributed.checkpoint``), so a run restarted by
+    ``torchrun --max-restarts`` after a rank died resumes from the last complete checkpoint.
 
     Returns:
         TrainResult with one loss (the global batch's) and one wall time per optimizer step.
 
     Raises:
         ValueError: for an invalid config, a global batch larger than the data, or a
-            checkpoint_dir in a multi-process run (use ``fsdp.save_sharded`` there).
+            checkpoint that does not match the model.
 
     Example:
         >>> result = train(model, examples, tok.pad_token_id, TrainConfig(steps=50))  # doctest: +SKIP
@@ -197,13 +200,10 @@ def train(
     result = TrainResult(precision=precision)
     start = 0
     if config.checkpoint_dir is not None:
-        if world_size > 1:
-            raise ValueError("checkpoint_dir: train() checkpoints single-process runs; under "
-                             "FSDP use fsdp.save_sharded / load_sharded")
         found = train_state.latest(config.checkpoint_dir)
         if found is not None:
             restored = train_state.load(found, model, optimizer, scheduler, scaler)
-            start = min(restored["step"], config.steps)
+            start = result.resumed_from = min(restored["step"], config.steps)
             history = restored["history"]
             result.losses, result.step_times = history["losses"], history["step_times"]
             result.target_tokens = history["target_tokens"]
@@ -225,6 +225,7 @@ def train(
         result.step_times.append(time.perf_counter() - t0)
         result.losses.append(loss)
         result.target_tokens += int(n_tokens)
+        train_state._fault_point("step", step + 1)  # test hook: a process killed mid-run
         bar.set_postfix(loss=f"{loss:.3f}")
         if writer is not None:
             writer.add_scalar("train/loss", loss, step)

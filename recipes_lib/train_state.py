@@ -11,6 +11,14 @@ only when complete, and then ``latest`` (a one-line text file, itself replaced a
 to it. A process killed mid-write leaves a ``.tmp`` folder that is never read and is removed by
 the next save. The data position is the step: ``train`` replays its seeded batch stream up to it,
 so a resumed run sees exactly the batches an uninterrupted one would.
+
+In a multi-process run (torchrun, DDP or FSDP) the weights and optimizer state go into
+``shards/`` through ``torch.distributed.checkpoint``: every rank writes its own shards, nothing is
+gathered. Each rank's RNG state goes into ``rng-rank<N>.pt``; rank 0 writes ``state.pt`` and, after
+a barrier that waits for every rank's files, renames the folder and moves ``latest``. So a rank
+killed at any moment leaves either the previous complete checkpoint or a ``.tmp`` folder, and a
+``torchrun --max-restarts`` restart (``distributed.launch(max_restarts=...)``) resumes from the
+last complete one.
 """
 
 from __future__ import annotations
@@ -18,14 +26,22 @@ from __future__ import annotations
 import os
 import random
 import shutil
+import signal
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 LATEST = "latest"
 WEIGHTS = "weights.safetensors"
+SHARDS = "shards"
 STATE = "state.pt"
+
+
+def _multi_process() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def _trainable(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -54,11 +70,16 @@ def save(checkpoint_dir: str | Path, step: int, model: torch.nn.Module, optimize
          scheduler: Any, scaler: Any, history: dict[str, Any], keep: int = 2) -> Path:
     """Write the checkpoint after ``step`` optimizer steps, atomically; keep the newest ``keep``.
 
+    Called by every rank in a multi-process run (the sharded layout, see the module docstring).
+
     Returns:
         The checkpoint's folder.
     """
     from safetensors.torch import save_file
 
+    if _multi_process():
+        return _save_sharded(Path(checkpoint_dir), step, model, optimizer, scheduler, scaler,
+                             history, keep)
     root = Path(checkpoint_dir)
     root.mkdir(parents=True, exist_ok=True)
     for stale in root.glob("*.tmp"):  # left by a process killed mid-write
@@ -74,6 +95,12 @@ def save(checkpoint_dir: str | Path, step: int, model: torch.nn.Module, optimize
                 "scaler": scaler.state_dict() if scaler is not None else None,
                 "rng": _rng_state(), "history": history}, tmp / STATE)
     _fault_point("before_rename", step)
+    _publish(root, tmp, final, keep)
+    return final
+
+
+def _publish(root: Path, tmp: Path, final: Path, keep: int) -> None:
+    """Rename the complete ``tmp`` folder to ``final``, point ``latest`` at it, prune old ones."""
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
     pointer = root / (LATEST + ".tmp")
@@ -82,6 +109,34 @@ def save(checkpoint_dir: str | Path, step: int, model: torch.nn.Module, optimize
     for old in sorted(root.glob("step-[0-9]*"))[:-keep] if keep > 0 else []:
         if old.is_dir() and old.suffix != ".tmp" and old != final:
             shutil.rmtree(old, ignore_errors=True)
+
+
+def _save_sharded(root: Path, step: int, model: torch.nn.Module, optimizer: Any, scheduler: Any,
+                  scaler: Any, history: dict[str, Any], keep: int) -> Path:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    rank = dist.get_rank()
+    final, tmp = root / f"step-{step:06d}", root / f"step-{step:06d}.tmp"
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        for stale in root.glob("*.tmp"):
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp.mkdir()
+    dist.barrier()
+    model_sd, optim_sd = get_state_dict(model, getattr(optimizer, "optimizer", optimizer))
+    dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(tmp / SHARDS))
+    torch.save({"rng": _rng_state()}, tmp / f"rng-rank{rank}.pt")
+    if rank == 0:
+        torch.save({"step": step, "world_size": dist.get_world_size(),
+                    "scheduler": scheduler.state_dict() if scheduler is not None else None,
+                    "scaler": scaler.state_dict() if scaler is not None else None,
+                    "history": history}, tmp / STATE)
+    dist.barrier()  # every rank's shards and RNG file are on disk
+    _fault_point("before_rename", step)
+    if rank == 0:
+        _publish(root, tmp, final, keep)
+    dist.barrier()  # nobody reads `latest` before it moved
     return final
 
 
@@ -92,7 +147,8 @@ def latest(checkpoint_dir: str | Path) -> Path | None:
     if not pointer.exists():
         return None
     path = root / pointer.read_text().strip()
-    if path.suffix == ".tmp" or not (path / WEIGHTS).exists() or not (path / STATE).exists():
+    complete = (path / WEIGHTS).exists() or (path / SHARDS / ".metadata").exists()
+    if path.suffix == ".tmp" or not complete or not (path / STATE).exists():
         return None
     return path
 
@@ -107,6 +163,8 @@ def load(path: str | Path, model: torch.nn.Module, optimizer: Any, scheduler: An
     from safetensors.torch import load_file
 
     path = Path(path)
+    if (path / SHARDS).is_dir():
+        return _load_sharded(path, model, optimizer, scheduler, scaler)
     weights = load_file(str(path / WEIGHTS))
     params = _trainable(model)
     if set(weights) != set(params):
@@ -126,7 +184,50 @@ def load(path: str | Path, model: torch.nn.Module, optimizer: Any, scheduler: An
     return {"step": int(state["step"]), "history": state["history"]}
 
 
+def _load_sharded(path: Path, model: torch.nn.Module, optimizer: Any, scheduler: Any,
+                  scaler: Any) -> dict[str, Any]:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    if not _multi_process():
+        raise ValueError(f"checkpoint_dir: {path} is a sharded (multi-process) checkpoint; "
+                         "resume it under torchrun, or load it with fsdp.load_sharded")
+    inner = getattr(optimizer, "optimizer", optimizer)
+    model_sd, optim_sd = get_state_dict(model, inner)  # also creates AdamW's lazy state
+    state = {"model": model_sd, "optimizer": optim_sd}
+    dcp.load(state, checkpoint_id=str(path / SHARDS))
+    set_state_dict(model, inner, model_state_dict=state["model"],
+                   optim_state_dict=state["optimizer"])
+    common = torch.load(path / STATE, weights_only=True)
+    if scheduler is not None and common["scheduler"] is not None:
+        scheduler.load_state_dict(common["scheduler"])
+    if scaler is not None and common["scaler"] is not None:
+        scaler.load_state_dict(common["scaler"])
+    rng = path / f"rng-rank{dist.get_rank()}.pt"
+    if rng.exists():
+        _set_rng_state(torch.load(rng, weights_only=True)["rng"])
+    else:
+        warnings.warn(f"{rng.name} missing (saved with world size {common['world_size']}, now "
+                      f"{dist.get_world_size()}): this rank's random state starts fresh",
+                      stacklevel=2)
+    return {"step": int(common["step"]), "history": common["history"]}
+
+
 def _fault_point(name: str, step: int) -> None:
-    """Test hook: ``RECIPES_FAULT=before_rename:3`` kills the process there in step 3's save."""
-    if os.environ.get("RECIPES_FAULT") == f"{name}:{step}":
-        os._exit(17)
+    """Test hook: ``RECIPES_FAULT=before_rename:3`` kills the process there in step 3's save.
+
+    ``RECIPES_FAULT=step:5@1`` SIGKILLs rank 1 right after optimizer step 5, in the first
+    attempt only: a worker restarted by torchrun (TORCHELASTIC_RESTART_COUNT > 0) runs on.
+    """
+    spec = os.environ.get("RECIPES_FAULT")
+    if spec is None:
+        return
+    where, _, rank = spec.partition("@")
+    if where != f"{name}:{step}":
+        return
+    if rank:
+        me = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        if str(me) != rank or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+            return
+        os.kill(os.getpid(), signal.SIGKILL)
+    os._exit(17)

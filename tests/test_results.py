@@ -46,3 +46,17 @@ def test_report_lists_status_and_figures(tmp_path):
     r.save()
     text = results.write_report({"01_x": "ok", "02_y": "failed: AssertionError"}, tmp_path).read_text()
     assert "| 02_y | failed: AssertionError |" in text and "task_accuracy" in text
+
+
+def test_readme_section_from_a_results_subfolder(tmp_path):
+    results.Results("01_x", "cpu", tmp_path).save()
+    gpu = results.Results("01_x", "cuda: H100", tmp_path / "h100")
+    gpu.add("qlora", "task_accuracy", 1.0, baseline=0.0)
+    gpu.save()
+    readme = tmp_path / "README.md"
+    readme.write_text(f"{results.README_BEGIN}\n{results.README_END}\n"
+                      "<!-- results-table:h100:begin -->\nold\n<!-- results-table:h100:end -->\n")
+    assert results.update_readme(readme, tmp_path)
+    gpu_part = readme.read_text().split("results-table:h100:begin")[1]
+    assert "| 01_x | qlora | task_accuracy | 1 | 0 |  |  | cuda: H100 |" in gpu_part
+    assert "old" not in gpu_part

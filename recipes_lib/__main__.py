@@ -1,4 +1,4 @@
-"""Command line: ``python -m recipes_lib {run,readme,data,plan}``.
+"""Command line: ``python -m recipes_lib {run,readme,data,plan,colab}``.
 
 - ``run``: execute every notebook headless into ``notebooks/executed/``, then refresh the README's
   results table from ``results/`` and write ``results/report.md`` and the self-contained
@@ -7,6 +7,8 @@
 - ``readme``: refresh the README's results table only.
 - ``data``: regenerate the corpora in ``data/``.
 - ``plan``: which recipes make a training run fit (``recipes_lib.planner``).
+- ``colab``: stamp the "Open in Colab" badge and the Colab-only install cell into every notebook
+  (``recipes_lib.colab``), given the repository's public GitHub ``owner/name``.
 """
 
 from __future__ import annotations
@@ -64,8 +66,20 @@ def main(argv: list[str] | None = None) -> int:
     pl.add_argument("--seq", type=int, default=2048, help="sequence length")
     pl.add_argument("--batch", type=int, default=8, help="sequences per optimizer step")
     pl.add_argument("--gpus", type=int, default=1, help="GPUs for the FSDP row")
+    cb = sub.add_parser("colab", help="stamp Colab badges and install cells into the notebooks")
+    cb.add_argument("--repo", required=True, help="the public GitHub repository, owner/name")
+    cb.add_argument("--ref", default="main", help="branch or tag the badges open")
     args = parser.parse_args(argv)
 
+    if args.command == "colab":
+        from recipes_lib.colab import stamp_notebooks
+
+        try:
+            for path in stamp_notebooks(args.repo, args.ref):
+                print(f"stamped {path.relative_to(ROOT)}")
+        except ValueError as err:
+            parser.error(str(err))
+        return 0
     if args.command == "plan":
         from recipes_lib.planner import format_plan, plan
 

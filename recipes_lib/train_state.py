@@ -12,7 +12,7 @@ to it. A process killed mid-write leaves a ``.tmp`` folder that is never read an
 the next save. The data position is the step: ``train`` replays its seeded batch stream up to it,
 so a resumed run sees exactly the batches an uninterrupted one would.
 
-In a multi-process run (torchrun, DDP or FSDP) the weights and optimizer state go into
+Under torchrun (a process group of any size, DDP or FSDP) the weights and optimizer state go into
 ``shards/`` through ``torch.distributed.checkpoint``: every rank writes its own shards, nothing is
 gathered. Each rank's RNG state goes into ``rng-rank<N>.pt``; rank 0 writes ``state.pt`` and, after
 a barrier that waits for every rank's files, renames the folder and moves ``latest``. So a rank
@@ -41,7 +41,9 @@ STATE = "state.pt"
 
 
 def _multi_process() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    # Any process group, even of one rank: its model may be FSDP-wrapped (DTensor parameters),
+    # which only torch.distributed.checkpoint saves.
+    return dist.is_available() and dist.is_initialized()
 
 
 def _trainable(model: torch.nn.Module) -> dict[str, torch.Tensor]:

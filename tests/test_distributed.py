@@ -156,6 +156,26 @@ def test_rank_killed_under_torchrun_resumes_from_sharded_checkpoint(tiny_model_p
                    f"uninterrupted run: {diff} (FSDP, 2 gloo ranks, fp32)")
 
 
+def test_one_rank_fsdp_run_checkpoints_and_resumes(tiny_model_path, tmp_path):
+    # A process group of one rank still holds DTensor parameters under FSDP: the sharded layout.
+    # (In this process, so no torchrun start-up: a one-rank gloo group on a file store.)
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0,
+                            world_size=1)
+    try:
+        kw = {"model_path": str(tiny_model_path), "strategy": "fsdp", "steps": 2,
+              "global_batch_size": 2, "seq_len": 32, "resume_dir": str(tmp_path / "ckpt"),
+              "measure_repeats": 0}
+        first = fsdp.train_sharded(**kw)
+        again = fsdp.train_sharded(**dict(kw, steps=3))
+    finally:
+        dist.destroy_process_group()
+    assert first["resumed_from"] == 0 and again["resumed_from"] == 2
+    assert again["losses"][:2] == first["losses"] and len(again["losses"]) == 3
+    assert (tmp_path / "ckpt" / "step-000003" / "shards" / ".metadata").exists()
+
+
 def test_sharded_checkpoint_outside_torchrun_is_refused(tmp_path):
     (tmp_path / "step-000002" / "shards").mkdir(parents=True)
     m = torch.nn.Linear(2, 2)

@@ -216,13 +216,9 @@ class ChunkedCausalLMLoss:
 
 def liger_available(device: torch.device | str) -> bool:
     """Liger-Kernel's fused linear cross-entropy can run here: installed, and a CUDA device."""
-    if torch.device(device).type != "cuda":
-        return False
-    try:
-        import liger_kernel.transformers  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    from recipes_lib.device import has_module
+
+    return torch.device(device).type == "cuda" and has_module("liger_kernel")
 
 
 def compare_with_full(tokens: int, vocab_size: int, hidden_size: int, chunk_size: int,

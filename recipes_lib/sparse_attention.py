@@ -142,13 +142,9 @@ def blockwise_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 def flex_available(device: torch.device | str) -> bool:
     """FlexAttention trains (forward and backward) here: CUDA only; on CPU it is forward-only."""
-    if torch.device(device).type != "cuda":
-        return False
-    try:
-        from torch.nn.attention.flex_attention import flex_attention  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    from recipes_lib.device import has_module
+
+    return torch.device(device).type == "cuda" and has_module("torch.nn.attention.flex_attention")
 
 
 def flex_attention_fn(window: int | None, n_global: int = 0):

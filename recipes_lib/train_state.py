@@ -40,7 +40,7 @@ SHARDS = "shards"
 STATE = "state.pt"
 
 
-def _multi_process() -> bool:
+def _in_process_group() -> bool:
     # Any process group, even of one rank: its model may be FSDP-wrapped (DTensor parameters),
     # which only torch.distributed.checkpoint saves.
     return dist.is_available() and dist.is_initialized()
@@ -79,7 +79,7 @@ def save(checkpoint_dir: str | Path, step: int, model: torch.nn.Module, optimize
     """
     from safetensors.torch import save_file
 
-    if _multi_process():
+    if _in_process_group():
         return _save_sharded(Path(checkpoint_dir), step, model, optimizer, scheduler, scaler,
                              history, keep)
     root = Path(checkpoint_dir)
@@ -115,8 +115,7 @@ def _publish(root: Path, tmp: Path, final: Path, keep: int) -> None:
 
 def _save_sharded(root: Path, step: int, model: torch.nn.Module, optimizer: Any, scheduler: Any,
                   scaler: Any, history: dict[str, Any], keep: int) -> Path:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from recipes_lib.fsdp import save_sharded
 
     rank = dist.get_rank()
     final, tmp = root / f"step-{step:06d}", root / f"step-{step:06d}.tmp"
@@ -126,8 +125,7 @@ def _save_sharded(root: Path, step: int, model: torch.nn.Module, optimizer: Any,
             shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir()
     dist.barrier()
-    model_sd, optim_sd = get_state_dict(model, getattr(optimizer, "optimizer", optimizer))
-    dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(tmp / SHARDS))
+    save_sharded(model, getattr(optimizer, "optimizer", optimizer), tmp / SHARDS)
     torch.save({"rng": _rng_state()}, tmp / f"rng-rank{rank}.pt")
     if rank == 0:
         torch.save({"step": step, "world_size": dist.get_world_size(),
@@ -188,18 +186,12 @@ def load(path: str | Path, model: torch.nn.Module, optimizer: Any, scheduler: An
 
 def _load_sharded(path: Path, model: torch.nn.Module, optimizer: Any, scheduler: Any,
                   scaler: Any) -> dict[str, Any]:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from recipes_lib.fsdp import load_sharded
 
-    if not _multi_process():
+    if not _in_process_group():
         raise ValueError(f"checkpoint_dir: {path} is a sharded (multi-process) checkpoint; "
                          "resume it under torchrun, or load it with fsdp.load_sharded")
-    inner = getattr(optimizer, "optimizer", optimizer)
-    model_sd, optim_sd = get_state_dict(model, inner)  # also creates AdamW's lazy state
-    state = {"model": model_sd, "optimizer": optim_sd}
-    dcp.load(state, checkpoint_id=str(path / SHARDS))
-    set_state_dict(model, inner, model_state_dict=state["model"],
-                   optim_state_dict=state["optimizer"])
+    load_sharded(model, getattr(optimizer, "optimizer", optimizer), path / SHARDS)
     common = torch.load(path / STATE, weights_only=True)
     if scheduler is not None and common["scheduler"] is not None:
         scheduler.load_state_dict(common["scheduler"])

@@ -54,7 +54,8 @@ def prefill_times(models: dict[str, torch.nn.Module], batch: dict[str, torch.Ten
 def generation_speed(model: torch.nn.Module, input_ids: torch.Tensor, new_tokens: int = 32,
                      use_cache: bool = True, cache_implementation: str | None = None,
                      repeats: int = 3) -> dict[str, float]:
-    """Greedy generation of exactly ``new_tokens`` tokens: median seconds and tokens per second.
+    """Greedy generation of exactly ``new_tokens`` tokens: median seconds, tokens per second and
+    the spread of the timed runs ((max - min) / median).
 
     Args:
         model: a causal LM.
@@ -98,7 +99,8 @@ def generation_speeds(models: dict[str, torch.nn.Module], input_ids: torch.Tenso
     times = time_interleaved(fns, warmup=1, repeats=repeats,
                              device=_device(next(iter(models.values()))))
     return {name: {"seconds": t.median_s,
-                   "tokens_per_s": new_tokens * input_ids.shape[0] / t.median_s}
+                   "tokens_per_s": new_tokens * input_ids.shape[0] / t.median_s,
+                   "spread": t.spread}
             for name, t in times.items()}
 
 

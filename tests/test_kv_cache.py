@@ -43,7 +43,7 @@ def test_interleaved_generation_and_prefill_timings(small_llama):
     ids = torch.randint(3, 128, (1, 6))
     g = latency.generation_speeds({"a": small_llama, "b": small_llama}, ids, new_tokens=2,
                                   repeats=1)
-    assert set(g) == {"a", "b"} and g["a"]["tokens_per_s"] > 0
+    assert set(g) == {"a", "b"} and g["a"]["tokens_per_s"] > 0 and g["a"]["spread"] >= 0
     p = latency.prefill_times({"a": small_llama}, {"input_ids": ids}, repeats=1)
     assert p["a"].median_s > 0
     with pytest.raises(ValueError, match="new_tokens"):

@@ -204,36 +204,39 @@ def benchmark_attention(
     from tqdm.auto import tqdm
 
     from recipes_lib.memory import measure_memory
-    from recipes_lib.timing import time_fn
+    from recipes_lib.timing import time_interleaved
 
     if not seq_lens or min(seq_lens) < 1:
         raise ValueError(f"seq_lens={seq_lens!r}: expected positive lengths")
     device = torch.device(device)
     fns = {impl: attention_fn(impl, device) for impl in impls}
     rows = []
-    bar = tqdm(total=len(seq_lens) * len(impls), desc="attention benchmark", disable=not progress,
-               leave=False)
+    bar = tqdm(total=len(seq_lens), desc="attention benchmark", disable=not progress, leave=False)
     for s in seq_lens:
         g = torch.Generator(device="cpu").manual_seed(s)
         q, k, v = (torch.randn(batch_size, num_heads, s, head_dim, generator=g).to(device, dtype)
                    .requires_grad_() for _ in range(3))
         grad = torch.randn(batch_size, num_heads, s, head_dim, generator=g).to(device, dtype)
+        fwd, fwd_bwd = {}, {}
         for impl, fn in fns.items():
-            def fwd(fn=fn, q=q, k=k, v=v):
+            def forward(fn=fn, q=q, k=k, v=v):
                 with torch.no_grad():
                     return fn(q, k, v, causal=True)
 
-            def fwd_bwd(fn=fn, q=q, k=k, v=v, grad=grad):
+            def forward_backward(fn=fn, q=q, k=k, v=v, grad=grad):
                 fn(q, k, v, causal=True).backward(grad)
                 q.grad = k.grad = v.grad = None
-
-            backend = sdpa_backend_used(fwd)
-            t_f = time_fn(fwd, warmup=1, repeats=repeats, device=device).median_s
-            t_fb = time_fn(fwd_bwd, warmup=1, repeats=repeats, device=device).median_s
-            peak = measure_memory(fwd_bwd, device=device).peak_bytes
-            rows.append({"impl": impl, "seq_len": s, "forward_s": t_f, "forward_backward_s": t_fb,
-                         "peak_bytes": peak, "backend": backend})
-            bar.update()
+            fwd[impl], fwd_bwd[impl] = forward, forward_backward
+        # the implementations' runs alternate, so a burst of load on a shared machine does not
+        # land on one of them
+        t_f = time_interleaved(fwd, warmup=1, repeats=repeats, device=device)
+        t_fb = time_interleaved(fwd_bwd, warmup=1, repeats=repeats, device=device)
+        for impl in fns:
+            rows.append({"impl": impl, "seq_len": s, "forward_s": t_f[impl].median_s,
+                         "forward_backward_s": t_fb[impl].median_s,
+                         "peak_bytes": measure_memory(fwd_bwd[impl], device=device).peak_bytes,
+                         "backend": sdpa_backend_used(fwd[impl])})
+        bar.update()
     bar.close()
     return rows
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from recipes_lib.timing import time_fn
+from recipes_lib.timing import time_interleaved
 
 
 def swap_layernorm_for_rmsnorm(model: torch.nn.Module) -> dict[str, float]:
@@ -86,11 +86,13 @@ def benchmark_norms(hidden_sizes: list[int], tokens: int = 2048, compile_rmsnorm
         fns = {"layernorm_s": ln, "rmsnorm_eager_s": rms}
         if compile_rmsnorm:
             fns["rmsnorm_compiled_s"] = torch.compile(rms, dynamic=False)
-        row: dict[str, float] = {"hidden_size": h, "rmsnorm_compiled_s": float("nan")}
+        steps = {}
         for key, fn in fns.items():
             def step(fn=fn, x=x, grad=grad):
                 fn(x).backward(grad)
                 x.grad = None
-            row[key] = time_fn(step, warmup=2, repeats=repeats, device=device).median_s
-        rows.append(row)
+            steps[key] = step
+        times = time_interleaved(steps, warmup=2, repeats=repeats, device=device)  # runs alternate
+        rows.append({"hidden_size": h, "rmsnorm_compiled_s": float("nan"),
+                     **{key: t.median_s for key, t in times.items()}})
     return rows

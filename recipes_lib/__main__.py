@@ -1,10 +1,16 @@
-"""Command line: ``python -m recipes_lib {run,readme,data,plan,colab}``.
+"""Command line: ``python -m recipes_lib {run,bench,readme,check-notebooks,data,plan,colab}``.
 
-- ``run``: execute every notebook headless into ``notebooks/executed/``, then refresh the README's
-  results table from ``results/`` and write ``results/report.md`` and the self-contained
-  ``results/report.html`` (figures, ratios, predictions, plots). A notebook that fails is
+- ``run``: execute every notebook with papermill (``-p NAME VALUE`` as papermill takes it) into
+  ``notebooks/executed/``, validate the calculator against measured tensors, then refresh the
+  README's results table and write ``report.md`` and the self-contained ``report.html`` in the
+  results directory (``$RECIPES_RESULTS_DIR``, else ``results/``). A notebook that fails is
   reported as failed and the others still run.
+- ``bench``: ``run``, then every speed claim the notebooks checked, with its figure, spread and
+  verdict; exits non-zero if one is not met on the reference machine (``checks.REFERENCE``).
+  Elsewhere the verdicts are printed, not asserted, and the output says why.
 - ``readme``: refresh the README's results table only.
+- ``check-notebooks``: fail if a committed notebook carries outputs or execution counts
+  (``--strip`` removes them).
 - ``data``: regenerate the corpora in ``data/``.
 - ``plan``: which recipes make a training run fit (``recipes_lib.planner``).
 - ``colab``: stamp the "Open in Colab" badge and the Colab-only install cell into every notebook
@@ -20,45 +26,64 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run_notebooks(paths: list[Path], out_dir: Path, timeout: int = 1800) -> dict[str, str]:
-    """Execute notebooks one by one (cell progress bar each); return name -> "ok" or the error."""
-    import nbformat
-    from nbclient import NotebookClient
-    from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
-    from tqdm.auto import tqdm
+def claims_table(results_dir: Path | str | None = None) -> list[dict]:
+    """Every speed claim recorded in the results directory, one row per claim."""
+    from recipes_lib import results
 
-    out_dir.mkdir(parents=True, exist_ok=True)
-    status = {}
-    for path in paths:
-        nb = nbformat.read(path, as_version=4)
-        client = NotebookClient(nb, timeout=timeout, kernel_name="python3",
-                                resources={"metadata": {"path": str(path.parent)}})
-        bar = tqdm(total=sum(c.cell_type == "code" for c in nb.cells), desc=path.stem)
-        try:
-            with client.setup_kernel():
-                for i, cell in enumerate(nb.cells):
-                    if cell.cell_type == "code":
-                        client.execute_cell(cell, i)
-                        bar.update()
-            status[path.stem] = "ok"
-        except (CellExecutionError, CellTimeoutError, DeadKernelError) as err:
-            # a failing notebook must not stop the others
-            status[path.stem] = f"failed: {type(err).__name__}: {str(err).splitlines()[-1][:200]}"
-        finally:
-            bar.close()
-            nbformat.write(nb, out_dir / path.name)
-    return status
+    return [{"notebook": stem, **claim}
+            for stem, res in results.load_results(results_dir).items()
+            for claim in res.get("claims", [])]
+
+
+def format_claims(rows: list[dict]) -> str:
+    """The claims as aligned text lines: verdict, notebook, recipe, claim, figure, spread."""
+    lines = []
+    for c in rows:
+        sign = ">=" if c["at_least"] else "<="
+        spread = "" if c["spread"] is None else f"  spread {c['spread']:.0%}"
+        lines.append(f"{'MET    ' if c['met'] else 'NOT MET'}  {c['notebook'][:2]}  "
+                     f"{c['recipe']}: {c['claim']}: {c['value']:.3g} {sign} {c['target']:.3g}"
+                     f"{spread}")
+    return "\n".join(lines)
+
+
+def _run(args, parser) -> tuple[dict[str, str], int]:
+    from recipes_lib import calc_validation, notebooks, results
+    from recipes_lib.report import write_html_report
+
+    paths = [Path(p) for p in args.notebooks] or notebooks.course_notebooks()
+    params = {name: notebooks.parse_value(value) for name, value in args.parameters}
+    try:
+        results.check_writable(results.output_dir())
+        status = notebooks.execute(paths, notebooks.EXECUTED, params)
+    except ValueError as err:
+        parser.error(str(err))
+    for name, state in status.items():
+        print(f"{name}: {state}")
+    print(f"calculator validation: {calc_validation.run()}")
+    results.update_readme()
+    report = results.write_report(status)
+    page = write_html_report(status, notebooks.EXECUTED)
+    print(results.markdown_table())
+    print(f"report: {report} and {page}")
+    return status, 0 if all(s == "ok" for s in status.values()) else 1
 
 
 def main(argv: list[str] | None = None) -> int:
     from recipes_lib import data, results
-    from recipes_lib.report import write_html_report
 
     parser = argparse.ArgumentParser(prog="python -m recipes_lib")
     sub = parser.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("run", help="execute the notebooks and refresh the results table")
-    run.add_argument("notebooks", nargs="*", help="default: notebooks/*.ipynb")
+    for name, what in (("run", "execute the notebooks and refresh the results table"),
+                       ("bench", "run, then assert every speed claim on the reference machine")):
+        cmd = sub.add_parser(name, help=what)
+        cmd.add_argument("notebooks", nargs="*", help="default: notebooks/*.ipynb")
+        cmd.add_argument("-p", "--parameter", nargs=2, action="append", default=[],
+                         dest="parameters", metavar=("NAME", "VALUE"),
+                         help="a notebook parameter, as papermill -p takes it")
     sub.add_parser("readme", help="refresh the README's results table")
+    ck = sub.add_parser("check-notebooks", help="fail if a notebook carries outputs")
+    ck.add_argument("--strip", action="store_true", help="remove outputs and execution counts")
     sub.add_parser("data", help="regenerate data/")
     pl = sub.add_parser("plan", help="which recipes make a training run fit in GPU memory")
     pl.add_argument("--model", required=True, help="built-in name or a config.json path")
@@ -93,18 +118,40 @@ def main(argv: list[str] | None = None) -> int:
         for name, path in data.generate_corpora().items():
             print(f"{name}: {path.relative_to(ROOT)}")
         return 0
+    if args.command == "check-notebooks":
+        from recipes_lib import notebooks
+
+        if args.strip:
+            for path in notebooks.strip(notebooks.course_notebooks()):
+                print(f"stripped {path.relative_to(ROOT)}")
+        problems = notebooks.unclean_cells(notebooks.course_notebooks())
+        for line in problems:
+            print(line)
+        print("notebooks: " + ("stripped (no outputs, no execution counts)" if not problems else
+                               "carry outputs; run python -m recipes_lib check-notebooks --strip"))
+        return 1 if problems else 0
     if args.command == "run":
-        paths = [Path(p) for p in args.notebooks] or sorted((ROOT / "notebooks").glob("*.ipynb"))
-        status = run_notebooks(paths, ROOT / "notebooks" / "executed")
-        for name, state in status.items():
-            print(f"{name}: {state}")
-        results.update_readme(ROOT / "README.md")
-        report = results.write_report(status)
-        page = write_html_report(status, ROOT / "notebooks" / "executed")
-        print(results.markdown_table())
-        print(f"report: {report.relative_to(ROOT)} and {page.relative_to(ROOT)}")
-        return 0 if all(s == "ok" for s in status.values()) else 1
-    results.update_readme(ROOT / "README.md")
+        return _run(args, parser)[1]
+    if args.command == "bench":
+        from recipes_lib.checks import is_reference_machine
+
+        reference, how = is_reference_machine()
+        if not reference:
+            print(f"not the reference machine ({how}): speed verdicts will be reported, "
+                  "not asserted")
+        code = _run(args, parser)[1]
+        rows = claims_table()
+        print(f"\nspeed claims ({len(rows)}):\n{format_claims(rows)}")
+        missed = [c for c in rows if not c["met"]]
+        if not reference:
+            print(f"not the reference machine ({how}): speed verdicts are reported, not asserted")
+        elif missed:
+            print(f"{len(missed)} speed claim(s) NOT MET on the reference machine")
+            code = 1
+        else:
+            print("every speed claim met on the reference machine")
+        return code
+    results.update_readme()
     return 0
 
 

@@ -195,8 +195,9 @@ def benchmark_attention(
         progress: show a progress bar.
 
     Returns:
-        One row per (impl, seq_len): ``forward_s``, ``forward_backward_s``, ``peak_bytes``,
-        ``backend`` (which kernel ran).
+        One row per (impl, seq_len): ``forward_s``, ``forward_backward_s`` (and its
+        ``forward_backward_spread``, (max - min) / median), ``peak_bytes``, ``backend`` (which
+        kernel ran).
 
     Raises:
         ValueError: for an empty or non-positive seq_lens, or an implementation this device lacks.
@@ -234,6 +235,7 @@ def benchmark_attention(
         for impl in fns:
             rows.append({"impl": impl, "seq_len": s, "forward_s": t_f[impl].median_s,
                          "forward_backward_s": t_fb[impl].median_s,
+                         "forward_backward_spread": t_fb[impl].spread,
                          "peak_bytes": measure_memory(fwd_bwd[impl], device=device).peak_bytes,
                          "backend": sdpa_backend_used(fwd[impl])})
         bar.update()

@@ -226,7 +226,8 @@ def compare_with_full(tokens: int, vocab_size: int, hidden_size: int, chunk_size
                       dtype: torch.dtype = torch.float32, include_liger: bool = False
                       ) -> dict[str, float]:
     """Chunked vs full cross-entropy on random data: peak bytes and time of a loss step
-    (forward + backward, timed in alternation) and the largest gradient difference.
+    (forward + backward, timed in alternation, with the spread of each side's timed runs) and
+    the largest gradient difference.
 
     A tenth of the labels are ``-100``, so ignored positions are part of the comparison. With
     ``include_liger`` (CUDA, Liger-Kernel installed) Liger's ``LigerFusedLinearCrossEntropyLoss``
@@ -263,10 +264,12 @@ def compare_with_full(tokens: int, vocab_size: int, hidden_size: int, chunk_size
         h.grad = w.grad = None
         f().backward()
         grads[name] = (h.grad, w.grad)
-    out = {"peak_full": peaks["full"], "time_full": times["full"].median_s}
+    out = {"peak_full": peaks["full"], "time_full": times["full"].median_s,
+           "spread_full": times["full"].spread}
     for name in losses.keys() - {"full"}:
         out[f"peak_{name}"] = peaks[name]
         out[f"time_{name}"] = times[name].median_s
+        out[f"spread_{name}"] = times[name].spread
         err = max(float((a.float() - b.float()).abs().max())
                   for a, b in zip(grads["full"], grads[name]))
         out["max_grad_error" if name == "chunked" else f"max_grad_error_{name}"] = err

@@ -154,18 +154,27 @@ def rank_slice(batch: dict[str, torch.Tensor], rank: int, world_size: int
     return {k: v[rank * per_rank:(rank + 1) * per_rank] for k, v in batch.items()}
 
 
-def all_reduce_sum(value: float, device: torch.device | None = None) -> float:
-    """Sum a Python number over ranks (identity outside a process group)."""
+def all_reduce_sum(value: float | torch.Tensor, device: torch.device | None = None) -> float:
+    """Sum a number (or a 0-dim tensor, read once here) over ranks; identity outside a process
+    group. Returns a Python float."""
     if world()[1] == 1:
         return float(value)
     device = device or (torch.device("cuda", torch.cuda.current_device())
                         if dist.get_backend() == "nccl" else torch.device("cpu"))
-    t = torch.tensor([float(value)], dtype=torch.float64, device=device)
+    if isinstance(value, torch.Tensor):
+        t = value.detach().reshape(1).to(device, torch.float64)
+    else:
+        t = torch.tensor([float(value)], dtype=torch.float64, device=device)
     dist.all_reduce(t)
     return float(t.item())
 
 
-def _resolve(target: str):
+def resolve(target: str):
+    """The function named ``"package.module:function"``.
+
+    Raises:
+        ValueError: for a target not in that form.
+    """
     module, _, name = target.partition(":")
     if not module or not name:
         raise ValueError(f"target={target!r}: expected 'package.module:function'")
@@ -190,7 +199,7 @@ def _worker_main(argv: list[str] | None = None) -> None:
     rank = int(os.environ.get("RANK", "0"))
     try:
         init_distributed(args.backend, args.pg_timeout)
-        results = [_resolve(target)(**kwargs) for target, kwargs in calls]
+        results = [resolve(target)(**kwargs) for target, kwargs in calls]
         tmp = out / f"rank{rank}.json.tmp"
         tmp.write_text(json.dumps(results))
         os.replace(tmp, out / f"rank{rank}.json")
@@ -284,7 +293,7 @@ def launch(
     if not calls:
         raise ValueError("calls: empty, nothing to run")
     for target, kwargs in calls:
-        _resolve(target)  # fail here, not in every rank
+        resolve(target)  # fail here, not in every rank
         json.dumps(kwargs)
     threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
     work = Path(tempfile.mkdtemp(prefix="recipes-dist-"))
@@ -336,6 +345,18 @@ def launch(
     if verbose:
         print(f"[{world_size} ranks, {backend}, {time.monotonic() - start:.0f} s]")
     return [[per_rank[r][i] for r in range(world_size)] for i in range(len(calls))]
+
+
+def kill_rank_after(rank: int, step: int):
+    """A step callback (``train(on_step=...)``) that SIGKILLs ``rank`` right after optimizer step
+    ``step``, in the first attempt only: a worker restarted by torchrun
+    (``TORCHELASTIC_RESTART_COUNT`` > 0) runs on. What a crashed node looks like to the others.
+    """
+    def on_step(done: int, _result: Any) -> None:
+        if (done == step and world()[0] == rank
+                and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"):
+            os.kill(os.getpid(), signal.SIGKILL)
+    return on_step
 
 
 def fail_on_rank(rank: int, mode: str = "raise") -> dict:

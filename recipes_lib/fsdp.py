@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from recipes_lib import data
+from recipes_lib import data, train_state
 from recipes_lib.memory import tensor_bytes
 
 STRATEGIES = ("single", "ddp", "fsdp")
@@ -114,32 +114,6 @@ def local_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer |
     return out
 
 
-def save_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: str | Path
-                 ) -> Path:
-    """Each rank writes its own shards with ``torch.distributed.checkpoint`` (no gather)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(path))
-    return Path(path)
-
-
-def load_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: str | Path
-                 ) -> None:
-    """Load a :func:`save_sharded` checkpoint into a model sharded the same or another way."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-    if not Path(path).is_dir():
-        raise FileNotFoundError(f"path={str(path)!r}: no sharded checkpoint there")
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optimizer": optim_sd}
-    dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(model, optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optimizer"])
-
-
 def export_pretrained(model: torch.nn.Module, path: str | Path, tokenizer=None) -> Path:
     """Gather the full state dict on rank 0 (in CPU memory) and ``save_pretrained`` it there:
     a plain transformers folder that ``from_pretrained`` loads on one device."""
@@ -204,6 +178,7 @@ def train_sharded(
     resume_dir: str | None = None,
     checkpoint_every: int = 0,
     measure_repeats: int = 2,
+    on_step: tuple[str, dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """Train the model at ``model_path`` on the base corpus with DDP, FSDP or a single process.
 
@@ -230,6 +205,10 @@ def train_sharded(
         measure_repeats: timed runs of the measured step after training (each a full step: keep
             it small where a step is slow, e.g. emulated bf16 on a CPU); 0 measures memory only
             (``step_time_s`` is None).
+        on_step: a step callback for the training loop, built in each rank as
+            ``factory(**kwargs)`` from ``("package.module:factory", kwargs)`` (JSON crosses the
+            process boundary, a function does not), e.g.
+            ``("recipes_lib.distributed:kill_rank_after", {"rank": 1, "step": 2})``.
 
     Returns:
         JSON-ready dict: losses, step_time_s, state_bytes, peak_bytes, peak_by_category,
@@ -242,7 +221,7 @@ def train_sharded(
     """
     from recipes_lib import model as models
     from recipes_lib.compare import measure_training_step
-    from recipes_lib.distributed import check_global_batch, rank_slice, world
+    from recipes_lib.distributed import check_global_batch, rank_slice, resolve, world
     from recipes_lib.grad_accumulation import forward_backward
     from recipes_lib.train import TrainConfig, make_optimizer, train
 
@@ -262,7 +241,8 @@ def train_sharded(
                          precision="fp16" if precision == "fp16" else "fp32",
                          checkpoint_dir=resume_dir, checkpoint_every=checkpoint_every)
     optimizer = make_optimizer(model, config)
-    run = train(model, examples, tok.pad_token_id, config, optimizer=optimizer)
+    callback = resolve(on_step[0])(**on_step[1]) if on_step is not None else None
+    run = train(model, examples, tok.pad_token_id, config, optimizer=optimizer, on_step=callback)
     out = {"strategy": strategy, "precision": precision, "world_size": world_size,
            "rank": rank, "losses": run.losses, "resumed_from": run.resumed_from,
            "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))}
@@ -294,7 +274,7 @@ def _checkpoint_round_trip(model, optimizer, model_path, strategy, precision, pa
     from recipes_lib.train import make_optimizer
 
     t0 = time.perf_counter()
-    save_sharded(model, optimizer, path)
+    train_state.save_sharded(model, optimizer, path)
     save_s = time.perf_counter() - t0
     fresh = wrap_model(models.load_model(model_path), strategy, precision)
     fresh_opt = make_optimizer(fresh, config)
@@ -303,7 +283,7 @@ def _checkpoint_round_trip(model, optimizer, model_path, strategy, precision, pa
         p.grad = torch.zeros_like(p)
     fresh_opt.step()
     fresh_opt.zero_grad(set_to_none=True)
-    load_sharded(fresh, fresh_opt, path)
+    train_state.load_sharded(fresh, fresh_opt, path)
     param_diff = max(float((_local(a) - _local(b)).abs().max())
                      for a, b in zip(model.parameters(), fresh.parameters(), strict=True))
     state_diff = 0.0

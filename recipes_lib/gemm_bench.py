@@ -27,7 +27,8 @@ def sizing_table(sizes: list[int], tokens: int = 2048, dtype: torch.dtype = torc
     """Throughput of ``(tokens x n) @ (n x n)`` for each n, timed in alternation.
 
     Returns:
-        One row per size: ``size``, ``alignment``, ``gflops``, ``seconds``.
+        One row per size: ``size``, ``alignment``, ``gflops``, ``seconds`` and the ``spread``
+        of the timed runs ((max - min) / median).
 
     Raises:
         ValueError: for an empty list or a size < 1.
@@ -43,5 +44,5 @@ def sizing_table(sizes: list[int], tokens: int = 2048, dtype: torch.dtype = torc
         b = torch.randn(n, n, generator=g).to(device, dtype)
         fns[n] = lambda a=a, b=b: a @ b
     times = time_interleaved(fns, warmup=2, repeats=repeats, device=torch.device(device))
-    return [{"size": n, "alignment": alignment(n), "seconds": t.median_s,
+    return [{"size": n, "alignment": alignment(n), "seconds": t.median_s, "spread": t.spread,
              "gflops": 2 * tokens * n * n / t.median_s / 1e9} for n, t in times.items()]

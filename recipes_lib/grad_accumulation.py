@@ -71,7 +71,7 @@ def forward_backward(
     normalization: str = "global_tokens",
     num_target_tokens: float | None = None,
     loss_fn: LossFn | None = None,
-) -> float:
+) -> torch.Tensor:
     """Accumulate the gradients of one global batch over ``grad_accum_steps`` micro-batches.
 
     Args:
@@ -90,7 +90,9 @@ def forward_backward(
 
     Returns:
         The loss sum over ``batch`` divided by the denominator: the global batch's mean loss per
-        target token (in data parallel, the mean of this value over ranks is).
+        target token (in data parallel, the mean of this value over ranks is), as a detached
+        0-dim tensor on the model's device: no host synchronisation per micro-batch; read it
+        with ``float()`` once per step.
 
     Raises:
         ValueError: for a bad grad_accum_steps, a batch with no target tokens, or an unknown
@@ -107,7 +109,7 @@ def forward_backward(
         else num_target_tokens
     if n_global == 0:
         raise ValueError("batch: no target tokens (every label is -100)")
-    total = 0.0
+    total = torch.zeros((), device=device, dtype=torch.float32)
     for mb in micro:
         mb = {k: v.to(device) for k, v in mb.items()}
         with autocast(device, precision):
@@ -118,7 +120,7 @@ def forward_backward(
                                attention_mask=mb["attention_mask"]).logits
         if loss_fn is None:
             loss_sum = causal_lm_loss_sum(logits, mb["labels"])
-        total += float(loss_sum.detach())
+        total += loss_sum.detach().float()
         if normalization == "global_tokens":
             loss = loss_sum / n_global
         else:

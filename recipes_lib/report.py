@@ -13,7 +13,7 @@ import html
 import json
 from pathlib import Path
 
-from recipes_lib.results import RESULTS_DIR, _fmt, load_results
+from recipes_lib.results import _fmt, load_results, output_dir
 
 STYLE = """body{font-family:system-ui,sans-serif;margin:2em auto;max-width:1100px;color:#222}
 table{border-collapse:collapse;margin:1em 0;font-size:.9em}th,td{border:1px solid #ccc;
@@ -42,15 +42,17 @@ def _ratio(value: float, baseline: float | None) -> str:
 
 
 def write_html_report(status: dict[str, str], executed_dir: Path | str,
-                      results_dir: Path | str = RESULTS_DIR) -> Path:
-    """Write ``results/report.html``; return its path.
+                      results_dir: Path | str | None = None) -> Path:
+    """Write ``report.html`` in the results directory; return its path.
 
     Args:
         status: notebook stem -> "ok" or the failure, from the run.
         executed_dir: where the executed notebooks are (their plots are inlined).
-        results_dir: where ``*.json`` figures are; the report is written there.
+        results_dir: where ``*.json`` figures are; the report is written there (default: the
+            results setting, ``results.output_dir()``).
     """
-    results_dir, executed_dir = Path(results_dir), Path(executed_dir)
+    results_dir = Path(results_dir) if results_dir is not None else output_dir()
+    executed_dir = Path(executed_dir)
     runs = load_results(results_dir)
     esc = html.escape
     parts = [("<!doctype html><html><head><meta charset='utf-8'><title>Results report</title>"

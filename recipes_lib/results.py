@@ -1,7 +1,12 @@
-"""The one results writer: every notebook records its figures to ``results/<stem>.json``.
+"""The one results writer: every notebook records its figures to ``<results dir>/<stem>.json``.
 
 Schema: ``{"device": str, "versions": {pkg: version}, "figures": [{"recipe", "metric", "value",
-"baseline", "predicted", "unit"}]}``. The README table and the report are generated from these.
+"baseline", "predicted", "unit"}], "claims": [{"recipe", "claim", "value", "target", "at_least",
+"spread", "met"}]}``. The README table and the report are generated from these.
+
+The results directory is a setting: ``$RECIPES_RESULTS_DIR``, else the repository's ``results/``.
+The test suite points it at a temporary folder, so only ``make run`` and ``make bench`` write
+``results/`` and the README's table.
 """
 
 from __future__ import annotations
@@ -13,7 +18,10 @@ from dataclasses import asdict, dataclass
 from importlib import metadata
 from pathlib import Path
 
-RESULTS_DIR = Path(__file__).resolve().parent.parent / "results"
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS_DIR = ROOT / "results"  # the committed figures; see output_dir() for the setting
+RESULTS_ENV = "RECIPES_RESULTS_DIR"
+README = ROOT / "README.md"
 PACKAGES = ("torch", "transformers", "peft", "bitsandbytes", "accelerate", "datasets", "torchao")
 README_BEGIN = "<!-- results-table:begin -->"
 README_END = "<!-- results-table:end -->"
@@ -29,6 +37,42 @@ class Figure:
     baseline: float | None = None
     predicted: float | None = None
     unit: str = ""
+
+
+@dataclass
+class Claim:
+    """A speed claim checked in a run (``checks.check_speed``): the figure, its target, its verdict."""
+
+    recipe: str
+    claim: str
+    value: float
+    target: float
+    at_least: bool = True  # value >= target (else value <= target)
+    spread: float | None = None  # (max - min) / median of the timed runs behind the value
+    met: bool = False
+
+
+def output_dir() -> Path:
+    """Where results go: ``$RECIPES_RESULTS_DIR`` if set, else the repository's ``results/``."""
+    return Path(os.environ.get(RESULTS_ENV) or RESULTS_DIR)
+
+
+def check_writable(folder: Path | str) -> Path:
+    """Create ``folder`` if needed and check a file can be written there.
+
+    Raises:
+        ValueError: naming the folder and the setting, when it cannot be created or written.
+    """
+    folder = Path(folder)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".write-probe-{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as err:
+        raise ValueError(f"results_dir={str(folder)!r}: cannot be written ({err.strerror or err}); "
+                         f"set {RESULTS_ENV} to a writable folder") from err
+    return folder
 
 
 def package_versions(packages: tuple[str, ...] = PACKAGES) -> dict[str, str]:
@@ -59,11 +103,15 @@ class Results:
         >>> f = r.add("qlora", "quantized_linear_bytes_ratio", 0.26, predicted=0.258)
     """
 
-    def __init__(self, stem: str, device: str, results_dir: Path | str = RESULTS_DIR):
+    def __init__(self, stem: str, device: str, results_dir: Path | str | None = None):
         if not stem or "/" in stem:
             raise ValueError(f"stem={stem!r}: expected a notebook file stem")
-        self.stem, self.device, self.results_dir = stem, device, Path(results_dir)
+        # checked now, not after an hour of measurements
+        self.results_dir = check_writable(results_dir if results_dir is not None
+                                          else output_dir())
+        self.stem, self.device = stem, device
         self.figures: list[Figure] = []
+        self.claims: list[Claim] = []
 
     def add(self, recipe: str, metric: str, value: float, baseline: float | None = None,
             predicted: float | None = None, unit: str = "") -> Figure:
@@ -74,6 +122,12 @@ class Results:
         self.figures.append(fig)
         return fig
 
+    def add_claim(self, claim: Claim) -> Claim:
+        """Record a checked speed claim (replacing an earlier one with the same recipe and text)."""
+        self.claims = [c for c in self.claims if (c.recipe, c.claim) != (claim.recipe, claim.claim)]
+        self.claims.append(claim)
+        return claim
+
     def get(self, recipe: str, metric: str) -> Figure:
         for f in self.figures:
             if (f.recipe, f.metric) == (recipe, metric):
@@ -82,11 +136,12 @@ class Results:
 
     def to_dict(self) -> dict:
         return {"device": self.device, "versions": package_versions(),
-                "figures": [asdict(f) for f in self.figures]}
+                "figures": [asdict(f) for f in self.figures],
+                "claims": [asdict(c) for c in self.claims]}
 
     def save(self) -> Path:
-        """Write ``results/<stem>.json`` (temporary file + rename: never half-written)."""
-        self.results_dir.mkdir(parents=True, exist_ok=True)
+        """Write ``<results dir>/<stem>.json`` (temporary file + rename: never half-written)."""
+        check_writable(self.results_dir)
         path = self.results_dir / f"{self.stem}.json"
         tmp = path.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
@@ -94,10 +149,10 @@ class Results:
         return path
 
 
-def load_results(results_dir: Path | str = RESULTS_DIR) -> dict[str, dict]:
-    """Every ``results/*.json`` file, keyed by stem, sorted."""
-    return {p.stem: json.loads(p.read_text())
-            for p in sorted(Path(results_dir).glob("*.json"))}
+def load_results(results_dir: Path | str | None = None) -> dict[str, dict]:
+    """Every ``*.json`` file of the results directory, keyed by stem, sorted."""
+    folder = Path(results_dir) if results_dir is not None else output_dir()
+    return {p.stem: json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))}
 
 
 def _fmt(x: float | None) -> str:
@@ -108,7 +163,7 @@ def _fmt(x: float | None) -> str:
     return f"{x:.4g}"
 
 
-def markdown_table(results_dir: Path | str = RESULTS_DIR) -> str:
+def markdown_table(results_dir: Path | str | None = None) -> str:
     """One Markdown table of all figures: notebook, recipe, metric, value, baseline, predicted."""
     lines = ["| notebook | recipe | metric | value | baseline | predicted | unit | device |",
              "|---|---|---|---|---|---|---|---|"]
@@ -126,8 +181,11 @@ def _markers(section: str | None) -> tuple[str, str]:
     return f"<!-- results-table:{section}:begin -->", f"<!-- results-table:{section}:end -->"
 
 
-def update_readme(readme: Path | str, results_dir: Path | str = RESULTS_DIR) -> bool:
+def update_readme(readme: Path | str = README, results_dir: Path | str | None = None) -> bool:
     """Replace the table between the README's results markers; return True if it changed.
+
+    The repository's README shows the committed figures only: when the results setting points
+    elsewhere (the test suite, a user's own folder), its table is left alone and this says so.
 
     A sub-folder of ``results_dir`` (e.g. ``results/h100/``, figures from a run on another
     machine) fills the table between ``<!-- results-table:h100:begin -->`` and its end marker,
@@ -136,7 +194,11 @@ def update_readme(readme: Path | str, results_dir: Path | str = RESULTS_DIR) -> 
     Raises:
         ValueError: if the README lacks the begin/end markers.
     """
-    readme, results_dir = Path(readme), Path(results_dir)
+    readme = Path(readme)
+    results_dir = Path(results_dir) if results_dir is not None else output_dir()
+    if readme.resolve() == README.resolve() and results_dir.resolve() != RESULTS_DIR.resolve():
+        print(f"README table not refreshed: these figures went to {results_dir} ({RESULTS_ENV})")
+        return False
     text = readme.read_text()
     if README_BEGIN not in text or README_END not in text:
         raise ValueError(f"readme={str(readme)!r}: missing {README_BEGIN} / {README_END} markers")
@@ -155,9 +217,10 @@ def update_readme(readme: Path | str, results_dir: Path | str = RESULTS_DIR) -> 
     return new != text
 
 
-def write_report(status: dict[str, str], results_dir: Path | str = RESULTS_DIR) -> Path:
-    """Write ``results/report.md``: each notebook's run status, device, versions and figures."""
-    results_dir = Path(results_dir)
+def write_report(status: dict[str, str], results_dir: Path | str | None = None) -> Path:
+    """Write ``report.md`` in the results directory: each notebook's status, device, versions and
+    figures."""
+    results_dir = Path(results_dir) if results_dir is not None else output_dir()
     runs = load_results(results_dir)
     lines = ["# Results report", "", "| notebook | status | device |", "|---|---|---|"]
     for stem, state in status.items():

@@ -221,7 +221,7 @@ def benchmark(seq_lens: list[int], window: int, n_global: int = 0, num_heads: in
     """Forward+backward time of full causal SDPA, sliding-window and local+global attention.
 
     Returns:
-        One row per (pattern, seq_len) with ``forward_backward_s``.
+        One row per (pattern, seq_len) with ``forward_backward_s`` and its ``spread``.
     """
     from tqdm.auto import tqdm
 
@@ -242,6 +242,7 @@ def benchmark(seq_lens: list[int], window: int, n_global: int = 0, num_heads: in
             q.grad = k.grad = v.grad = None
         fns = {name: (lambda w=w, g_=g_: step(w, g_)) for name, (w, g_) in patterns.items()}
         times = time_interleaved(fns, warmup=1, repeats=repeats, device=torch.device(device))
-        rows += [{"pattern": name, "seq_len": s, "forward_backward_s": t.median_s}
+        rows += [{"pattern": name, "seq_len": s, "forward_backward_s": t.median_s,
+                  "spread": t.spread}
                  for name, t in times.items()]
     return rows

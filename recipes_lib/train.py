@@ -132,6 +132,7 @@ def train(
     batch_stream: Iterator[dict[str, torch.Tensor]] | None = None,
     loss_fn: LossFn | None = None,
     eval_fn: Callable[[torch.nn.Module], float] | None = None,
+    on_step: Callable[[int, TrainResult], None] | None = None,
 ) -> TrainResult:
     """Train ``model`` on tokenized ``examples`` for ``config.steps`` optimizer steps.
 
@@ -153,6 +154,9 @@ def train(
             (e.g. ``distillation.DistillationLoss``); default next-token cross-entropy.
         eval_fn: called with the model every ``config.eval_every`` steps (and after the last);
             its values land in ``TrainResult.evals`` with the step and the tokens seen.
+        on_step: called as ``on_step(step, result)`` after each optimizer step (``step`` counts
+            from 1), before that step's eval and checkpoint: logging, early stopping by raising,
+            or a fault injected by a test (``distributed.kill_rank_after``).
 
     With ``config.checkpoint_dir`` the run saves every ``checkpoint_every`` steps and at the end
     (``train_state``: atomic, safetensors + weights-only state) and, when a checkpoint is already
@@ -218,14 +222,16 @@ def train(
         n_tokens = all_reduce_sum(count_target_tokens(batch["labels"]))
         loss = forward_backward(model, batch, config.grad_accum_steps, precision, scaler,
                                 num_target_tokens=n_tokens / world_size, loss_fn=loss_fn)
-        loss = all_reduce_sum(loss) / world_size
         optimizer_step(model, optimizer, config.max_grad_norm, scaler)
         scheduler.step()
+        # the one host read of the step: the loss stays on the device until here
+        loss = all_reduce_sum(loss) / world_size
         synchronize(device)
         result.step_times.append(time.perf_counter() - t0)
         result.losses.append(loss)
         result.target_tokens += int(n_tokens)
-        train_state._fault_point("step", step + 1)  # test hook: a process killed mid-run
+        if on_step is not None:
+            on_step(step + 1, result)
         bar.set_postfix(loss=f"{loss:.3f}")
         if writer is not None:
             writer.add_scalar("train/loss", loss, step)

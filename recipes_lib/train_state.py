@@ -23,10 +23,8 @@ last complete one.
 
 from __future__ import annotations
 
-import os
 import random
 import shutil
-import signal
 import warnings
 from pathlib import Path
 from typing import Any
@@ -96,7 +94,6 @@ def save(checkpoint_dir: str | Path, step: int, model: torch.nn.Module, optimize
                 "scheduler": scheduler.state_dict() if scheduler is not None else None,
                 "scaler": scaler.state_dict() if scaler is not None else None,
                 "rng": _rng_state(), "history": history}, tmp / STATE)
-    _fault_point("before_rename", step)
     _publish(root, tmp, final, keep)
     return final
 
@@ -115,8 +112,6 @@ def _publish(root: Path, tmp: Path, final: Path, keep: int) -> None:
 
 def _save_sharded(root: Path, step: int, model: torch.nn.Module, optimizer: Any, scheduler: Any,
                   scaler: Any, history: dict[str, Any], keep: int) -> Path:
-    from recipes_lib.fsdp import save_sharded
-
     rank = dist.get_rank()
     final, tmp = root / f"step-{step:06d}", root / f"step-{step:06d}.tmp"
     if rank == 0:
@@ -133,11 +128,36 @@ def _save_sharded(root: Path, step: int, model: torch.nn.Module, optimizer: Any,
                     "scaler": scaler.state_dict() if scaler is not None else None,
                     "history": history}, tmp / STATE)
     dist.barrier()  # every rank's shards and RNG file are on disk
-    _fault_point("before_rename", step)
     if rank == 0:
         _publish(root, tmp, final, keep)
     dist.barrier()  # nobody reads `latest` before it moved
     return final
+
+
+def save_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: str | Path
+                 ) -> Path:
+    """Each rank writes its own shards with ``torch.distributed.checkpoint`` (no gather)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(path))
+    return Path(path)
+
+
+def load_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: str | Path
+                 ) -> None:
+    """Load a :func:`save_sharded` checkpoint into a model sharded the same or another way."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    if not Path(path).is_dir():
+        raise FileNotFoundError(f"path={str(path)!r}: no sharded checkpoint there")
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optimizer": optim_sd}
+    dcp.load(state, checkpoint_id=str(path))
+    set_state_dict(model, optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optimizer"])
 
 
 def latest(checkpoint_dir: str | Path) -> Path | None:
@@ -186,11 +206,9 @@ def load(path: str | Path, model: torch.nn.Module, optimizer: Any, scheduler: An
 
 def _load_sharded(path: Path, model: torch.nn.Module, optimizer: Any, scheduler: Any,
                   scaler: Any) -> dict[str, Any]:
-    from recipes_lib.fsdp import load_sharded
-
     if not _in_process_group():
         raise ValueError(f"checkpoint_dir: {path} is a sharded (multi-process) checkpoint; "
-                         "resume it under torchrun, or load it with fsdp.load_sharded")
+                         "resume it under torchrun, or load it with train_state.load_sharded")
     load_sharded(model, getattr(optimizer, "optimizer", optimizer), path / SHARDS)
     common = torch.load(path / STATE, weights_only=True)
     if scheduler is not None and common["scheduler"] is not None:
@@ -205,23 +223,3 @@ def _load_sharded(path: Path, model: torch.nn.Module, optimizer: Any, scheduler:
                       f"{dist.get_world_size()}): this rank's random state starts fresh",
                       stacklevel=2)
     return {"step": int(common["step"]), "history": common["history"]}
-
-
-def _fault_point(name: str, step: int) -> None:
-    """Test hook: ``RECIPES_FAULT=before_rename:3`` kills the process there in step 3's save.
-
-    ``RECIPES_FAULT=step:5@1`` SIGKILLs rank 1 right after optimizer step 5, in the first
-    attempt only: a worker restarted by torchrun (TORCHELASTIC_RESTART_COUNT > 0) runs on.
-    """
-    spec = os.environ.get("RECIPES_FAULT")
-    if spec is None:
-        return
-    where, _, rank = spec.partition("@")
-    if where != f"{name}:{step}":
-        return
-    if rank:
-        me = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        if str(me) != rank or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
-            return
-        os.kill(os.getpid(), signal.SIGKILL)
-    os._exit(17)

@@ -1,11 +1,14 @@
+import os
 import random
-import warnings
+import tempfile
 
 import numpy as np
 import pytest
 import torch
 
-warnings.filterwarnings("ignore", category=UserWarning)
+# Results from the notebooks and tests go to a temporary folder, never the committed results/
+# (`make test` sets it too; this covers a plain `pytest`). Kernels started by nbval inherit it.
+os.environ.setdefault("RECIPES_RESULTS_DIR", tempfile.mkdtemp(prefix="recipes-results-"))
 
 
 @pytest.fixture(autouse=True)

@@ -142,10 +142,10 @@ def test_rank_killed_under_torchrun_resumes_from_sharded_checkpoint(tiny_model_p
     """Rank 1 is SIGKILLed after step 2 of 3; torchrun restarts both ranks, which resume from the
     sharded checkpoint of step 1 and end with the losses of the uninterrupted FSDP run."""
     ref = sharded_runs["fsdp"][0]
-    monkeypatch.setenv("RECIPES_FAULT", "step:2@1")
     [[got, got1]] = distributed.launch([("recipes_lib.fsdp:train_sharded", dict(
         sharded_runs["kw"], strategy="fsdp", resume_dir=str(tmp_path), checkpoint_every=1,
-        measure_repeats=0))], max_restarts=1, verbose=False)
+        measure_repeats=0, on_step=("recipes_lib.distributed:kill_rank_after",
+                                    {"rank": 1, "step": 2})))], max_restarts=1, verbose=False)
     diff = max(abs(a - b) for a, b in zip(ref["losses"], got["losses"], strict=True))
     assert ref["restart_count"] == 0 and got["restart_count"] == got1["restart_count"] == 1
     assert got["resumed_from"] == got1["resumed_from"] == 1

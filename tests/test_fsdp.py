@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from recipes_lib import fsdp
+from recipes_lib import fsdp, train_state
 
 
 def test_decoder_layers_finds_every_block(small_llama):
@@ -46,8 +46,8 @@ def test_train_sharded_rejects_bad_arguments(tiny_model_path):
 
 def test_load_sharded_missing_folder(small_llama, tmp_path):
     with pytest.raises(FileNotFoundError, match="no sharded checkpoint"):
-        fsdp.load_sharded(small_llama, torch.optim.AdamW(small_llama.parameters()),
-                          tmp_path / "missing")
+        train_state.load_sharded(small_llama, torch.optim.AdamW(small_llama.parameters()),
+                                 tmp_path / "missing")
 
 
 @pytest.fixture

@@ -42,3 +42,12 @@ def test_no_targets_is_a_clear_error(small_llama, varlen_batch):
     empty = dict(varlen_batch, labels=torch.full_like(varlen_batch["labels"], -100))
     with pytest.raises(ValueError, match="no target tokens"):
         ga.forward_backward(small_llama, empty)
+
+
+def test_the_loss_stays_on_the_device_until_read(small_llama, varlen_batch):
+    loss = ga.forward_backward(small_llama, varlen_batch, 4)  # no host sync per micro-batch
+    assert isinstance(loss, torch.Tensor) and loss.dim() == 0 and not loss.requires_grad
+    ref = ga.causal_lm_loss_sum(small_llama(input_ids=varlen_batch["input_ids"],
+                                            attention_mask=varlen_batch["attention_mask"]).logits,
+                                varlen_batch["labels"]) / ga.count_target_tokens(varlen_batch["labels"])
+    assert abs(float(loss) - float(ref)) <= 1e-5

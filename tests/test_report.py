@@ -40,7 +40,7 @@ def test_html_report_has_status_figures_ratios_and_plots(tmp_path):
 
 
 def test_make_run_pieces_a_failing_notebook_does_not_stop_the_others(tmp_path):
-    from recipes_lib.__main__ import run_notebooks
+    from recipes_lib.notebooks import execute
 
     paths = []
     for name, src in (("a_fails", "raise RuntimeError('boom')"), ("b_runs", "x = 1 + 1")):
@@ -49,7 +49,7 @@ def test_make_run_pieces_a_failing_notebook_does_not_stop_the_others(tmp_path):
                                      "language": "python"}
         nbformat.write(nb, tmp_path / f"{name}.ipynb")
         paths.append(tmp_path / f"{name}.ipynb")
-    status = run_notebooks(paths, tmp_path / "executed", timeout=120)
+    status = execute(paths, tmp_path / "executed", timeout=120)
     assert status["a_fails"].startswith("failed") and "boom" in status["a_fails"]
     assert status["b_runs"] == "ok"
     assert (tmp_path / "executed" / "b_runs.ipynb").exists()

@@ -60,3 +60,37 @@ def test_readme_section_from_a_results_subfolder(tmp_path):
     gpu_part = readme.read_text().split("results-table:h100:begin")[1]
     assert "| 01_x | qlora | task_accuracy | 1 | 0 |  |  | cuda: H100 |" in gpu_part
     assert "old" not in gpu_part
+
+
+def test_results_dir_is_a_setting(tmp_path, monkeypatch):
+    monkeypatch.setenv(results.RESULTS_ENV, str(tmp_path / "elsewhere"))
+    r = results.Results("nb", "cpu")
+    assert r.save() == tmp_path / "elsewhere" / "nb.json"
+    assert results.load_results() == {"nb": json.loads(r.save().read_text())}
+
+
+def test_unwritable_results_dir_is_refused_early(tmp_path, monkeypatch):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv(results.RESULTS_ENV, str(blocker / "results"))
+    with pytest.raises(ValueError, match=f"results_dir=.*cannot be written.*{results.RESULTS_ENV}"):
+        results.Results("nb", "cpu")
+
+
+def test_repository_readme_is_left_alone_when_results_go_elsewhere(tmp_path, monkeypatch,
+                                                                   capsys):
+    monkeypatch.setenv(results.RESULTS_ENV, str(tmp_path))
+    results.Results("01_x", "cpu").save()
+    before = results.README.read_text()
+    assert not results.update_readme()
+    assert results.README.read_text() == before
+    assert "README table not refreshed" in capsys.readouterr().out
+
+
+def test_claims_are_saved_with_the_figures(tmp_path):
+    r = results.Results("nb", "cpu", tmp_path)
+    r.add_claim(results.Claim("sdpa", "SDPA vs eager", 4.6, 3.5, spread=0.1, met=True))
+    r.add_claim(results.Claim("sdpa", "SDPA vs eager", 3.0, 3.5, spread=0.2, met=False))
+    saved = json.loads(r.save().read_text())
+    assert saved["claims"] == [{"recipe": "sdpa", "claim": "SDPA vs eager", "value": 3.0,
+                                "target": 3.5, "at_least": True, "spread": 0.2, "met": False}]

@@ -50,3 +50,31 @@ def test_eval_every_records_step_tokens_and_value(small_llama, varlen_batch):
         eval_fn=lambda m: calls.append(m.training) or 1.5)
     assert [e[0] for e in result.evals] == [2, 4, 5] and calls == [True, True, True]
     assert result.evals[-1][1] == result.target_tokens and result.evals[0][2] == 1.5
+
+
+def test_on_step_sees_every_step_and_can_stop_the_run(small_llama):
+    seen = []
+
+    def on_step(step, result):
+        seen.append((step, len(result.losses), type(result.losses[-1])))
+        if step == 3:
+            raise KeyboardInterrupt  # as a user's early stop, or a test's injected fault
+    with pytest.raises(KeyboardInterrupt):
+        train(small_llama, _examples(), 0, TrainConfig(steps=5, micro_batch_size=4,
+                                                       progress=False), on_step=on_step)
+    assert seen == [(1, 1, float), (2, 2, float), (3, 3, float)]
+
+
+def test_kill_rank_after_spares_other_ranks_and_restarts(monkeypatch):
+    from recipes_lib import distributed
+
+    killed = []
+    monkeypatch.setattr(distributed.os, "kill", lambda pid, sig: killed.append(sig))
+    distributed.kill_rank_after(rank=1, step=2)(2, None)  # this process is rank 0: spared
+    distributed.kill_rank_after(rank=0, step=2)(1, None)  # not the step
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    distributed.kill_rank_after(rank=0, step=2)(2, None)  # a restarted attempt runs on
+    assert killed == []
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    distributed.kill_rank_after(rank=0, step=2)(2, None)
+    assert killed == [distributed.signal.SIGKILL]

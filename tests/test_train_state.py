@@ -47,10 +47,13 @@ def test_killed_at_a_random_step_resumes_bit_identical(tmp_path, uninterrupted, 
 
 
 def test_torn_checkpoint_is_never_picked_up(tmp_path, uninterrupted, monkeypatch):
-    def die(name, step):  # as if the process died inside step 5's save, before the rename
-        if name == "before_rename" and step == 5:
+    publish = train_state._publish
+
+    def die(root, tmp, final, keep):  # as if the process died in step 5's save, before the rename
+        if final.name == "step-000005":
             raise KeyboardInterrupt
-    monkeypatch.setattr(train_state, "_fault_point", die)
+        publish(root, tmp, final, keep)
+    monkeypatch.setattr(train_state, "_publish", die)
     with pytest.raises(KeyboardInterrupt):
         run(str(tmp_path / "ckpt"), str(tmp_path / "out.json"), STEPS)
     assert (tmp_path / "ckpt" / "step-000005.tmp").exists()

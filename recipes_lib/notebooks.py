@@ -1,0 +1,120 @@
+"""Run the course notebooks the way the README documents: papermill, with the parameters cell.
+
+``make run`` and ``make bench`` call :func:`execute`, which checks the parameters given against
+each notebook's ``parameters`` cell (an unknown name is an error here; papermill itself only logs
+it and runs the defaults), executes each notebook into ``notebooks/executed/`` and keeps going
+when one fails. :func:`unclean_cells` is what CI checks: committed notebooks carry no outputs and
+no execution counts, so their diffs stay readable.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOKS = ROOT / "notebooks"
+EXECUTED = NOTEBOOKS / "executed"
+
+
+def course_notebooks() -> list[Path]:
+    """The four course notebooks, in order."""
+    return sorted(NOTEBOOKS.glob("*.ipynb"))
+
+
+def notebook_parameters(path: Path | str) -> dict[str, str]:
+    """A notebook's parameters and their defaults (as written), read the way papermill reads
+    them (one ``NAME = value`` per line of the cell tagged ``parameters``); empty if none."""
+    import papermill
+
+    return {name: p["default"] for name, p in papermill.inspect_notebook(str(path)).items()}
+
+
+def parse_value(text: str) -> Any:
+    """A command-line value as Python: ``3``, ``2e-3``, ``True``, ``None``, ``(256, 512)``; any
+    other text stays a string (a hub id or a folder)."""
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
+
+
+def execute(paths: list[Path], out_dir: Path = EXECUTED, parameters: dict[str, Any] | None = None,
+            timeout: int = 1800) -> dict[str, str]:
+    """Execute notebooks with papermill (a cell progress bar each); return stem -> status.
+
+    Args:
+        paths: the notebooks, run in this order.
+        out_dir: where the executed copies go (saved even when a notebook fails).
+        parameters: injected after each notebook's ``parameters`` cell, as ``papermill -p``
+            does; only the names a notebook declares are passed to it.
+        timeout: seconds per cell.
+
+    Returns:
+        stem -> ``"ok"`` or ``"failed: <error>"``: a failing notebook does not stop the others.
+
+    Raises:
+        ValueError: for a parameter that no notebook in ``paths`` declares (before running any).
+    """
+    import papermill
+    from nbclient.exceptions import CellTimeoutError, DeadKernelError
+    from papermill.exceptions import PapermillExecutionError
+
+    parameters = parameters or {}
+    declared = {path: notebook_parameters(path) for path in paths}
+    unknown = sorted(set(parameters) - set().union(*map(set, declared.values())))
+    if unknown:  # papermill would log "Passed unknown parameter" and run the defaults
+        known = sorted(set().union(*map(set, declared.values())))
+        raise ValueError(f"parameters: {', '.join(unknown)} not declared by "
+                         f"{', '.join(p.name for p in paths)}; known: {', '.join(known)}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    status = {}
+    for path in paths:
+        mine = {k: v for k, v in parameters.items() if k in declared[path]}
+        try:
+            papermill.execute_notebook(str(path), str(out_dir / path.name), parameters=mine,
+                                       cwd=str(path.parent), kernel_name="python3",
+                                       execution_timeout=timeout, progress_bar=True)
+            status[path.stem] = "ok"
+        except PapermillExecutionError as err:
+            first = (str(err.evalue).splitlines() or [""])[0][:200]
+            status[path.stem] = f"failed: {err.ename}: {first}"
+        except (CellTimeoutError, DeadKernelError) as err:
+            status[path.stem] = f"failed: {type(err).__name__}: {str(err).splitlines()[-1][:200]}"
+    return status
+
+
+def unclean_cells(paths: list[Path]) -> list[str]:
+    """Cells that carry outputs or an execution count, as ``"<file> cell <n>: <what>"``."""
+    import nbformat
+
+    problems = []
+    for path in paths:
+        nb = nbformat.read(path, as_version=4)
+        for i, cell in enumerate(nb.cells):
+            if cell.cell_type != "code":
+                continue
+            if cell.get("outputs"):
+                problems.append(f"{Path(path).name} cell {i}: {len(cell.outputs)} output(s)")
+            if cell.get("execution_count") is not None:
+                problems.append(f"{Path(path).name} cell {i}: execution count "
+                                f"{cell.execution_count}")
+    return problems
+
+
+def strip(paths: list[Path]) -> list[Path]:
+    """Remove outputs and execution counts in place; return the notebooks that changed."""
+    import nbformat
+
+    changed = []
+    for path in paths:
+        nb = nbformat.read(path, as_version=4)
+        dirty = False
+        for cell in nb.cells:
+            if cell.cell_type == "code" and (cell.outputs or cell.execution_count is not None):
+                cell.outputs, cell.execution_count, dirty = [], None, True
+        if dirty:
+            Path(path).write_text(nbformat.writes(nb) + "\n")
+            changed.append(Path(path))
+    return changed

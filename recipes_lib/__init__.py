@@ -1,1 +1,19 @@
-"""recipes_lib."""
+"""recipes_lib: the library behind the course notebooks, in three layers.
+
+Core (every notebook uses these; they never import a recipe or a tooling module):
+    device, timing, memory, results, checks, data, numerics, calc, grad_accumulation,
+    distributed, train_state, train, evaluation, model, compare, known_warnings.
+Recipes (one module per idea; may import core and other recipes, never tooling):
+    quantization, checkpointing, offload, fsdp, fsdp_qlora, data_loading, comm_bench, ptq,
+    latency, distillation, chunked_loss, attention, norms, kv_cache, gemm_bench,
+    sparse_attention, curriculum, max_context, passkey.
+Tooling (the command line and what it drives; may import anything):
+    __main__, notebooks, report, colab, planner, calc_validation.
+
+``tests/test_layers.py`` parses every module, function-local imports included, and fails on an
+import cycle or an import against these layers.
+"""
+
+from recipes_lib.known_warnings import silence_known_noise
+
+silence_known_noise()

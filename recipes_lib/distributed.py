@@ -304,8 +304,9 @@ def launch(
            "--local-ranks-filter=0",
            "-m", "recipes_lib.distributed", f"@{work / 'calls.json'}", "--out", str(out),
            "--backend", backend, "--pg-timeout", str(pg_timeout_s)]
+    # no blanket PYTHONWARNINGS=ignore: the ranks say their fallbacks aloud (known_warnings)
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false",
-               PYTHONWARNINGS="ignore", TRANSFORMERS_VERBOSITY="error",
+               TRANSFORMERS_VERBOSITY="error",
                TORCH_CPP_LOG_LEVEL="ERROR", PYTHONUNBUFFERED="1")
     tail: deque[str] = deque(maxlen=40)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,

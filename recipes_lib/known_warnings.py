@@ -1,0 +1,47 @@
+"""Known third-party noise, silenced by module and message; every other warning is shown.
+
+The library says its fallbacks aloud (bf16 -> fp16 or fp32, a missing optional backend) with
+``warnings.warn``; ignoring every UserWarning would hide them too. What is silenced here is only
+what third-party packages print on every import or call and that a reader can do nothing about.
+Installed once, when ``recipes_lib`` is imported.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+# (logger, text in the message): printed through the logging module
+LOG_NOISE = (
+    # torchao's optional CUDA extensions (mxfp8, CUTLASS) that a CPU build cannot load
+    ("torchao", "Failed to load"),
+    # torchao registers Enums with pytree, which torch now supports natively
+    ("torch.utils._pytree", "is an Enum subclass"),
+)
+# (module regex, message regex, category): raised through the warnings module
+WARNING_NOISE = (
+    # peft asks transformers for the old name of the checkpointing flag
+    (r"transformers\.modeling_utils", r"`is_gradient_checkpointing` is deprecated",
+     FutureWarning),
+)
+
+
+class _DropMessages(logging.Filter):
+    def __init__(self, texts: tuple[str, ...]):
+        super().__init__()
+        self.texts = texts
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = str(record.msg)
+        return not any(text in message for text in self.texts)
+
+
+def silence_known_noise() -> None:
+    """Install the filters above (idempotent)."""
+    for name in {name for name, _ in LOG_NOISE}:
+        logger = logging.getLogger(name)
+        texts = tuple(text for n, text in LOG_NOISE if n == name)
+        if not any(isinstance(f, _DropMessages) for f in logger.filters):
+            logger.addFilter(_DropMessages(texts))
+    for module, message, category in WARNING_NOISE:
+        warnings.filterwarnings("ignore", message=message, category=category, module=module)

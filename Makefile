@@ -22,10 +22,13 @@ bench: $(STAMP)
 	$(PY) -m recipes_lib bench
 
 # Correctness and memory only: speed claims are reported, never asserted; results go to a
-# temporary folder, so the tests leave the tree as they found it.
+# temporary folder, so the tests leave the tree as they found it. Notebooks 01-03 run under
+# nbval; notebook 04 runs through papermill with MODEL_ID set to a local folder
+# (tests/test_notebooks.py), the path the README documents.
 test: $(STAMP)
 	RECIPES_RESULTS_DIR=$$(mktemp -d) $(PY) -m pytest -q --durations=10 tests notebooks \
-		--nbval-lax --ignore=notebooks/executed
+		--nbval-lax --ignore=notebooks/executed \
+		--ignore=notebooks/04_training_long_sequences.ipynb
 
 lab: $(STAMP)
 	$(VENV)/bin/jupyter lab notebooks/

@@ -48,6 +48,20 @@ def format_claims(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def bench_verdict(rows: list[dict], reference: bool, how: str) -> tuple[str, bool]:
+    """The benchmark's last line, and whether it passes: every claim met on the reference
+    machine; anywhere else the verdicts are reported, never a failure."""
+    missed = [c for c in rows if not c["met"]]
+    if not reference:
+        return (f"not the reference machine ({how}): {len(missed)} of {len(rows)} speed claims "
+                "not met here, reported, not asserted"), True
+    if not rows:
+        return "no speed claim was recorded: did the notebooks run?", False
+    if missed:
+        return f"{len(missed)} of {len(rows)} speed claims NOT MET on the reference machine", False
+    return f"all {len(rows)} speed claims met on the reference machine", True
+
+
 def int8_backends_benchmark() -> None:
     """``make bench``'s micro-benchmark: ``ptq``'s int8 path against torchao's kept API (eager
     and compiled), prefill of 16 x 128 tokens on the tiny model, recorded as
@@ -86,7 +100,7 @@ def _run(args, parser) -> tuple[dict[str, str], int]:
     params = {name: notebooks.parse_value(value) for name, value in args.parameters}
     try:
         results.check_writable(results.output_dir())
-        status = notebooks.execute(paths, notebooks.EXECUTED, params)
+        status = notebooks.execute(paths, notebooks.EXECUTED, params, reference_size=True)
     except ValueError as err:
         parser.error(str(err))
     for name, state in status.items():
@@ -176,15 +190,9 @@ def main(argv: list[str] | None = None) -> int:
         results.update_readme()
         rows = claims_table()
         print(f"\nspeed claims ({len(rows)}):\n{format_claims(rows)}")
-        missed = [c for c in rows if not c["met"]]
-        if not reference:
-            print(f"not the reference machine ({how}): speed verdicts are reported, not asserted")
-        elif missed:
-            print(f"{len(missed)} speed claim(s) NOT MET on the reference machine")
-            code = 1
-        else:
-            print("every speed claim met on the reference machine")
-        return code
+        verdict, ok = bench_verdict(rows, reference, how)
+        print(verdict)
+        return code if ok else 1
     results.update_readme()
     return 0
 

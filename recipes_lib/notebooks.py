@@ -16,6 +16,16 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = ROOT / "notebooks"
 EXECUTED = NOTEBOOKS / "executed"
+# The parameters cells' defaults are the test size: every claim checked, within the suite's
+# time budget. `make run` and `make bench` scale up only what a speed figure needs to be
+# reliable (more timed repeats, one more point in a sweep); figures and memory claims are
+# otherwise the same. A `-p NAME VALUE` given on the command line wins over these.
+REFERENCE_SIZE: dict[str, dict[str, Any]] = {
+    "01_large_models_limited_hardware": {"TIME_REPEATS": 5},
+    "02_multi_gpu_training": {"LOADER_STEPS": 6, "LATENCY_SWEEP_MS": (50,)},
+    "03_optimizing_inference_speed": {"LATENCY_REPEATS": 15,
+                                      "ATTN_SEQ_LENS": (256, 512, 1024, 2048, 4096)},
+}
 
 
 def course_notebooks() -> list[Path]:
@@ -41,7 +51,7 @@ def parse_value(text: str) -> Any:
 
 
 def execute(paths: list[Path], out_dir: Path = EXECUTED, parameters: dict[str, Any] | None = None,
-            timeout: int = 1800) -> dict[str, str]:
+            timeout: int = 1800, reference_size: bool = False) -> dict[str, str]:
     """Execute notebooks with papermill (a cell progress bar each); return stem -> status.
 
     Args:
@@ -50,6 +60,8 @@ def execute(paths: list[Path], out_dir: Path = EXECUTED, parameters: dict[str, A
         parameters: injected after each notebook's ``parameters`` cell, as ``papermill -p``
             does; only the names a notebook declares are passed to it.
         timeout: seconds per cell.
+        reference_size: apply :data:`REFERENCE_SIZE` first (what ``make run`` and ``make bench``
+            do), then ``parameters``.
 
     Returns:
         stem -> ``"ok"`` or ``"failed: <error>"``: a failing notebook does not stop the others.
@@ -71,7 +83,8 @@ def execute(paths: list[Path], out_dir: Path = EXECUTED, parameters: dict[str, A
     out_dir.mkdir(parents=True, exist_ok=True)
     status = {}
     for path in paths:
-        mine = {k: v for k, v in parameters.items() if k in declared[path]}
+        mine = dict(REFERENCE_SIZE.get(path.stem, {})) if reference_size else {}
+        mine.update({k: v for k, v in parameters.items() if k in declared[path]})
         try:
             papermill.execute_notebook(str(path), str(out_dir / path.name), parameters=mine,
                                        cwd=str(path.parent), kernel_name="python3",

@@ -36,6 +36,28 @@ def tiny_model_path():
 
 
 @pytest.fixture(scope="session")
+def sharded_runs(tiny_model_path, tmp_path_factory):
+    """One torchrun job of 2 ranks (each start costs ~10 s here): DDP, FSDP (with a sharded
+    checkpoint and an export) and FSDP over an NF4 QLoRA model; and the single-process reference
+    of the first two, same data and global batch."""
+    from recipes_lib import distributed, fsdp
+
+    tmp = tmp_path_factory.mktemp("dist")
+    kw = {"model_path": str(tiny_model_path), "steps": 3, "global_batch_size": 4, "seq_len": 64,
+          "lr": 3e-4}
+    ddp, fs, qlora = distributed.launch([
+        ("recipes_lib.fsdp:train_sharded", dict(kw, strategy="ddp")),
+        ("recipes_lib.fsdp:train_sharded", dict(kw, strategy="fsdp",
+                                                checkpoint_dir=str(tmp / "ckpt"),
+                                                export_dir=str(tmp / "export"))),
+        ("recipes_lib.fsdp_qlora:train_fsdp_qlora", {"model_path": str(tiny_model_path),
+                                                     "steps": 2, "global_batch_size": 4})],
+        verbose=False)
+    single = fsdp.train_sharded(strategy="single", measure_repeats=0, **kw)
+    return {"ddp": ddp, "fsdp": fs, "fsdp_qlora": qlora, "single": single, "tmp": tmp, "kw": kw}
+
+
+@pytest.fixture(scope="session")
 def tokenizer(tiny_model_path):
     from recipes_lib.model import load_tokenizer
 

@@ -5,7 +5,7 @@ import torch
 
 pytest.importorskip("torchao")
 
-from recipes_lib import calc, distributed, fsdp_qlora
+from recipes_lib import calc, fsdp_qlora
 
 
 class _Holder(torch.nn.Module):
@@ -72,10 +72,8 @@ def test_bad_inputs():
                                   target_modules=("nothing",))
 
 
-def test_fsdp_shards_the_nf4_base_across_two_ranks(tiny_model_path):
-    [ranks] = distributed.launch([("recipes_lib.fsdp_qlora:train_fsdp_qlora",
-                                   {"model_path": str(tiny_model_path), "steps": 2,
-                                    "global_batch_size": 4})], verbose=False)
+def test_fsdp_shards_the_nf4_base_across_two_ranks(sharded_runs):
+    ranks = sharded_runs["fsdp_qlora"]
     for r in ranks:
         assert r["nf4_bytes_per_rank"] / r["bf16_base_bytes"] <= 0.15
         assert abs(r["nf4_bytes_per_rank"] / r["nf4_bytes_unsharded"] - 0.5) < 0.01

@@ -1,0 +1,118 @@
+"""The notebooks run anywhere: papermill reads their parameters, no cell relies on a tag, the
+runner refuses unknown parameters, committed notebooks carry no outputs."""
+
+import logging
+
+import nbformat
+import pytest
+
+from recipes_lib import notebooks
+from recipes_lib.__main__ import format_claims, main
+
+COURSE = notebooks.course_notebooks()
+
+
+@pytest.mark.parametrize("path", COURSE, ids=[p.stem[:2] for p in COURSE])
+def test_papermill_reads_every_parameter_without_warnings(path, caplog):
+    nb = nbformat.read(path, as_version=4)
+    [cell] = [c for c in nb.cells if "parameters" in c.metadata.get("tags", [])]
+    assigned = [line.split("=")[0].split(":")[0].strip() for line in cell.source.splitlines()
+                if line.strip() and not line.lstrip().startswith("#")]
+    with caplog.at_level(logging.WARNING, logger="papermill"):
+        params = notebooks.notebook_parameters(path)
+    assert not caplog.records, [r.getMessage() for r in caplog.records]
+    assert list(params) == assigned
+    assert "MODEL_ID" in params and "STRICT_SPEED" in params
+
+
+@pytest.mark.parametrize("path", COURSE, ids=[p.stem[:2] for p in COURSE])
+def test_no_cell_needs_a_raises_exception_tag(path):
+    nb = nbformat.read(path, as_version=4)
+    tagged = [i for i, c in enumerate(nb.cells) if "raises-exception" in c.metadata.get("tags", [])]
+    assert not tagged, f"cells {tagged}: papermill and Colab stop there; use checks.show_error"
+
+
+def test_unknown_parameter_is_refused_before_anything_runs(tmp_path):
+    with pytest.raises(ValueError, match="parameters: QLORA_STPES not declared.*QLORA_STEPS"):
+        notebooks.execute(COURSE[:1], tmp_path, {"QLORA_STPES": 3})
+    assert not list(tmp_path.iterdir())
+
+
+def test_command_line_names_the_unknown_parameter(capsys):
+    with pytest.raises(SystemExit):
+        main(["run", str(COURSE[0]), "-p", "NOPE", "1"])
+    assert "NOPE not declared" in capsys.readouterr().err
+
+
+def test_parameter_values_parse_as_papermill_would():
+    assert notebooks.parse_value("3") == 3 and notebooks.parse_value("2e-3") == 2e-3
+    assert notebooks.parse_value("None") is None and notebooks.parse_value("True") is True
+    assert notebooks.parse_value("(256, 512)") == (256, 512)
+    assert notebooks.parse_value("meta-llama/Llama-3.2-1B") == "meta-llama/Llama-3.2-1B"
+
+
+def test_outputs_are_found_and_stripped(tmp_path):
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("1 + 1"),
+                                         nbformat.v4.new_markdown_cell("text")])
+    nb.cells[0].outputs = [nbformat.v4.new_output("execute_result", data={"text/plain": "2"},
+                                                  execution_count=1)]
+    nb.cells[0].execution_count = 1
+    path = tmp_path / "dirty.ipynb"
+    nbformat.write(nb, path)
+    assert notebooks.unclean_cells([path]) == ["dirty.ipynb cell 0: 1 output(s)",
+                                               "dirty.ipynb cell 0: execution count 1"]
+    assert notebooks.strip([path]) == [path] and notebooks.strip([path]) == []
+    assert notebooks.unclean_cells([path]) == []
+
+
+def test_committed_notebooks_are_clean():
+    assert notebooks.unclean_cells(COURSE) == []
+
+
+def test_claims_are_listed_with_their_verdict():
+    rows = [{"notebook": "03_optimizing", "recipe": "flash_attention", "claim": "SDPA vs eager",
+             "value": 4.61, "target": 3.5, "at_least": True, "spread": 0.12, "met": True},
+            {"notebook": "04_training", "recipe": "chunked_ce", "claim": "step time",
+             "value": 1.41, "target": 1.3, "at_least": False, "spread": None, "met": False}]
+    assert format_claims(rows).splitlines() == [
+        "MET      03  flash_attention: SDPA vs eager: 4.61 >= 3.5  spread 12%",
+        "NOT MET  04  chunked_ce: step time: 1.41 <= 1.3"]
+
+
+def test_bench_fails_only_on_the_reference_machine():
+    from recipes_lib.__main__ import bench_verdict
+
+    met = {"met": True}
+    missed = {"met": False}
+    assert bench_verdict([met, met], True, "")[1]
+    line, ok = bench_verdict([met, missed], True, "")
+    assert not ok and line == "1 of 2 speed claims NOT MET on the reference machine"
+    line, ok = bench_verdict([met, missed], False, "cores 16 (reference: 2)")
+    assert ok and line.startswith("not the reference machine (cores 16 (reference: 2)): 1 of 2")
+    assert not bench_verdict([], True, "")[1]
+
+
+@pytest.mark.slow
+def test_papermill_runs_a_course_notebook_to_the_end_on_a_local_model(tiny_model_path, tmp_path):
+    """The README's path: papermill with -p MODEL_ID <a local folder>, top to bottom (notebook 04
+    here; `make test` runs the other three under nbval and `make run` all four with papermill)."""
+    import json
+
+    from recipes_lib import results
+
+    path = notebooks.NOTEBOOKS / "04_training_long_sequences.ipynb"
+    status = notebooks.execute([path], tmp_path, {"MODEL_ID": str(tiny_model_path)})
+    assert status == {path.stem: "ok"}, status
+    out = nbformat.read(tmp_path / path.name, as_version=4)
+    [injected] = [c for c in out.cells if "injected-parameters" in c.metadata.get("tags", [])]
+    assert f"MODEL_ID = \"{tiny_model_path}\"" in injected.source
+    shown = "".join(o.get("text", "") for c in out.cells for o in c.get("outputs", []))
+    assert "ValueError: seq_len=4096" in shown  # the bad-input demonstration ran and showed
+    saved = json.loads((results.output_dir() / f"{path.stem}.json").read_text())
+    assert {c["recipe"] for c in saved["claims"]} == {"sliding_window", "chunked_ce"}
+
+
+def test_reference_sizes_name_declared_parameters_of_existing_notebooks():
+    for stem, params in notebooks.REFERENCE_SIZE.items():
+        declared = notebooks.notebook_parameters(notebooks.NOTEBOOKS / f"{stem}.ipynb")
+        assert set(params) <= set(declared), (stem, set(params) - set(declared))

@@ -85,6 +85,8 @@ def execute(paths: list[Path], out_dir: Path = EXECUTED, parameters: dict[str, A
     for path in paths:
         mine = dict(REFERENCE_SIZE.get(path.stem, {})) if reference_size else {}
         mine.update({k: v for k, v in parameters.items() if k in declared[path]})
+        # papermill writes a tuple as the string "(1, 2)"; a list stays a list
+        mine = {k: list(v) if isinstance(v, tuple) else v for k, v in mine.items()}
         try:
             papermill.execute_notebook(str(path), str(out_dir / path.name), parameters=mine,
                                        cwd=str(path.parent), kernel_name="python3",

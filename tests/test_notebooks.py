@@ -116,3 +116,17 @@ def test_reference_sizes_name_declared_parameters_of_existing_notebooks():
     for stem, params in notebooks.REFERENCE_SIZE.items():
         declared = notebooks.notebook_parameters(notebooks.NOTEBOOKS / f"{stem}.ipynb")
         assert set(params) <= set(declared), (stem, set(params) - set(declared))
+
+
+def test_tuple_parameters_reach_the_notebook_as_sequences(tmp_path):
+    nb = nbformat.v4.new_notebook(cells=[
+        nbformat.v4.new_code_cell("SIZES: tuple = (1, 2)\nNAME = None"),
+        nbformat.v4.new_code_cell("assert sum(SIZES) == 7 and NAME == 'x', (SIZES, NAME)")])
+    nb.cells[0].metadata["tags"] = ["parameters"]
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
+                                 "language": "python"}
+    path = tmp_path / "p.ipynb"
+    nbformat.write(nb, path)
+    status = notebooks.execute([path], tmp_path / "out", {"SIZES": (3, 4), "NAME": "x"},
+                               timeout=120)
+    assert status == {"p": "ok"}, status

@@ -42,7 +42,8 @@ def format_claims(rows: list[dict]) -> str:
     for c in rows:
         sign = ">=" if c["at_least"] else "<="
         spread = "" if c["spread"] is None else f"  spread {c['spread']:.0%}"
-        lines.append(f"{'MET    ' if c['met'] else 'NOT MET'}  {c['notebook'][:2]}  "
+        where = c["notebook"][:2] if c["notebook"][:2].isdigit() else c["notebook"]
+        lines.append(f"{'MET    ' if c['met'] else 'NOT MET'}  {where}  "
                      f"{c['recipe']}: {c['claim']}: {c['value']:.3g} {sign} {c['target']:.3g}"
                      f"{spread}")
     return "\n".join(lines)
@@ -64,7 +65,7 @@ def bench_verdict(rows: list[dict], reference: bool, how: str) -> tuple[str, boo
 
 def int8_backends_benchmark() -> None:
     """``make bench``'s micro-benchmark: ``ptq``'s int8 path against torchao's kept API (eager
-    and compiled), prefill of 16 x 128 tokens on the tiny model, recorded as
+    and compiled), prefill of 16 prompts of up to 128 tokens on the tiny model, recorded as
     ``int8_backends.json`` with the claim that justifies keeping the older path."""
     import torch
 
@@ -82,7 +83,7 @@ def int8_backends_benchmark() -> None:
         print(f"  {name:26s} {row['seconds'] * 1e3:8.1f} ms  {row['speedup_vs_fp32']:.2f}x fp32"
               f"  spread {row['spread']:.0%}")
         r.add("int8_prefill", f"{name} speedup", row["speedup_vs_fp32"], baseline=1.0,
-              unit="x fp32, 16 x 128 tokens")
+              unit="x fp32, prefill of 16 prompts")
     ours = out["torch.ao dynamic int8"]
     torchao = min((row for name, row in out.items() if name.startswith("torchao")),
                   key=lambda row: row["seconds"])

@@ -23,6 +23,13 @@ WARNING_NOISE = (
     # peft asks transformers for the old name of the checkpointing flag
     (r"transformers\.modeling_utils", r"`is_gradient_checkpointing` is deprecated",
      FutureWarning),
+    # torch.ao's dynamic int8 builds its weights with quantize_per_channel; ptq says why it
+    # keeps that path (its module docstring), so the notice would only repeat it
+    (r"torch\.ao\.nn\.quantized", r"torch\.quantize_per_tensor, torch\.quantize_per_channel",
+     UserWarning),
+    # torchao's int8 tensor subclass under torch.compile: a caching hint for torchao's authors
+    (r"torch\._functorch", r"Int8Tensor does not implement _stable_hash_for_caching",
+     UserWarning),
 )
 
 

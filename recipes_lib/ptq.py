@@ -8,13 +8,14 @@ accumulation, so it saves compute as well as bytes where the CPU has fast int8 i
 - CPU: PyTorch's dynamic quantization (``torch.ao.quantization.quantize_dynamic``, fbgemm / x86
   kernels). PyTorch deprecates it in favour of torchao's ``quantize_`` with
   ``Int8DynamicActivationInt8WeightConfig`` (``quantize_int8_torchao``), but on this CPU that
-  path has no fast int8 kernel. Measured in one run, timed in alternation
-  (``compare_int8_backends``: prefill of 16 x 128 tokens on the tiny default model, 2-core AVX2
-  CPU, torch 2.13, torchao 0.18): fp32 258 ms; ``torch.ao`` dynamic int8 217 ms (1.19x fp32);
-  torchao eager 4240 ms (0.06x); torchao ``torch.compile``d 3554 ms (0.07x, after 41 s of
-  compilation). So the recipe keeps the deprecated path, which is the one that shows int8's
-  speed here; ``make bench`` re-measures the comparison on every run and fails when torchao
-  catches up (time to move), and ``tests/test_ptq.py`` fails when the old API disappears.
+  path has no fast int8 kernel. Measured in one run, timed in alternation by ``make bench``
+  (``compare_int8_backends``: prefill of 16 prompts of up to 128 tokens on the tiny default
+  model, 2-core AVX2 CPU, torch 2.13, torchao 0.18; ``results/int8_backends.json``): fp32
+  126 ms; ``torch.ao`` dynamic int8 106 ms (1.18x fp32); torchao eager 2377 ms (0.05x);
+  torchao ``torch.compile``d 2303 ms (0.05x, after ~40 s of compilation). So the recipe keeps
+  the deprecated path, the one that shows int8's speed here; ``make bench`` re-measures the
+  comparison on every run and fails when torchao catches up (time to move), and
+  ``tests/test_ptq.py`` fails when the old API disappears.
 - CUDA: bitsandbytes' LLM.int8 (Dettmers et al., 2022), which keeps outlier feature columns in
   fp16 (``load_int8``).
 """

@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import shutil
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -198,7 +199,7 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     quantization_config: Any = None,
     device: torch.device | str | None = None,
-    attn_implementation: str = "sdpa",
+    attn_implementation: str = "auto",
 ):
     """Load a causal LM from a local folder or a hub id, the same way for both.
 
@@ -208,10 +209,14 @@ def load_model(
         dtype: dtype of the unquantized weights.
         quantization_config: e.g. a ``BitsAndBytesConfig`` for NF4 (see quantization.py).
         device: where to put the model; None keeps CPU (quantized models go where bnb puts them).
-        attn_implementation: "sdpa" (default), "eager" or "flash_attention_2".
+        attn_implementation: "auto" (SDPA where transformers has it for the architecture, else
+            transformers' own choice, said aloud: Gemma-2 has no SDPA path, for one), "sdpa",
+            "eager" or "flash_attention_2" (an explicit choice the architecture lacks is an
+            error, with transformers' reason).
 
     Raises:
-        ValueError: if a hub id is asked for while offline, with how to fix it.
+        ValueError: if a hub id is asked for while offline, with how to fix it; or if the model
+            cannot be loaded, with the reason transformers gave.
     """
     from transformers import AutoModelForCausalLM
 
@@ -223,17 +228,28 @@ def load_model(
             f"model_id_or_path={ident!r}: not a local folder and HF_HUB_OFFLINE=1; "
             "download it first (huggingface-cli download) or pass a local path"
         )
-    kwargs: dict[str, Any] = {"dtype": dtype, "attn_implementation": attn_implementation,
-                              "trust_remote_code": False}
+    auto = attn_implementation == "auto"
+    kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": False,
+                              "attn_implementation": "sdpa" if auto else attn_implementation}
     if quantization_config is not None:
         kwargs["quantization_config"] = quantization_config
         kwargs["device_map"] = {"": str(device) if device is not None else "cpu"}
     try:
-        model = AutoModelForCausalLM.from_pretrained(ident, **kwargs)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(ident, **kwargs)
+        except ValueError as err:
+            if not (auto and "does not support an attention implementation" in str(err)):
+                raise
+            del kwargs["attn_implementation"]  # transformers picks what this architecture has
+            model = AutoModelForCausalLM.from_pretrained(ident, **kwargs)
+            warnings.warn(f"{type(model).__name__} has no SDPA attention in this transformers "
+                          f"version: loaded with {model.config._attn_implementation!r} attention "
+                          "(it materialises the s x s scores)", stacklevel=2)
     except (OSError, ValueError) as err:
+        reason = (str(err).strip().splitlines() or [""])[0][:300]
         raise ValueError(
-            f"model_id_or_path={ident!r}: could not be loaded ({err.__class__.__name__}); "
-            "is it a local folder with config.json, or a hub id with network access?"
+            f"model_id_or_path={ident!r}: could not be loaded: {type(err).__name__}: {reason} "
+            "(a local folder with config.json, or a hub id with network access?)"
         ) from err
     if device is not None and quantization_config is None:
         model = model.to(device)

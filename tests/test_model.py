@@ -36,6 +36,32 @@ def test_folder_without_config_is_a_clear_error(tmp_path):
         models.load_model(tmp_path)
 
 
+@pytest.fixture
+def gemma2_folder(tmp_path):
+    """A tiny Gemma-2 (tied embeddings, soft-capping): transformers has no SDPA path for it."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    cfg = Gemma2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                       max_position_embeddings=128)
+    Gemma2ForCausalLM(cfg).save_pretrained(tmp_path / "gemma2")
+    return tmp_path / "gemma2"
+
+
+def test_an_architecture_without_sdpa_loads_with_what_it_has_and_says_so(gemma2_folder):
+    with pytest.warns(UserWarning, match="Gemma2ForCausalLM has no SDPA attention.*'eager'"):
+        m = models.load_model(gemma2_folder)
+    assert m.config._attn_implementation == "eager"
+    ids = torch.randint(0, 128, (1, 8))
+    assert m(input_ids=ids).logits.shape == (1, 8, 128)
+
+
+def test_an_explicit_attention_the_architecture_lacks_gives_transformers_reason(gemma2_folder):
+    with pytest.raises(ValueError, match="could not be loaded: ValueError: Gemma2ForCausalLM "
+                       "does not support an attention implementation"):
+        models.load_model(gemma2_folder, attn_implementation="sdpa")
+
+
 def test_layernorm_architecture_builds(tmp_path):
     spec = models.TinyModelSpec(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                                 num_attention_heads=2, num_key_value_heads=1, pretrain_steps=2,

@@ -53,6 +53,20 @@ def test_lora_adapter_roundtrip_is_bit_identical(tiny_model_path, tokenizer, tmp
         assert torch.equal(reloaded(**args).logits, ref)
         torch.testing.assert_close(merged(**args).logits, ref, rtol=1e-4, atol=1e-4)
     assert not any("lora" in n for n, _ in merged.named_parameters())
+    # Outside recipes_lib: plain peft on a plain 4-bit base, and plain transformers on the merge.
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    plain_base = AutoModelForCausalLM.from_pretrained(
+        tiny_model_path, dtype=torch.float32, quantization_config=BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=torch.float32), device_map={"": "cpu"})
+    plain_adapter = PeftModel.from_pretrained(plain_base, str(tmp_path)).eval()
+    merged.save_pretrained(tmp_path / "merged")
+    plain_merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    with torch.no_grad():
+        assert torch.equal(plain_adapter(**args).logits, ref)
+        assert torch.equal(plain_merged(**args).logits, merged(**args).logits)
 
 
 def test_bad_inputs(nf4_model, monkeypatch):

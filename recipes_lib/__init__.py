@@ -4,7 +4,7 @@ Core (every notebook uses these; they never import a recipe or a tooling module)
     device, timing, memory, results, checks, data, numerics, calc, grad_accumulation,
     distributed, train_state, train, evaluation, model, compare, known_warnings.
 Recipes (one module per idea; may import core and other recipes, never tooling):
-    quantization, checkpointing, offload, fsdp, fsdp_qlora, data_loading, comm_bench, ptq,
+    quantization, checkpointing, offload, optim8bit, fsdp, fsdp_qlora, data_loading, comm_bench, ptq,
     latency, distillation, chunked_loss, attention, norms, kv_cache, gemm_bench,
     sparse_attention, curriculum, max_context, passkey.
 Tooling (the command line and what it drives; may import anything):

@@ -24,6 +24,7 @@ BYTES_PER_PARAM = {
 }
 RECOMPUTE = ("none", "selective", "full")
 OPTIMIZERS = ("adamw", "adamw_8bit", "sgd")
+ADAMW_8BIT_BLOCK = 256  # bitsandbytes' block size for 8-bit optimizer states
 
 
 @dataclass(frozen=True)
@@ -117,12 +118,44 @@ def gradient_bytes(n_trainable: int, dtype: str = "fp32") -> float:
 
 def optimizer_bytes(n_trainable: int, optimizer: str = "adamw", master_weights: bool = False
                     ) -> float:
-    """Optimizer state bytes: AdamW 8 B/param (two fp32 moments), 8-bit AdamW 2, SGD 0; plus a
-    4-byte fp32 master copy per param when training in 16-bit (``master_weights``)."""
-    per = {"adamw": 8.0, "adamw_8bit": 2.0 + 2 * 4 / 2048, "sgd": 0.0}
+    """Optimizer state bytes: AdamW 8 B/param (two fp32 moments), 8-bit AdamW 2 + 2 * 4 / 256
+    (two uint8 moments, an fp32 absmax per 256-value block each), SGD 0; plus a 4-byte fp32
+    master copy per param when training in 16-bit (``master_weights``).
+
+    A rule of thumb for large tensors; ``adamw_8bit_state_bytes`` counts exactly."""
+    per = {"adamw": 8.0, "adamw_8bit": 2.0 + 2 * 4 / ADAMW_8BIT_BLOCK, "sgd": 0.0}
     if optimizer not in per:
         raise ValueError(f"optimizer={optimizer!r}: expected one of {OPTIMIZERS}")
     return n_trainable * (per[optimizer] + (4.0 if master_weights else 0.0))
+
+
+def adamw_8bit_state_bytes(numels: list[int], min_8bit_size: int = 4096,
+                           block_size: int = ADAMW_8BIT_BLOCK) -> int:
+    """Exact state bytes of bitsandbytes' blockwise 8-bit AdamW for tensors of these sizes.
+
+    A tensor of at least ``min_8bit_size`` values keeps two uint8 moments and an fp32 absmax per
+    ``block_size`` values for each; a smaller one keeps two fp32 moments, as AdamW. The two
+    256-entry fp32 quantization maps are shared by every tensor: 2 KiB once.
+
+    Raises:
+        ValueError: for a negative size or a block size < 1.
+
+    Example:
+        >>> adamw_8bit_state_bytes([300 * 1000, 300])  # a Linear's weight (8-bit) and bias (fp32)
+        613824
+    """
+    if block_size < 1:
+        raise ValueError(f"block_size={block_size}: must be >= 1")
+    if any(n < 0 for n in numels):
+        raise ValueError(f"numels={numels!r}: sizes must be >= 0")
+    total, quantized = 0, False
+    for n in numels:
+        if n >= min_8bit_size:
+            total += 2 * n + 2 * 4 * math.ceil(n / block_size)
+            quantized = True
+        else:
+            total += 8 * n
+    return total + (2 * 256 * 4 if quantized else 0)
 
 
 def training_state_bytes(n_params: int, weights: str = "bf16", optimizer: str = "adamw",
@@ -305,7 +338,9 @@ def escalation_table(shape: ModelShape, seq_len: int, batch_size: int, budget_by
 
     Rows, cumulative: full fine-tune in mixed precision -> LoRA (bf16 base) -> QLoRA (NF4 base)
     -> + activation checkpointing -> + gradient accumulation (micro-batch = batch / k) -> + CPU
-    offload of optimizer states. Each row says whether it fits ``budget_bytes``.
+    offload of optimizer states. A full fine-tune with 8-bit AdamW states sits after the first
+    row: the step before giving up on full fine-tuning. Each row says whether it fits
+    ``budget_bytes``.
     """
     if budget_bytes <= 0:
         raise ValueError(f"budget_bytes={budget_bytes}: must be > 0")
@@ -322,6 +357,8 @@ def escalation_table(shape: ModelShape, seq_len: int, batch_size: int, budget_by
     steps = [
         ("full fine-tune (bf16 + AdamW)", training_state_bytes(n, "bf16")["total"],
          act("none", batch_size)),
+        ("full fine-tune, 8-bit AdamW states", training_state_bytes(n, "bf16", "adamw_8bit")
+         ["total"], act("none", batch_size)),
         ("LoRA on a bf16 base", n * 2 + n_lora * 4 + lora_state, act("none", batch_size)),
         ("QLoRA (NF4 base)", n * bytes_per_param("nf4_dq") + n_lora * 4 + lora_state,
          act("none", batch_size)),

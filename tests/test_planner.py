@@ -63,3 +63,12 @@ def test_cli(capsys):
     with pytest.raises(SystemExit):
         main(["plan", "--model", "Llama-2-7B", "--gpu-mem", "-1"])
     assert "gpu_mem='-1'" in capsys.readouterr().err
+
+
+def test_8bit_adamw_row_saves_three_quarters_of_the_moments():
+    rows = {r["step"]: r for r in planner.plan("Llama-2-7B", "80GB", 512, 1)["rows"]}
+    full, eight = rows["full fine-tune (bf16 + AdamW)"], rows["full fine-tune, 8-bit AdamW states"]
+    n = calc.param_count(calc.PRESETS["Llama-2-7B"])["total"]
+    saved = (full["state_GiB"] - eight["state_GiB"]) * 2**30
+    assert abs(saved - n * (8 - 2 - 8 / 256)) / saved < 1e-9
+    assert eight["activations_GiB"] == full["activations_GiB"]

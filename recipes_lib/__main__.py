@@ -93,7 +93,9 @@ def int8_backends_benchmark() -> None:
     r.save()
 
 
-def _run(args, parser) -> tuple[dict[str, str], int]:
+def _run(args, parser) -> int:
+    """Execute the notebooks, validate the calculator, refresh the README table and the report;
+    return the exit code (1 if a notebook failed)."""
     from recipes_lib import calc_validation, notebooks, results
     from recipes_lib.report import write_html_report
 
@@ -112,7 +114,7 @@ def _run(args, parser) -> tuple[dict[str, str], int]:
     page = write_html_report(status, notebooks.EXECUTED)
     print(results.markdown_table())
     print(f"report: {report} and {page}")
-    return status, 0 if all(s == "ok" for s in status.values()) else 1
+    return 0 if all(s == "ok" for s in status.values()) else 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -177,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
                                "carry outputs; run python -m recipes_lib check-notebooks --strip"))
         return 1 if problems else 0
     if args.command == "run":
-        return _run(args, parser)[1]
+        return _run(args, parser)
     if args.command == "bench":
         from recipes_lib.checks import is_reference_machine
 
@@ -185,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         if not reference:
             print(f"not the reference machine ({how}): speed verdicts will be reported, "
                   "not asserted")
-        code = _run(args, parser)[1]
+        code = _run(args, parser)
         print("micro-benchmark: int8 prefill backends")
         int8_backends_benchmark()
         results.update_readme()

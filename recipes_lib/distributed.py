@@ -249,7 +249,7 @@ def _failure_message(out: Path, world_size: int, rc: int, tail: deque) -> str:
 
 
 def launch(
-    calls: list[tuple[str, dict[str, Any]]],
+    calls: list[tuple[str, dict[str, Any]]] | dict[str, tuple[str, dict[str, Any]]],
     world_size: int = 2,
     backend: str | None = None,
     timeout_s: float = 900.0,
@@ -257,14 +257,16 @@ def launch(
     threads_per_rank: int | None = None,
     verbose: bool = True,
     max_restarts: int = 0,
-) -> list[list[Any]]:
+) -> list[list[Any]] | dict[str, list[Any]]:
     """Run functions on ``world_size`` real processes started by torchrun on this node.
 
     Each rank joins the process group, then calls every ``(target, kwargs)`` in order; a target
     is ``"package.module:function"`` and must return something JSON can hold.
 
     Args:
-        calls: the functions to run and their keyword arguments (JSON-serialisable).
+        calls: the functions to run and their keyword arguments (JSON-serialisable), as a list,
+            or as a dict that names each call (one torchrun job for several pieces of work:
+            each job costs seconds of process start-up and imports).
         world_size: number of ranks (processes) on this node.
         backend: "gloo", "nccl" or None (NCCL with a GPU per rank, else gloo).
         timeout_s: wall-clock limit for the whole run; past it every process is killed.
@@ -276,7 +278,8 @@ def launch(
             (``train_sharded(resume_dir=...)``) then resumes from its last checkpoint.
 
     Returns:
-        ``results[i][r]``: what call ``i`` returned on rank ``r``.
+        ``results[i][r]``: what call ``i`` returned on rank ``r`` (``results[name][r]`` for
+        named calls).
 
     Raises:
         ValueError: for bad arguments (world size, backend, targets) before anything starts.
@@ -292,6 +295,11 @@ def launch(
     backend = check_backend(backend, world_size)
     if not calls:
         raise ValueError("calls: empty, nothing to run")
+    if isinstance(calls, dict):
+        names = list(calls)
+        return dict(zip(names, launch([calls[n] for n in names], world_size, backend, timeout_s,
+                                      pg_timeout_s, threads_per_rank, verbose, max_restarts),
+                        strict=True))
     for target, kwargs in calls:
         resolve(target)  # fail here, not in every rank
         json.dumps(kwargs)

@@ -13,13 +13,14 @@ import ast
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+from recipes_lib.results import ROOT
+
 NOTEBOOKS = ROOT / "notebooks"
 EXECUTED = NOTEBOOKS / "executed"
 # The parameters cells' defaults are the test size: every claim checked, within the suite's
 # time budget. `make run` and `make bench` scale up only what a speed figure needs to be
 # reliable or complete (more timed repeats, one more point in a sweep, the compiled kernel);
-# correctness and memory claims are the same at both sizes. A `-p NAME VALUE` given on the command line wins over these.
+# correctness and memory claims are the same at both sizes. A `-p NAME VALUE` wins over these.
 REFERENCE_SIZE: dict[str, dict[str, Any]] = {
     "01_large_models_limited_hardware": {"TIME_REPEATS": 5},
     "02_multi_gpu_training": {"LOADER_STEPS": 6, "LATENCY_SWEEP_MS": (50,)},

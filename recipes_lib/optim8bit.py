@@ -18,7 +18,7 @@ bitsandbytes here.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -75,3 +75,30 @@ def state_bytes(optimizer: Any) -> int:
 
     return tensor_bytes(v for st in optimizer.state.values() for v in st.values()
                         if isinstance(v, torch.Tensor) and v.dim() > 0)
+
+
+def compare_with_adamw(load_model: Callable[[], torch.nn.Module],
+                       examples: list[dict[str, list[int]]], pad_token_id: int,
+                       config: Any) -> dict[str, dict[str, Any]]:
+    """The same steps from the same weights and batches with the training loop's AdamW and with
+    8-bit AdamW (the one training loop, ``train.train``, for both).
+
+    Args:
+        load_model: returns a fresh copy of the starting model (called once per optimizer).
+        examples, pad_token_id, config: as ``train.train`` takes them.
+
+    Returns:
+        ``{"AdamW": ..., "8-bit AdamW": ...}``, each ``{"losses", "step_times",
+        "state_bytes"}``.
+    """
+    from recipes_lib import train
+
+    out = {}
+    for name in ("AdamW", "8-bit AdamW"):
+        model = load_model()
+        opt = (make_adamw_8bit(model.parameters(), config.lr, config.weight_decay)
+               if name == "8-bit AdamW" else train.make_optimizer(model, config))
+        run = train.train(model, examples, pad_token_id, config, optimizer=opt)
+        out[name] = {"losses": run.losses, "step_times": run.step_times,
+                     "state_bytes": state_bytes(opt)}
+    return out

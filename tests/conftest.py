@@ -45,16 +45,17 @@ def sharded_runs(tiny_model_path, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("dist")
     kw = {"model_path": str(tiny_model_path), "steps": 3, "global_batch_size": 4, "seq_len": 64,
           "lr": 3e-4}
-    ddp, fs, qlora = distributed.launch([
-        ("recipes_lib.fsdp:train_sharded", dict(kw, strategy="ddp")),
-        ("recipes_lib.fsdp:train_sharded", dict(kw, strategy="fsdp",
-                                                checkpoint_dir=str(tmp / "ckpt"),
-                                                export_dir=str(tmp / "export"))),
-        ("recipes_lib.fsdp_qlora:train_fsdp_qlora", {"model_path": str(tiny_model_path),
-                                                     "steps": 2, "global_batch_size": 4})],
+    runs = distributed.launch({  # named calls: the results come back under these names
+        "ddp": ("recipes_lib.fsdp:train_sharded", dict(kw, strategy="ddp")),
+        "fsdp": ("recipes_lib.fsdp:train_sharded", dict(kw, strategy="fsdp",
+                                                        checkpoint_dir=str(tmp / "ckpt"),
+                                                        export_dir=str(tmp / "export"))),
+        "fsdp_qlora": ("recipes_lib.fsdp_qlora:train_fsdp_qlora",
+                       {"model_path": str(tiny_model_path), "steps": 2, "global_batch_size": 4})},
         verbose=False)
+    assert list(runs) == ["ddp", "fsdp", "fsdp_qlora"] and all(len(r) == 2 for r in runs.values())
     single = fsdp.train_sharded(strategy="single", measure_repeats=0, **kw)
-    return {"ddp": ddp, "fsdp": fs, "fsdp_qlora": qlora, "single": single, "tmp": tmp, "kw": kw}
+    return {**runs, "single": single, "tmp": tmp, "kw": kw}
 
 
 @pytest.fixture(scope="session")

@@ -56,3 +56,17 @@ def test_bad_inputs(small_llama):
         optim8bit.make_adamw_8bit(small_llama.parameters())
     with pytest.raises(ValueError, match="block_size=0"):
         calc.adamw_8bit_state_bytes([10], block_size=0)
+
+
+def test_compare_with_adamw_starts_both_from_the_same_weights(small_llama):
+    import copy
+
+    from recipes_lib import train
+
+    examples = [{"input_ids": list(range(3, 40)), "labels": list(range(3, 40))}] * 8
+    runs = optim8bit.compare_with_adamw(lambda: copy.deepcopy(small_llama), examples, 0,
+                                        train.TrainConfig(steps=2, micro_batch_size=4,
+                                                          progress=False))
+    assert list(runs) == ["AdamW", "8-bit AdamW"]
+    assert runs["AdamW"]["losses"][0] == runs["8-bit AdamW"]["losses"][0]  # same start
+    assert runs["8-bit AdamW"]["state_bytes"] < runs["AdamW"]["state_bytes"]

@@ -260,3 +260,46 @@ def max_abs_error(impl: str, reference: str = "eager", seq_len: int = 256, num_h
     (o1, *g1), (o2, *g2) = results
     return {"output": float((o1 - o2).abs().max()),
             "grad": max(float((a - b).abs().max()) for a, b in zip(g1, g2))}
+
+
+def seq_len_sweep(seq_lens: list[int], impl: str = "sdpa", baseline: str = "eager",
+                  batch_size: int = 1, num_heads: int = 8, head_dim: int = 64,
+                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                  repeats: int = 5):
+    """Where ``impl`` starts to beat ``baseline`` attention: forward + backward over sequence
+    length, timed in alternation (``sweep.run_sweep``).
+
+    Work per call (for the regime): causal attention's ``2 * 2 * b*h*s^2*d`` FLOPs forward
+    (half the square) times 3.5 with backward; the baseline's bytes are its s x s scores
+    (written and read in fp32 or the dtype) plus q, k, v and the output.
+
+    Returns:
+        A ``sweep.Sweep`` (recipe "attention", dimension "seq_len").
+
+    Raises:
+        ValueError: for sizes a sweep cannot use, or an implementation this device lacks.
+    """
+    from recipes_lib.sweep import run_sweep
+
+    device = torch.device(device)
+    fns = {"baseline": attention_fn(baseline, device), "recipe": attention_fn(impl, device)}
+    size = torch.empty((), dtype=dtype).element_size()
+
+    def make(s: int):
+        g = torch.Generator(device="cpu").manual_seed(s)
+        q, k, v = (torch.randn(batch_size, num_heads, s, head_dim, generator=g).to(device, dtype)
+                   .requires_grad_() for _ in range(3))
+        grad = torch.randn(batch_size, num_heads, s, head_dim, generator=g).to(device, dtype)
+
+        def step(fn):
+            fn(q, k, v, causal=True).backward(grad)
+            q.grad = k.grad = v.grad = None
+        return {name: (lambda fn=fn: step(fn)) for name, fn in fns.items()}
+
+    def work(s: int) -> tuple[float, float]:
+        bh = batch_size * num_heads
+        flops = 3.5 * 2 * bh * s * s * head_dim
+        scores = 4 * bh * s * s * size * 2  # scores and probabilities, written and read
+        return flops, scores + 4 * bh * s * head_dim * size
+    return run_sweep("attention", "seq_len", seq_lens, make, work, device, repeats=repeats,
+                     progress=False, dtype=dtype)

@@ -76,3 +76,52 @@ def offload_activations(device: torch.device | str | None = None):
                       "offload on a CPU", stacklevel=2)
         return contextlib.nullcontext()
     return torch.autograd.graph.save_on_cpu(pin_memory=True)
+
+
+def width_sweep(hidden_sizes: list[int], seq_len: int = 1024, batch_size: int = 1,
+                num_layers: int = 2, vocab_size: int = 32000, dtype: torch.dtype = torch.float32,
+                device: torch.device | str = "cpu", repeats: int = 5):
+    """What checkpointing costs in step time as the model widens: a Llama-shaped model (random
+    init, ``num_layers`` layers, head dim 64, MLP 8/3 x hidden) trained one step plain and
+    checkpointed, timed in alternation at each width.
+
+    The "speed-up" here is plain time / checkpointed time, below 1: a cost. Once the step is
+    compute-bound it should approach the FLOP ratio 6N / 8N = 0.75 (one extra forward); at small
+    widths launch and Python overhead make it worse.
+
+    Returns:
+        A ``sweep.Sweep`` (recipe "activation_checkpointing", dimension "hidden").
+    """
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from recipes_lib.sweep import run_sweep
+
+    device = torch.device(device)
+
+    def make(h: int):
+        config = LlamaConfig(vocab_size=vocab_size, hidden_size=h,
+                             intermediate_size=int(8 * h / 3) // 64 * 64,
+                             num_hidden_layers=num_layers, num_attention_heads=max(1, h // 64),
+                             num_key_value_heads=max(1, h // 64),
+                             max_position_embeddings=max(seq_len, 128))
+        models = {}
+        for name in ("baseline", "recipe"):
+            torch.manual_seed(0)
+            m = AutoModelForCausalLM.from_config(config, dtype=dtype,
+                                                 attn_implementation="sdpa").to(device)
+            if name == "recipe":
+                enable_activation_checkpointing(m)
+            models[name] = m.train()
+        ids = torch.randint(0, vocab_size, (batch_size, seq_len), device=device)
+
+        def step(m):
+            m(input_ids=ids, labels=ids).loss.backward()
+            m.zero_grad(set_to_none=True)
+        return {name: (lambda m=m: step(m)) for name, m in models.items()}
+
+    def work(h: int) -> tuple[float, float]:
+        n = num_layers * 12 * h * h + 2 * vocab_size * h
+        size = torch.empty((), dtype=dtype).element_size()
+        return 6.0 * n * batch_size * seq_len, 3.0 * n * size
+    return run_sweep("activation_checkpointing", "hidden", hidden_sizes, make, work, device,
+                     repeats=repeats, progress=False, dtype=dtype)

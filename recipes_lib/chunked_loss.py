@@ -274,3 +274,48 @@ def compare_with_full(tokens: int, vocab_size: int, hidden_size: int, chunk_size
                   for a, b in zip(grads["full"], grads[name]))
         out["max_grad_error" if name == "chunked" else f"max_grad_error_{name}"] = err
     return out
+
+
+def tokens_sweep(tokens: list[int], vocab_size: int, hidden_size: int, chunk_size: int = 1024,
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                 repeats: int = 5, include_liger: bool = False):
+    """Where chunked cross-entropy stops costing time against the full logits: a loss step
+    (forward + backward) over the number of tokens, timed in alternation
+    (``sweep.run_sweep``); Liger's fused kernel beside it with ``include_liger``.
+
+    Returns:
+        A ``sweep.Sweep`` (recipe "chunked_ce", dimension "tokens").
+    """
+    from recipes_lib.sweep import run_sweep
+
+    if include_liger and not liger_available(device):
+        raise ValueError(f"include_liger=True: Liger-Kernel is not installed or device={device!s} "
+                         "is not CUDA")
+    device = torch.device(device)
+    size = torch.empty((), dtype=dtype).element_size()
+
+    def make(n: int):
+        g = torch.Generator().manual_seed(n)
+        h = torch.randn(n, hidden_size, generator=g).to(device, dtype).requires_grad_()
+        w = (torch.randn(vocab_size, hidden_size, generator=g) / hidden_size**0.5
+             ).to(device, dtype).requires_grad_()
+        y = torch.randint(0, vocab_size, (n,), generator=g).to(device)
+        losses = {"baseline": lambda: F.cross_entropy(upcast(h @ w.T), y),
+                  "recipe": lambda: chunked_cross_entropy(h, w, y, min(chunk_size, n))}
+        if include_liger:
+            from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+            fused = LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE_INDEX)
+            losses["liger"] = lambda: fused(w, h, y)
+
+        def step(f):
+            f().backward()
+            h.grad = w.grad = None
+        return {name: (lambda f=f: step(f)) for name, f in losses.items()}
+
+    def work(n: int) -> tuple[float, float]:
+        # three tokens x hidden x vocab matmuls; the logits written, read by softmax, the
+        # fp32 copy and its gradient
+        return 6.0 * n * hidden_size * vocab_size, n * vocab_size * (2 * size + 3 * 4)
+    return run_sweep("chunked_ce", "tokens", tokens, make, work, device, repeats=repeats,
+                     progress=False, dtype=dtype)

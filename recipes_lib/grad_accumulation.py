@@ -76,7 +76,8 @@ def forward_backward(
 
     Args:
         model: a causal LM returning ``.logits`` (transformers or peft).
-        batch: ``input_ids``, ``attention_mask``, ``labels`` (-100 = no loss), on any device.
+        batch: ``input_ids``, ``labels`` (-100 = no loss) and, unless every row is full,
+            ``attention_mask``; on any device.
         grad_accum_steps: micro-batches per global batch; must divide the batch size.
         precision: resolved precision ("fp32", "bf16", "fp16") used for autocast.
         scaler: a GradScaler for fp16, else None.
@@ -117,7 +118,7 @@ def forward_backward(
                 loss_sum = loss_fn(model, mb)
             else:
                 logits = model(input_ids=mb["input_ids"],
-                               attention_mask=mb["attention_mask"]).logits
+                               attention_mask=mb.get("attention_mask")).logits
         if loss_fn is None:
             loss_sum = causal_lm_loss_sum(logits, mb["labels"])
         total += loss_sum.detach().float()

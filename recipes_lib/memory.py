@@ -37,6 +37,7 @@ class MemoryReport:
     by_category: dict[str, int] = field(default_factory=dict)
     device: str = "cpu"
     allocator_peak_bytes: int | None = None
+    allocator_reserved_bytes: int | None = None  # CUDA: the caching allocator's reserved peak
 
     @property
     def activation_bytes(self) -> int:
@@ -126,12 +127,14 @@ def measure_memory(
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
+    allocator_reserved = None
     with tracker:
         fn()
     allocator_peak = None
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         allocator_peak = torch.cuda.max_memory_allocated(device)
+        allocator_reserved = torch.cuda.max_memory_reserved(device)
     snap = tracker.get_tracker_snapshot("peak")
     dev_snap = next((v for k, v in snap.items() if torch.device(k).type == device.type), {})
     by_cat = dict.fromkeys(CATEGORIES, 0)
@@ -141,7 +144,27 @@ def measure_memory(
             by_cat[_FROM_TRACKER[name]] += int(value)
     return MemoryReport(peak_bytes=int(dev_snap.get("Total", sum(by_cat.values()))),
                         by_category=by_cat, device=str(device),
-                        allocator_peak_bytes=allocator_peak)
+                        allocator_peak_bytes=allocator_peak,
+                        allocator_reserved_bytes=allocator_reserved)
+
+
+def allocator_peak(fn: Callable[[], Any], device: torch.device | str) -> tuple[int, int]:
+    """CUDA's caching allocator: peak bytes allocated and reserved while ``fn`` runs, with no
+    tracker attached (a tracker's hooks form reference cycles that keep tensors alive until the
+    garbage collector runs, so a tracked run is not the one to read the allocator from).
+
+    Raises:
+        ValueError: on a device that is not CUDA.
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"device={device!s}: the allocator's counters exist on CUDA only; "
+                         "use measure_memory elsewhere")
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    fn()
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)
 
 
 def _plain_tensors(t: torch.Tensor) -> list[torch.Tensor]:

@@ -1,0 +1,155 @@
+"""Everything this course measures on a GPU, in one call (a lent GPU is held by the minute).
+
+    python bench/gpu_session.py OUT_DIR [--smoke]
+
+Writes ``OUT_DIR/gpu_session.json``: the fake-tensor memory prediction against the real run of
+a >= 1 B-parameter model (three recipe stacks), the FP8 vs bf16 linear sweep (tensorwise and
+rowwise), an FP8 training step at a scale where it should pay, and the crossover sweeps of SDPA,
+chunked cross-entropy and activation checkpointing. ``--smoke`` runs tiny sizes on the CPU to
+check the script itself. Each part is saved as soon as it ends, so a time-out keeps the rest.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from recipes_lib import attention, checkpointing, chunked_loss, fake_memory, fp8
+from recipes_lib.device import describe_device
+from recipes_lib.results import package_versions
+from recipes_lib.timing import time_interleaved
+
+
+def sweep_dict(s) -> dict:
+    return {"recipe": s.recipe, "dimension": s.dimension, "rows": s.rows(),
+            "crossover": s.crossover(), "verdict": s.verdict(), "spread": s.spread(),
+            "peaks": vars(s.peaks) if s.peaks else None}
+
+
+def fake_vs_real(model, stacks, seq_len, batch, device) -> list[dict]:
+    rows = []
+    for stack in stacks:
+        gc.collect()
+        start = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
+        r = fake_memory.fake_vs_real(model, stack, seq_len, batch, device)
+        rows.append({"stack": stack.label, "seq_len": seq_len, "batch": batch,
+                     "fake": r["fake"].by_category, "fake_peak": r["fake"].peak_bytes,
+                     "real": r["real"].by_category, "real_peak": r["real"].peak_bytes,
+                     "allocated_peak": r["real"].allocator_peak_bytes,
+                     "start_allocated": start,
+                     "reserved_peak": r["real"].allocator_reserved_bytes,
+                     "fake_over_allocated": (r["fake"].peak_bytes / r["real"].allocator_peak_bytes
+                                             if r["real"].allocator_peak_bytes else None)})
+        print(rows[-1]["stack"], rows[-1]["fake_over_allocated"], flush=True)
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return rows
+
+
+def paged_optimizers() -> dict:
+    """AdamW vs bitsandbytes' AdamW8bit vs PagedAdamW8bit on a ~0.5 B model in bf16: state bytes,
+    the CUDA allocator's peak over a step (paged states live in unified memory, outside it), step
+    time and the loss after 10 steps of the same batches."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from recipes_lib import optim8bit
+
+    config = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632,
+                         num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4)
+    ids = torch.randint(0, 32000, (4, 1024), device="cuda")
+    out = {}
+    for name in ("AdamW", "AdamW8bit", "PagedAdamW8bit"):
+        torch.manual_seed(0)
+        m = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).cuda().train()
+        opt = (torch.optim.AdamW(m.parameters(), lr=1e-4) if name == "AdamW" else
+               optim8bit.make_adamw_8bit(m.parameters(), 1e-4, paged=name.startswith("Paged")))
+        losses, times = [], []
+        for i in range(10):
+            torch.cuda.synchronize()
+            if i == 5:
+                torch.cuda.reset_peak_memory_stats()
+            t0 = time.perf_counter()
+            loss = m(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+            losses.append(float(loss))
+        out[name] = {"state_bytes": optim8bit.state_bytes(opt),
+                     "allocated_peak": torch.cuda.max_memory_allocated(),
+                     "step_ms": 1e3 * sorted(times[2:])[len(times[2:]) // 2],
+                     "losses": losses, "params": sum(p.numel() for p in m.parameters())}
+        del m, opt
+        gc.collect()
+        torch.cuda.empty_cache()
+    return out
+
+
+def main(out_dir: str, smoke: bool) -> None:
+    device = torch.device("cpu" if smoke else "cuda")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    report: dict = {"device": describe_device(device), "versions": package_versions(),
+                    "torch": torch.__version__, "smoke": smoke}
+    path = out / "gpu_session.json"
+
+    def part(name, fn):
+        t0 = time.perf_counter()
+        try:
+            report[name] = fn()
+        except Exception as err:  # a part that fails is recorded; the others still run
+            report[name] = {"error": f"{type(err).__name__}: {err}",
+                            "trace": traceback.format_exc()[-3000:]}
+        report.setdefault("seconds", {})[name] = time.perf_counter() - t0
+        path.write_text(json.dumps(report, indent=1, default=str))
+        print(f"== {name}: {report['seconds'][name]:.0f} s", flush=True)
+
+    S = fake_memory.Stack
+    if smoke:
+        from transformers import LlamaConfig
+        model = LlamaConfig(vocab_size=1024, hidden_size=128, intermediate_size=352,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                            max_position_embeddings=512)
+        seq, batch = 128, 2
+    else:
+        model, seq, batch = "Llama-3.2-1B", 2048, 2
+    stacks = [S(), S(checkpointing=True), S(method="lora", checkpointing=True),
+              S(precision="fp32", checkpointing=True), S(grad_accum_steps=2)]
+    part("fake_vs_real", lambda: fake_vs_real(model, stacks, seq, batch, device))
+    if "--memory-only" in sys.argv:
+        return
+    if not smoke:
+        sizes = [512, 1024, 2048, 4096, 8192, 16384]
+        part("fp8_tensorwise", lambda: sweep_dict(fp8.linear_sweep(sizes, 16384, "tensorwise")))
+    small = smoke
+    part("attention", lambda: sweep_dict(attention.seq_len_sweep(
+        [64, 128, 256] if small else [256, 512, 1024, 2048, 4096, 8192, 16384],
+        dtype=torch.float32 if small else torch.bfloat16, device=device,
+        num_heads=8 if small else 32, head_dim=64 if small else 128)))
+    part("chunked_ce", lambda: sweep_dict(chunked_loss.tokens_sweep(
+        [64, 128, 256] if small else [512, 2048, 8192, 32768],
+        1000 if small else 128256, 64 if small else 4096, chunk_size=1024 if not small else 64,
+        device=device, dtype=torch.float32 if small else torch.bfloat16,
+        include_liger=chunked_loss.liger_available(device))))
+    part("checkpointing", lambda: sweep_dict(checkpointing.width_sweep(
+        [64, 128, 256] if small else [256, 512, 1024, 2048, 4096],
+        seq_len=64 if small else 2048, batch_size=1 if small else 4,
+        num_layers=2 if small else 4, vocab_size=1000 if small else 32000,
+        dtype=torch.float32 if small else torch.bfloat16, device=device)))
+    if not smoke:
+        part("fp8_model_step", lambda: fp8_model_step(device, 4096, 4, 4096, 2))
+        part("fp8_rowwise", lambda: sweep_dict(fp8.linear_sweep(sizes, 16384, "rowwise")))
+        part("paged_adamw8bit", paged_optimizers)
+    print(json.dumps({k: v for k, v in report.items() if k == "seconds"}, indent=1))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], "--smoke" in sys.argv)

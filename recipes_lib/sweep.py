@@ -1,0 +1,245 @@
+"""Where a speed recipe starts to pay: time recipe and baseline over growing sizes, mark the
+crossover, name the regime.
+
+A recipe that saves FLOPs or bytes gains nothing while a step is bound by kernel launches and
+Python (tiny shapes), and may cost: its extra bookkeeping is then the whole bill. So a speed
+claim is a curve, not a point: ``run_sweep`` times the two variants in alternation (the one
+timer, ``timing.time_interleaved``) at each size, ``Sweep.crossover`` interpolates where the
+speed-up crosses 1, and ``Sweep.regimes`` names each size's regime from the baseline's achieved
+FLOP/s and bytes/s against the machine's measured peaks (``machine_peaks``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from recipes_lib.checks import spread_of
+from recipes_lib.timing import Timing, time_fn, time_interleaved
+
+# Below this fraction of both peaks a workload is bound by launches and Python, not the hardware.
+OVERHEAD_FRACTION = 0.10
+
+
+@dataclass
+class Peaks:
+    """Measured ceilings of one device: matrix FLOP/s (``dtype``) and copy bandwidth (B/s)."""
+
+    flops_per_s: float
+    bytes_per_s: float
+    dtype: str
+    device: str
+
+
+_PEAKS: dict[tuple[str, str], Peaks] = {}
+
+
+def machine_peaks(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+                  ) -> Peaks:
+    """Measure (once per device and dtype) a large matmul's FLOP/s and a large copy's bytes/s.
+
+    The copy counts bytes read plus bytes written. CPU sizes are kept small enough to take
+    about a second on a laptop.
+    """
+    device = torch.device(device)
+    key = (str(device), str(dtype))
+    if key not in _PEAKS:
+        n = 4096 if device.type == "cuda" else 1024
+        a = torch.randn(n, n, device=device, dtype=dtype)
+        b = torch.randn(n, n, device=device, dtype=dtype)
+        mm = time_fn(lambda: a @ b, warmup=2, repeats=5, device=device).median_s
+        numel = (256 if device.type == "cuda" else 32) * 2**20
+        src = torch.randn(numel, device=device, dtype=torch.float32)
+        dst = torch.empty_like(src)
+        cp = time_fn(lambda: dst.copy_(src), warmup=2, repeats=5, device=device).median_s
+        _PEAKS[key] = Peaks(2 * n**3 / mm, 2 * src.nbytes / cp, str(dtype), str(device))
+    return _PEAKS[key]
+
+
+@dataclass
+class Sweep:
+    """Baseline and recipe timed over growing sizes of one dimension.
+
+    ``flops`` and ``bytes`` are the baseline's work per call at each size (optional; they name
+    the regime). ``extra`` holds timings of further variants measured in the same alternation
+    (e.g. another library's implementation).
+    """
+
+    recipe: str
+    dimension: str
+    sizes: list[int]
+    baseline: list[Timing]
+    candidate: list[Timing]
+    flops: list[float] | None = None
+    bytes: list[float] | None = None
+    peaks: Peaks | None = None
+    extra: dict[str, list[Timing]] = field(default_factory=dict)
+
+    @property
+    def speedups(self) -> list[float]:
+        """Baseline time / recipe time at each size (> 1: the recipe is faster)."""
+        return [b.median_s / r.median_s for b, r in zip(self.baseline, self.candidate)]
+
+    def crossover(self) -> float | None:
+        """The size where the speed-up first crosses 1 going up and stays above it, interpolated
+        linearly in log(size) and log(speed-up); None when it never does (see ``verdict``)."""
+        s = self.speedups
+        if all(x >= 1 for x in s) or s[-1] < 1:
+            return None
+        i = max(k for k in range(len(s)) if s[k] < 1)  # the last size where it still loses
+        x0, x1 = math.log(self.sizes[i]), math.log(self.sizes[i + 1])
+        y0, y1 = math.log(s[i]), math.log(s[i + 1])
+        return math.exp(x0 + (x1 - x0) * (0 - y0) / (y1 - y0))
+
+    def verdict(self) -> str:
+        """One sentence: where the recipe wins, per the sizes swept."""
+        s, cross = self.speedups, self.crossover()
+        lo, hi = self.sizes[0], self.sizes[-1]
+        if all(x >= 1 for x in s):
+            return f"wins at every {self.dimension} swept ({lo}..{hi}), {min(s):.2f}x..{max(s):.2f}x"
+        if cross is None:
+            return (f"wins at no {self.dimension} swept ({lo}..{hi}): best {max(s):.2f}x, "
+                    f"at the largest {s[-1]:.2f}x")
+        return (f"pays above {self.dimension} ~ {cross:.0f} "
+                f"({s[0]:.2f}x at {lo}, {s[-1]:.2f}x at {hi})")
+
+    def regimes(self) -> list[str]:
+        """Each size's regime from the baseline's achieved rates vs ``peaks``: 'overhead' when
+        both are under ``OVERHEAD_FRACTION`` of their peak, else 'compute' or 'memory' by the
+        larger fraction; 'unknown' without flops/bytes/peaks."""
+        if self.peaks is None or self.flops is None or self.bytes is None:
+            return ["unknown"] * len(self.sizes)
+        out = []
+        for t, f, b in zip(self.baseline, self.flops, self.bytes):
+            fc = f / t.median_s / self.peaks.flops_per_s
+            fm = b / t.median_s / self.peaks.bytes_per_s
+            if max(fc, fm) < OVERHEAD_FRACTION:
+                out.append("overhead")
+            else:
+                out.append("compute" if fc >= fm else "memory")
+        return out
+
+    def spread(self) -> float:
+        """The largest (max - min) / median over every timing of the sweep."""
+        return spread_of(*self.baseline, *self.candidate)
+
+    def rows(self) -> list[dict[str, Any]]:
+        """One row per size, for a table."""
+        out = []
+        for i, (size, reg) in enumerate(zip(self.sizes, self.regimes())):
+            row = {self.dimension: size, "baseline_ms": 1e3 * self.baseline[i].median_s,
+                   "recipe_ms": 1e3 * self.candidate[i].median_s,
+                   "speedup": self.speedups[i], "regime": reg}
+            for name, times in self.extra.items():
+                row[f"{name}_ms"] = 1e3 * times[i].median_s
+            out.append(row)
+        return out
+
+    def record(self, results, unit: str = "") -> None:
+        """Write ``<recipe>/crossover_<dimension>`` (the size; 0 when it wins at every size,
+        -1 when at none, the verdict in the unit) and the speed-up at the largest size."""
+        cross = self.crossover()
+        s = self.speedups
+        value = cross if cross is not None else (0.0 if all(x >= 1 for x in s) else -1.0)
+        results.add(self.recipe, f"crossover_{self.dimension}", value,
+                    unit=unit or self.verdict())
+        results.add(self.recipe, f"speedup_at_{self.dimension}_{self.sizes[-1]}", s[-1],
+                    baseline=1.0, unit="x baseline")
+
+    def plot(self, title: str | None = None):
+        """Speed-up against size (log-log), 1x drawn, the crossover marked."""
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        ax.plot(self.sizes, self.speedups, "o-", label=self.recipe)
+        for name, times in self.extra.items():
+            ax.plot(self.sizes, [b.median_s / t.median_s for b, t in zip(self.baseline, times)],
+                    "s--", label=name)
+        ax.axhline(1.0, color="grey", lw=1)
+        cross = self.crossover()
+        if cross is not None:
+            ax.axvline(cross, color="red", ls=":", label=f"crossover ~{cross:.0f}")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel(self.dimension)
+        ax.set_ylabel("speed-up vs baseline")
+        ax.set_title(title or f"{self.recipe}: {self.verdict()}", fontsize=9)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        return fig
+
+
+def check_sizes(sizes: Sequence[int], name: str = "sizes") -> list[int]:
+    """At least three positive sizes, strictly growing.
+
+    Raises:
+        ValueError: naming ``name`` otherwise.
+    """
+    sizes = [int(s) for s in sizes]
+    if len(sizes) < 3:
+        raise ValueError(f"{name}={sizes}: a sweep needs at least three sizes to place a crossover")
+    if sizes[0] <= 0 or any(b <= a for a, b in zip(sizes, sizes[1:])):
+        raise ValueError(f"{name}={sizes}: sizes must be positive and strictly growing")
+    return sizes
+
+
+def run_sweep(recipe: str, dimension: str, sizes: Sequence[int],
+              make: Callable[[int], dict[str, Callable[[], Any]]],
+              work: Callable[[int], tuple[float, float]] | None = None,
+              device: torch.device | str = "cpu", warmup: int = 1, repeats: int = 5,
+              progress: bool = True, dtype: torch.dtype = torch.float32) -> Sweep:
+    """Time ``make(size)["baseline"]`` and ``make(size)["recipe"]`` (and any further entries) in
+    alternation at each size.
+
+    Args:
+        recipe: the recipe's name (results key).
+        dimension: the size's name (e.g. ``"seq_len"``).
+        sizes: at least three, strictly growing.
+        make: builds the callables for one size; they are dropped before the next size.
+        work: the baseline's (FLOPs, bytes) at a size, to name the regime.
+        device: synchronised around each timed call.
+        dtype: the dtype whose matmul peak the regime is judged against.
+
+    Raises:
+        ValueError: on fewer than three sizes, or sizes that do not grow.
+
+    Example:
+        >>> s = run_sweep("sum", "n", [10, 100, 1000], lambda n: {
+        ...     "baseline": lambda: sum(range(n)), "recipe": lambda: sum(range(n))},
+        ...     repeats=1, progress=False)
+        >>> len(s.speedups)
+        3
+    """
+    sizes = check_sizes(sizes)
+    device = torch.device(device)
+    base, cand, extra = [], [], {}
+    flops, nbytes = [], []
+    it = sizes
+    if progress:
+        from tqdm.auto import tqdm
+
+        it = tqdm(sizes, desc=f"{recipe} over {dimension}", leave=False)
+    for size in it:
+        fns = make(size)
+        missing = {"baseline", "recipe"} - set(fns)
+        if missing:
+            raise ValueError(f"make({size}) must return 'baseline' and 'recipe'; "
+                             f"missing {sorted(missing)}")
+        t = time_interleaved(fns, warmup=warmup, repeats=repeats, device=device)
+        base.append(t["baseline"])
+        cand.append(t["recipe"])
+        for name in fns:
+            if name not in ("baseline", "recipe"):
+                extra.setdefault(name, []).append(t[name])
+        if work is not None:
+            f, b = work(size)
+            flops.append(float(f))
+            nbytes.append(float(b))
+        del fns, t
+    peaks = machine_peaks(device, dtype) if work is not None else None
+    return Sweep(recipe, dimension, sizes, base, cand, flops or None, nbytes or None, peaks,
+                 extra)

@@ -1,0 +1,76 @@
+import pytest
+import torch
+
+from recipes_lib import attention, checkpointing, chunked_loss
+from recipes_lib.results import Results
+from recipes_lib.sweep import Peaks, Sweep, check_sizes, run_sweep
+from recipes_lib.timing import Timing
+
+
+def _sweep(base_ms, recipe_ms, sizes=(1, 2, 4, 8), **kw):
+    t = [Timing(ms / 1e3, [ms / 1e3]) for ms in base_ms]
+    r = [Timing(ms / 1e3, [ms / 1e3]) for ms in recipe_ms]
+    return Sweep("demo", "n", list(sizes), t, r, **kw)
+
+
+def test_crossover_is_interpolated_in_log_size_and_log_speedup():
+    s = _sweep([1, 1, 1, 1], [2, 2, 0.5, 0.5])  # 0.5x at 2, 2x at 4: crosses at sqrt(8)
+    assert s.crossover() == pytest.approx(8 ** 0.5)
+    assert "pays above n ~ 3" in s.verdict()
+
+
+def test_crossover_after_a_dip_is_the_last_one_and_none_when_it_never_pays_or_always_does():
+    assert _sweep([1] * 4, [0.5, 2, 0.5, 0.5]).crossover() == pytest.approx(8 ** 0.5)
+    never = _sweep([1] * 4, [2, 2, 2, 1.5])
+    assert never.crossover() is None and "wins at no n" in never.verdict()
+    always = _sweep([1] * 4, [0.5] * 4)
+    assert always.crossover() is None and "wins at every n" in always.verdict()
+
+
+def test_record_writes_the_crossover_figure_and_the_last_speedup(tmp_path):
+    r = Results("sweep_test", "cpu", tmp_path)
+    _sweep([1] * 4, [2, 2, 0.5, 0.5]).record(r)
+    assert r.get("demo", "crossover_n").value == pytest.approx(8 ** 0.5)
+    assert r.get("demo", "speedup_at_n_8").value == pytest.approx(2.0)
+    r2 = Results("sweep_test2", "cpu", tmp_path)
+    _sweep([1] * 4, [2] * 4).record(r2)
+    assert r2.get("demo", "crossover_n").value == -1.0  # at none
+    _sweep([1] * 4, [0.5] * 4).record(r2)
+    assert r2.get("demo", "crossover_n").value == 0.0  # at every size
+
+
+def test_regimes_from_achieved_rates_against_the_peaks():
+    peaks = Peaks(flops_per_s=1e12, bytes_per_s=1e11, dtype="fp32", device="cpu")
+    # 1 ms each: 1e9 FLOP -> 1e12 FLOP/s (compute); 1e8 B -> 1e11 B/s (memory); tiny: overhead
+    s = _sweep([1, 1, 1], [1, 1, 1], sizes=(1, 2, 3), flops=[1e9, 1e6, 1e5],
+               bytes=[1e3, 1e8, 1e3], peaks=peaks)
+    assert s.regimes() == ["compute", "memory", "overhead"]
+    assert _sweep([1] * 3, [1] * 3, sizes=(1, 2, 3)).regimes() == ["unknown"] * 3
+
+
+@pytest.mark.parametrize("sizes", [[1, 2], [4, 2, 8], [0, 1, 2], [1, 1, 2]])
+def test_bad_sizes_are_refused_with_the_parameter_named(sizes):
+    with pytest.raises(ValueError, match="sizes="):
+        check_sizes(sizes)
+
+
+def test_run_sweep_times_every_variant_and_refuses_a_maker_without_both():
+    s = run_sweep("sum", "n", [10, 100, 1000], lambda n: {
+        "baseline": lambda: sum(range(n)), "recipe": lambda: sum(range(n)),
+        "other": lambda: sum(range(n))}, repeats=2, progress=False)
+    assert len(s.speedups) == 3 and len(s.extra["other"]) == 3
+    with pytest.raises(ValueError, match="baseline"):
+        run_sweep("x", "n", [1, 2, 3], lambda n: {"recipe": lambda: None}, progress=False)
+
+
+def test_recipe_sweeps_run_at_tiny_sizes_on_cpu():
+    a = attention.seq_len_sweep([16, 32, 64], num_heads=2, head_dim=16, repeats=1)
+    c = chunked_loss.tokens_sweep([16, 32, 64], vocab_size=50, hidden_size=16, chunk_size=8,
+                                  repeats=1)
+    k = checkpointing.width_sweep([32, 64, 128], seq_len=16, vocab_size=64, repeats=1)
+    for s in (a, c, k):
+        assert len(s.rows()) == 3 and all(x > 0 for x in s.speedups)
+        assert set(s.regimes()) <= {"overhead", "memory", "compute"}
+    assert (a.dimension, c.dimension, k.dimension) == ("seq_len", "tokens", "hidden")
+    with pytest.raises(ValueError, match="sizes="):
+        attention.seq_len_sweep([64, 32, 16])

@@ -1,6 +1,7 @@
 """Everything this course measures on a GPU, in one call (a lent GPU is held by the minute).
 
-    python bench/gpu_session.py OUT_DIR [--smoke]
+    python bench/gpu_session.py OUT_DIR [--smoke] [--memory-only]
+    python bench/gpu_session.py --record    # raw files -> results/h100/gpu_session.json
 
 Writes ``OUT_DIR/gpu_session.json``: the fake-tensor memory prediction against the real run of
 a >= 1 B-parameter model (three recipe stacks), the FP8 vs bf16 linear sweep (tensorwise and
@@ -151,5 +152,52 @@ def main(out_dir: str, smoke: bool) -> None:
     print(json.dumps({k: v for k, v in report.items() if k == "seconds"}, indent=1))
 
 
+def record(device_dir: str = "h100") -> Path:
+    """The raw files of ``results/<device_dir>/raw/`` as figures in the results schema
+    (``results/<device_dir>/gpu_session.json``), so the README's table for that device lists
+    them. Every value is read from the raw files; nothing is typed in."""
+    from recipes_lib import results, sweep
+
+    raw = {n: results.load_raw(device_dir, n) for n in
+           ("gpu_session_memory", "gpu_session_sweeps", "gpu_session_fp8_paged")}
+    out = results.Results("gpu_session", raw["gpu_session_memory"]["device"],
+                          results.RESULTS_DIR / device_dir)
+    for row in raw["gpu_session_memory"]["fake_vs_real"]:
+        slug = row["stack"].replace(", ", "_").replace(" ", "").replace("=", "")
+        out.add("fake_memory", f"fake_over_allocated_{slug}", row["fake_peak"] / row["allocated_peak"],
+                baseline=1.0, unit=f"x max_memory_allocated, Llama-3.2-1B, {row['batch']}x"
+                                    f"{row['seq_len']} tokens")
+        worst = max(abs(row["fake"][k] - row["real"][k]) for k in row["fake"])
+        out.add("fake_memory", f"max_category_diff_bytes_{slug}", worst, baseline=0.0,
+                unit="fake vs the real step under the same tracker")
+    named = {"attention": raw["gpu_session_sweeps"]["attention"],
+             "chunked_ce": raw["gpu_session_sweeps"]["chunked_ce"],
+             "activation_checkpointing": raw["gpu_session_sweeps"]["checkpointing"],
+             "fp8": raw["gpu_session_fp8_paged"]["fp8_tensorwise"],
+             "fp8_rowwise": raw["gpu_session_fp8_paged"]["fp8_rowwise"]}
+    for recipe, d in named.items():
+        sweep.from_rows(recipe, d["dimension"], d["rows"]).record(out)
+    step = raw["gpu_session_sweeps"]["fp8_model_step"]
+    out.add("fp8", "model_step_speedup", step["speedup"], baseline=1.0,
+            unit=f"x bf16, both compiled: {step['params_B']:.2f} B params, {step['layers']} layers "
+                 f"x {step['hidden']}, {step['tokens']} tokens")
+    paged = raw["gpu_session_fp8_paged"]["paged_adamw8bit"]
+    out.add("optim8bit", "state_bytes_ratio_bf16_params",
+            paged["AdamW8bit"]["state_bytes"] / paged["AdamW"]["state_bytes"], baseline=1.0,
+            unit="x AdamW's bf16 states, 0.49 B params")
+    out.add("optim8bit", "paged_allocator_peak_ratio",
+            paged["PagedAdamW8bit"]["allocated_peak"] / paged["AdamW8bit"]["allocated_peak"],
+            baseline=1.0, unit="x AdamW8bit: paged states live outside the allocator")
+    out.add("optim8bit", "paged_step_time_ratio",
+            paged["PagedAdamW8bit"]["step_ms"] / paged["AdamW"]["step_ms"], baseline=1.0,
+            unit="x AdamW step time")
+    path = out.save()
+    results.update_readme()
+    return path
+
+
 if __name__ == "__main__":
-    main(sys.argv[1], "--smoke" in sys.argv)
+    if sys.argv[1:] == ["--record"]:
+        print(record())
+    else:
+        main(sys.argv[1], "--smoke" in sys.argv)

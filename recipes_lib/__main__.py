@@ -5,7 +5,8 @@
   README's results table and write ``report.md`` and the self-contained ``report.html`` in the
   results directory (``$RECIPES_RESULTS_DIR``, else ``results/``). A notebook that fails is
   reported as failed and the others still run.
-- ``bench``: ``run`` and the int8-backends micro-benchmark, then every speed claim recorded, with
+- ``bench``: ``run``, the int8-backends micro-benchmark and the fake-tensor checks
+  (``real_scale.json``), then every speed claim recorded, with
   its figure, spread and verdict; exits non-zero if one is not met on the reference machine
   (``checks.REFERENCE``).
   Elsewhere the verdicts are printed, not asserted, and the output says why.
@@ -90,6 +91,50 @@ def int8_backends_benchmark() -> None:
     checks.check_speed(r, "int8_prefill", "torch.ao int8 (ptq's path) over torchao's fastest",
                        torchao["seconds"] / ours["seconds"], 1.0,
                        spread=checks.spread_of(ours["spread"], torchao["spread"]))
+    r.save()
+
+
+def real_scale_benchmark() -> None:
+    """``make bench``'s fake-tensor checks, recorded as ``real_scale.json``: fake vs real peak
+    per category on this CPU for a tiny and a ~110 M-parameter config under every recipe flag
+    (value = fake / real), and one Llama-3.1-8B training step measured on fake tensors, timed
+    (the claim: at most 90 s on the reference machine)."""
+    import time
+
+    import torch
+    from transformers import LlamaConfig
+
+    from recipes_lib import checks, device, fake_memory, results
+
+    S = fake_memory.Stack
+    stacks = [S(precision="fp32"), S(), S(checkpointing=True), S(method="lora"),
+              S(grad_accum_steps=2), S(optimizer="sgd", precision="fp32")]
+    configs = {"tiny": LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=176,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=512),
+               "110M": LlamaConfig(vocab_size=32000, hidden_size=768, intermediate_size=2048,
+                                   num_hidden_layers=12, num_attention_heads=12,
+                                   num_key_value_heads=4, max_position_embeddings=512)}
+    r = results.Results("real_scale", device.describe_device(torch.device("cpu")))
+    for name, cfg in configs.items():
+        for stack in stacks:
+            out = fake_memory.fake_vs_real(cfg, stack, 256, 2)
+            worst = max(abs(v - 1) for v in out["ratios"].values() if v != float("inf"))
+            print(f"  fake vs real, {name}, {stack.label}: peak {out['peak_ratio']:.4f}, "
+                  f"worst category {worst:.2e}")
+            r.add("fake_vs_real", f"{name}: {stack.label}", out["peak_ratio"], baseline=1.0,
+                  unit="fake / real peak, 2 x 256 tokens, CPU")
+    t0 = time.perf_counter()
+    big = fake_memory.measure_step("Llama-3.1-8B", S(checkpointing=True), 2048, 1)
+    seconds = time.perf_counter() - t0
+    for cat, value in big.by_category.items():
+        if value:
+            r.add("llama_3_1_8b_step", f"{cat} GiB", value / 2**30,
+                  unit="bf16 AdamW + checkpointing, 1 x 2048 tokens, fake tensors")
+    print(f"  Llama-3.1-8B step on fake tensors: {seconds:.0f} s, peak "
+          f"{big.peak_bytes / 2**30:.2f} GiB")
+    checks.check_speed(r, "fake_memory", "Llama-3.1-8B step on fake tensors (s)", seconds, 90.0,
+                       at_least=False, unit="s")
     r.save()
 
 
@@ -190,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         code = _run(args, parser)
         print("micro-benchmark: int8 prefill backends")
         int8_backends_benchmark()
+        real_scale_benchmark()
         results.update_readme()
         rows = claims_table()
         print(f"\nspeed claims ({len(rows)}):\n{format_claims(rows)}")

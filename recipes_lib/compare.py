@@ -112,18 +112,21 @@ def memory_table(reports: dict[str, MemoryReport], unit: float = 2**20):
 
 
 def plot_memory_breakdown(reports: dict[str, MemoryReport], title: str = "Peak memory",
-                          unit: float = 2**20):
-    """Stacked bars of peak memory by category, one bar per run."""
+                          unit: float = 2**20, share: bool = False):
+    """Stacked bars of peak memory by category, one bar per run; with ``share``, each bar as
+    fractions of its own peak (the anatomy of runs of very different sizes, side by side)."""
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(1.6 + 1.4 * len(reports), 3.6))
     bottom = [0.0] * len(reports)
     for cat in CATEGORIES:
-        vals = [r.by_category.get(cat, 0) / unit for r in reports.values()]
+        vals = [r.by_category.get(cat, 0) / (sum(r.by_category.values()) if share else unit)
+                for r in reports.values()]
         if any(vals):
             ax.bar(list(reports), vals, bottom=bottom, label=cat)
             bottom = [b + v for b, v in zip(bottom, vals)]
-    ax.set_ylabel("MiB at peak")
+    ax.set_ylabel("share of the peak" if share else
+                  {2**20: "MiB", 2**30: "GiB"}.get(unit, f"x {unit:g} B") + " at peak")
     ax.set_title(title)
     ax.legend(fontsize=8)
     fig.tight_layout()

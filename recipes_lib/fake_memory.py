@@ -149,7 +149,8 @@ def build_model(config, stack: Stack, device: torch.device | str, fake: bool = T
                 for p in model.parameters():
                     p.normal_(0.0, 0.02)
         model.tie_weights()  # to_empty gives tied weights separate storages
-        _restore_buffers(model)
+        if not fake:  # fake tensors hold no values to restore
+            _restore_buffers(model)
     if stack.checkpointing:
         enable_activation_checkpointing(model)
     model.train()

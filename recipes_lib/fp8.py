@@ -164,3 +164,48 @@ def linear_sweep(sizes: list[int], tokens: int = 8192, recipe: str = "tensorwise
 
     return run_sweep("fp8", "hidden", sizes, make, work, device, warmup=3, repeats=repeats,
                      progress=False, dtype=torch.bfloat16)
+
+
+def compare_with_high_precision(load_model, examples: list[dict[str, list[int]]],
+                                pad_token_id: int, config, recipe: str = "tensorwise"
+                                ) -> dict[str, object]:
+    """The same steps from the same weights and batches, plain and with every linear layer of the
+    decoder in float8 (the one training loop, ``train.train``, for both).
+
+    Small layers are converted too (``skip_small=False``): on a tiny model the point is the
+    numerics. Where the device has no float8 tensor cores this is torchao's emulation.
+
+    Returns:
+        ``{"plain": TrainResult, "fp8": TrainResult, "conversion": Conversion,
+        "emulated": bool, "loss_rel_diff": float}`` (the last step's loss, relative).
+    """
+    from recipes_lib import train
+
+    out: dict[str, object] = {}
+    for name in ("plain", "fp8"):
+        model = load_model()
+        if name == "fp8":
+            device = next(model.parameters()).device
+            out["emulated"] = not hardware_support(device)[0]
+            out["conversion"] = convert(model, recipe, skip_small=False)
+        out[name] = train.train(model, examples, pad_token_id, config)
+    plain, low = out["plain"].losses[-1], out["fp8"].losses[-1]
+    out["loss_rel_diff"] = abs(low - plain) / plain
+    return out
+
+
+def plan_conversion(model, recipe: str = "tensorwise") -> Conversion:
+    """Which linear layers of a real-size model torchao would convert: the model is built on the
+    meta device (no memory), from a preset name, a ``config.json`` or a config.
+
+    Example:
+        >>> plan_conversion("Llama-3.1-8B").summary()  # doctest: +SKIP
+        'tensorwise: 160 linear layers in float8, skipped: 64 too small to gain ...'
+    """
+    from transformers import AutoModelForCausalLM
+
+    from recipes_lib.fake_memory import model_config
+
+    with torch.device("meta"):
+        net = AutoModelForCausalLM.from_config(model_config(model))
+    return convert(net, recipe, emulate=False)

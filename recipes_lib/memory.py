@@ -57,7 +57,9 @@ def _step_tracker():
     because its *per-module* statistics would mix iterations. Only the global peak is used here,
     which per-module resets do not touch, so the per-module stats are reset and the call retried.
     It also hooks every parameter's gradient, which raises on frozen parameters (a LoRA base):
-    those are marked as already hooked.
+    those are marked as already hooked. And it keeps no per-module peaks: MemTracker updates
+    them by walking every module at every allocation (most of its time on a 1 B model), and only
+    the global peak is read here.
     """
     from torch.distributed._tools.mem_tracker import MemTracker
 
@@ -71,6 +73,12 @@ def _step_tracker():
                 if not p.requires_grad and p not in self._param_to_grad_hook_handles:
                     self._param_to_grad_hook_handles[p] = (_NoHook(), _NoHook())
             return super()._track_module_params_and_buffers(module, install_grad_hooks)
+
+        def _update_peak_stats(self, peak_state) -> None:
+            for dev, snap in self._curr_mem_snap.items():
+                if self._peak_mem.get(dev, 0) < snap["Total"]:
+                    self._peak_mem[dev] = snap["Total"]
+                    self._peak_mem_snap[dev] = dict(snap)
 
         def _pre_fw_hook(self, module, inputs):
             try:

@@ -155,6 +155,19 @@ def load_results(results_dir: Path | str | None = None) -> dict[str, dict]:
     return {p.stem: json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))}
 
 
+def load_raw(device: str, name: str) -> dict:
+    """A GPU run's own file, ``results/<device>/raw/<name>.json`` (written by
+    ``bench/gpu_session.py`` on that GPU), to show its figures where the GPU is absent.
+
+    Raises:
+        ValueError: naming the file when it does not exist.
+    """
+    path = RESULTS_DIR / device / "raw" / f"{name}.json"
+    if not path.is_file():
+        raise ValueError(f"name={name!r}: no recorded run at {path}")
+    return json.loads(path.read_text())
+
+
 def _fmt(x: float | None) -> str:
     if x is None:
         return ""

@@ -173,6 +173,15 @@ class Sweep:
         return fig
 
 
+def from_rows(recipe: str, dimension: str, rows: list[dict[str, Any]]) -> Sweep:
+    """A ``Sweep`` rebuilt from ``Sweep.rows()`` saved earlier (medians only), e.g. a GPU run's
+    file, to table and plot it where that GPU is not present."""
+    sizes = [int(r[dimension]) for r in rows]
+    base = [Timing(r["baseline_ms"] / 1e3, [r["baseline_ms"] / 1e3]) for r in rows]
+    cand = [Timing(r["recipe_ms"] / 1e3, [r["recipe_ms"] / 1e3]) for r in rows]
+    return Sweep(recipe, dimension, sizes, base, cand)
+
+
 def check_sizes(sizes: Sequence[int], name: str = "sizes") -> list[int]:
     """At least three positive sizes, strictly growing.
 

@@ -184,6 +184,10 @@ def main(argv: list[str] | None = None) -> int:
     pl.add_argument("--seq", type=int, default=2048, help="sequence length")
     pl.add_argument("--batch", type=int, default=8, help="sequences per optimizer step")
     pl.add_argument("--gpus", type=int, default=1, help="GPUs for the FSDP row")
+    pl.add_argument("--measure", action="store_true",
+                    help="also measure each row that can be on fake tensors")
+    pl.add_argument("--max-context", action="store_true",
+                    help="the longest sequence that fits, by measurement (LoRA + checkpointing)")
     cb = sub.add_parser("colab", help="stamp Colab badges and install cells into the notebooks")
     cb.add_argument("--repo", required=True, help="the public GitHub repository, owner/name")
     cb.add_argument("--ref", default="main", help="branch or tag the badges open")
@@ -199,10 +203,16 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(str(err))
         return 0
     if args.command == "plan":
-        from recipes_lib.planner import format_plan, plan
+        from recipes_lib.planner import format_plan, max_context, plan
 
         try:
-            print(format_plan(plan(args.model, args.gpu_mem, args.seq, args.batch, args.gpus)))
+            print(format_plan(plan(args.model, args.gpu_mem, args.seq, args.batch, args.gpus,
+                                   measure=args.measure)))
+            if args.max_context:
+                found = max_context(args.model, args.gpu_mem, batch_size=args.batch)
+                print(f"longest sequence that fits ({found['stack']}, batch {args.batch}): "
+                      f"{found['max_seq_len']} tokens, {found['gpu_GiB']:.1f} GiB on the GPU "
+                      f"({len(found['tries'])} fake steps)")
         except ValueError as err:
             parser.error(str(err))
         return 0

@@ -35,9 +35,11 @@ from recipes_lib.memory import MemoryReport, allocator_peak, measure_memory
 from recipes_lib.train import optimizer_step
 
 METHODS = ("full", "lora")
-PRECISIONS = ("fp32", "bf16", "fp16")
+PRECISIONS = ("fp32", "bf16", "fp16", "bf16-mixed")
 OPTIMIZERS = ("adamw", "sgd")
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+           "bf16-mixed": torch.float32}
+_AUTOCAST = {"bf16-mixed": "bf16"}  # precision -> the training loop's autocast precision
 
 
 @dataclass(frozen=True)
@@ -45,7 +47,10 @@ class Stack:
     """A stack of the course's recipes for one training step.
 
     ``precision`` is the dtype weights, gradients and optimizer states are kept in ("bf16": the
-    pure-bf16 training torchtune does, 2 + 2 + 4 bytes per parameter under AdamW).
+    pure-bf16 training torchtune does, 2 + 2 + 4 bytes per parameter under AdamW), or
+    "bf16-mixed": fp32 weights, gradients and states under bf16 autocast, what transformers'
+    ``Trainer`` does with ``bf16=True`` (ZeRO's 16 bytes per parameter, plus the bf16 copies of the
+    weights autocast caches until the forward pass ends).
     """
 
     method: str = "full"
@@ -242,7 +247,8 @@ def measure_step(model: Any, stack: Stack = Stack(), seq_len: int = 2048, batch_
         batch = {"input_ids": ids, "labels": ids}
 
         def step() -> None:
-            forward_backward(net, batch, stack.grad_accum_steps, "fp32",
+            forward_backward(net, batch, stack.grad_accum_steps,
+                             _AUTOCAST.get(stack.precision, "fp32"),
                              num_target_tokens=targets)
             optimizer_step(net, opt, max_grad_norm=None)
 

@@ -16,6 +16,36 @@ from typing import Any
 
 from recipes_lib import calc
 
+# What a fake trace cannot see, modelled as its own row (never folded into the measured figure):
+# the CUDA context lives outside PyTorch's allocator (a few hundred MiB; it depends on the driver,
+# the CUDA version and lazy module loading), and the caching allocator reserves more than it
+# hands out (on the H100 runs in results/h100/, max_memory_reserved was 2-29 % above
+# max_memory_allocated). Library workspaces (cuBLAS, attention kernels) come on top.
+CUDA_CONTEXT_BYTES = 0.5 * 2**30
+ALLOCATOR_RESERVE = 0.15
+
+
+def gpu_overhead(allocated_bytes: float) -> float:
+    """The modelled bytes a GPU needs beyond a fake trace's peak: the CUDA context plus the
+    caching allocator's reserve (``CUDA_CONTEXT_BYTES + ALLOCATOR_RESERVE * allocated``)."""
+    return CUDA_CONTEXT_BYTES + ALLOCATOR_RESERVE * allocated_bytes
+
+
+def _measured_stacks(grad_accum_steps: int) -> list:
+    """For each row of ``calc.escalation_table``: the stack measured on fake tensors for it, or
+    why that row is not measured."""
+    from recipes_lib.fake_memory import Stack
+
+    lora_ckpt = Stack(method="lora", checkpointing=True)
+    return [Stack(precision="bf16-mixed"),
+            "not measured: 8-bit states on fake tensors (bitsandbytes' kernels need real data)",
+            Stack(method="lora"),
+            "not measured: an NF4 base on fake tensors",
+            lora_ckpt,
+            Stack(method="lora", checkpointing=True, grad_accum_steps=grad_accum_steps),
+            "not measured: the host side of optimizer offload",
+            "not measured: FSDP ranks (a fake process group) not yet"]
+
 _UNITS = {"": 2**30, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "k": 2**10, "m": 2**20,
           "g": 2**30, "t": 2**40}
@@ -68,7 +98,8 @@ def resolve_shape(model: str) -> tuple[str, calc.ModelShape]:
 
 
 def plan(model: str, gpu_mem: str | float, seq_len: int = 2048, batch_size: int = 8,
-         gpus: int = 1, grad_accum_steps: int | None = None) -> dict[str, Any]:
+         gpus: int = 1, grad_accum_steps: int | None = None, measure: bool = False
+         ) -> dict[str, Any]:
     """Predicted per-GPU memory of each escalation step and the cheapest one that fits.
 
     Args:
@@ -78,6 +109,9 @@ def plan(model: str, gpu_mem: str | float, seq_len: int = 2048, batch_size: int 
         gpus: GPUs for the last step, a full fine-tune sharded with FSDP.
         grad_accum_steps: micro-batches per step in the accumulation row (default: the largest
             divisor of ``batch_size`` up to 4).
+        measure: also measure the rows that can be on fake tensors (``fake_memory``): each
+            gets ``measured_GiB`` (the trace's peak), ``gpu_GiB`` (that plus ``gpu_overhead``),
+            ``measured_stack`` and ``measured_fits``; rows that cannot say why.
 
     Returns:
         ``{"model", "params_B", "gpu_bytes", "rows", "cheapest"}``; each row has step,
@@ -101,8 +135,59 @@ def plan(model: str, gpu_mem: str | float, seq_len: int = 2048, batch_size: int 
                  "activations_GiB": fs["activations"] / 2**30,
                  "total_GiB": fs["gpu_total"] / 2**30, "fits": fs["gpu_total"] <= budget})
     cheapest = next((r["step"] for r in rows if r["fits"]), "nothing fits")
-    return {"model": name, "params_B": calc.param_count(shape)["total"] / 1e9,
-            "gpu_bytes": budget, "rows": rows, "cheapest": cheapest}
+    out = {"model": name, "params_B": calc.param_count(shape)["total"] / 1e9,
+           "gpu_bytes": budget, "rows": rows, "cheapest": cheapest}
+    if measure:
+        from recipes_lib import fake_memory
+
+        for row, stack in zip(rows, _measured_stacks(grad_accum_steps)):
+            if isinstance(stack, str):
+                row["measured_stack"] = stack
+                continue
+            peak = fake_memory.measure_step(model, stack, seq_len, batch_size).peak_bytes
+            row.update(measured_stack=stack.label, measured_GiB=peak / 2**30,
+                       gpu_GiB=(peak + gpu_overhead(peak)) / 2**30,
+                       measured_fits=peak + gpu_overhead(peak) <= budget)
+        out["cheapest_measured"] = next((r["step"] for r in rows if r.get("measured_fits")),
+                                        "nothing measured fits")
+    return out
+
+
+def max_context(model: str, gpu_mem: str | float, stack: Any = None, batch_size: int = 1,
+                step: int = 256, limit: int | None = None) -> dict[str, Any]:
+    """The longest sequence whose training step fits ``gpu_mem``, by measurement: a bisection
+    over fake-tensor steps (``fake_memory.measure_step``), each peak plus ``gpu_overhead``.
+
+    Args:
+        model: a preset name or a ``config.json``.
+        gpu_mem: memory of one GPU.
+        stack: the recipes (default: LoRA + checkpointing in bf16).
+        batch_size: sequences per step.
+        step: the search's granularity in tokens.
+        limit: the longest length tried (default: the model's positions).
+
+    Returns:
+        ``{"max_seq_len", "gpu_GiB" (at that length), "tries": [(seq_len, gpu_GiB)]}``;
+        ``max_seq_len`` is 0 when not even ``step`` tokens fit.
+    """
+    from recipes_lib import fake_memory
+
+    stack = stack or fake_memory.Stack(method="lora", checkpointing=True)
+    budget = parse_bytes(gpu_mem)
+    config = fake_memory.model_config(model)
+    hi = (limit or config.max_position_embeddings) // step
+    lo, best, tries = 0, None, []
+    while lo < hi:  # invariant: lo * step fits (or lo == 0); above hi * step nothing is tried
+        mid = (lo + hi + 1) // 2
+        peak = fake_memory.measure_step(config, stack, mid * step, batch_size).peak_bytes
+        need = peak + gpu_overhead(peak)
+        tries.append((mid * step, need / 2**30))
+        if need <= budget:
+            lo, best = mid, need
+        else:
+            hi = mid - 1
+    return {"max_seq_len": lo * step, "gpu_GiB": (best or 0.0) / 2**30, "tries": tries,
+            "stack": stack.label}
 
 
 def format_plan(result: dict[str, Any]) -> str:
@@ -114,4 +199,16 @@ def format_plan(result: dict[str, Any]) -> str:
         lines.append(f"{r['step']:<52} {r['state_GiB']:>7.1f}G {r['activations_GiB']:>7.1f}G "
                      f"{r['total_GiB']:>7.1f}G  {'yes' if r['fits'] else 'no'}")
     lines.append(f"cheapest that fits: {result['cheapest']}")
+    if "cheapest_measured" in result:
+        lines += ["", "measured on fake tensors (peak + modelled GPU overhead: "
+                  f"{CUDA_CONTEXT_BYTES / 2**30:.1f} GiB context + {ALLOCATOR_RESERVE:.0%} "
+                  "allocator reserve):",
+                  f"{'step':<52} {'trace':>8} {'on GPU':>8}  fits  stack measured"]
+        for r in result["rows"]:
+            if "measured_GiB" in r:
+                lines.append(f"{r['step']:<52} {r['measured_GiB']:>7.1f}G {r['gpu_GiB']:>7.1f}G"
+                             f"  {'yes' if r['measured_fits'] else 'no ':<4} {r['measured_stack']}")
+            else:
+                lines.append(f"{r['step']:<52} {'':>8} {'':>8}  {'':<4} {r['measured_stack']}")
+        lines.append(f"cheapest measured that fits: {result['cheapest_measured']}")
     return "\n".join(lines)

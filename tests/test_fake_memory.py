@@ -17,7 +17,8 @@ def config():
     Stack(precision="fp32"), Stack(precision="bf16"), Stack(precision="fp16"),
     Stack(precision="fp32", checkpointing=True), Stack(method="lora", precision="fp32"),
     Stack(method="lora", checkpointing=True), Stack(grad_accum_steps=2),
-    Stack(optimizer="sgd", precision="fp32")], ids=lambda s: s.label)
+    Stack(optimizer="sgd", precision="fp32"), Stack(precision="bf16-mixed")],
+    ids=lambda s: s.label)
 def test_fake_step_equals_the_real_step_in_every_category(config, stack):
     r = fake_memory.fake_vs_real(config, stack, seq_len=128, batch_size=2)
     assert r["real"].peak_bytes > 0

@@ -72,3 +72,35 @@ def test_8bit_adamw_row_saves_three_quarters_of_the_moments():
     saved = (full["state_GiB"] - eight["state_GiB"]) * 2**30
     assert abs(saved - n * (8 - 2 - 8 / 256)) / saved < 1e-9
     assert eight["activations_GiB"] == full["activations_GiB"]
+
+
+def test_measure_puts_a_fake_measurement_or_its_reason_beside_each_row(tmp_path, small_llama):
+    small_llama.config.save_pretrained(tmp_path)
+    result = planner.plan(str(tmp_path), "1GB", seq_len=64, batch_size=2, grad_accum_steps=2,
+                          measure=True)
+    measured = [r for r in result["rows"] if "measured_GiB" in r]
+    assert [r["step"] for r in measured] == [
+        "full fine-tune (bf16 + AdamW)", "LoRA on a bf16 base", "+ activation checkpointing",
+        "+ gradient accumulation (k=2)"]
+    assert all(r["measured_stack"].startswith("not measured") for r in result["rows"]
+               if r not in measured)
+    for r in measured:
+        assert r["gpu_GiB"] * 2**30 == pytest.approx(
+            r["measured_GiB"] * 2**30 + planner.gpu_overhead(r["measured_GiB"] * 2**30))
+    assert result["cheapest_measured"] == "full fine-tune (bf16 + AdamW)"
+    assert "measured on fake tensors" in planner.format_plan(result)
+
+
+def test_max_context_is_the_longest_measured_length_within_the_budget(tmp_path, small_llama):
+    from recipes_lib import fake_memory
+
+    small_llama.config.save_pretrained(tmp_path)
+    stack = fake_memory.Stack(precision="fp32")
+
+    def need(s):
+        peak = fake_memory.measure_step(str(tmp_path), stack, s, 1).peak_bytes
+        return peak + planner.gpu_overhead(peak)
+    found = planner.max_context(str(tmp_path), f"{need(64):.0f}B", stack, step=16)
+    assert 64 <= found["max_seq_len"] < 128
+    assert need(found["max_seq_len"]) <= need(64) < need(found["max_seq_len"] + 16)
+    assert planner.max_context(str(tmp_path), "0.4GiB", stack, step=16)["max_seq_len"] == 0

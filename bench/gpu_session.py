@@ -54,6 +54,39 @@ def fake_vs_real(model, stacks, seq_len, batch, device) -> list[dict]:
     return rows
 
 
+def fp8_model_step(device, hidden, layers, seq_len, batch, compile_model=True) -> dict:
+    """A Llama-shaped model (random init) trained one step in bf16 and with float8 linear layers
+    (torchao's size heuristic choosing which), both compiled, timed in alternation."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(vocab_size=32000, hidden_size=hidden, intermediate_size=hidden * 7 // 2,
+                         num_hidden_layers=layers, num_attention_heads=hidden // 128,
+                         num_key_value_heads=max(1, hidden // 512), max_position_embeddings=seq_len)
+    out, fns = {}, {}
+    ids = torch.randint(0, 32000, (batch, seq_len), device=device)
+    for name in ("baseline", "recipe"):
+        torch.manual_seed(0)
+        m = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).to(device).train()
+        if name == "recipe":
+            out["conversion"] = fp8.convert(m, "tensorwise").summary()
+        run = torch.compile(m) if compile_model else m
+
+        def step(run=run, m=m):
+            run(input_ids=ids, labels=ids).loss.backward()
+            m.zero_grad(set_to_none=True)
+        t0 = time.perf_counter()
+        step()
+        out[f"compile_s_{name}"] = time.perf_counter() - t0
+        fns[name] = step
+    t = time_interleaved(fns, warmup=2, repeats=10, device=torch.device(device))
+    out.update({"params_B": sum(p.numel() for p in m.parameters()) / 1e9,
+                "baseline_ms": 1e3 * t["baseline"].median_s, "fp8_ms": 1e3 * t["recipe"].median_s,
+                "speedup": t["baseline"].median_s / t["recipe"].median_s,
+                "spread": max(t["baseline"].spread, t["recipe"].spread),
+                "tokens": batch * seq_len, "hidden": hidden, "layers": layers})
+    return out
+
+
 def paged_optimizers() -> dict:
     """AdamW vs bitsandbytes' AdamW8bit vs PagedAdamW8bit on a ~0.5 B model in bf16: state bytes,
     the CUDA allocator's peak over a step (paged states live in unified memory, outside it), step
@@ -106,7 +139,7 @@ def main(out_dir: str, smoke: bool) -> None:
         t0 = time.perf_counter()
         try:
             report[name] = fn()
-        except Exception as err:  # a part that fails is recorded; the others still run
+        except Exception as err:  # noqa: BLE001 - a failing part is recorded; the others run
             report[name] = {"error": f"{type(err).__name__}: {err}",
                             "trace": traceback.format_exc()[-3000:]}
         report.setdefault("seconds", {})[name] = time.perf_counter() - t0

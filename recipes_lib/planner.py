@@ -200,9 +200,9 @@ def format_plan(result: dict[str, Any]) -> str:
                      f"{r['total_GiB']:>7.1f}G  {'yes' if r['fits'] else 'no'}")
     lines.append(f"cheapest that fits: {result['cheapest']}")
     if "cheapest_measured" in result:
-        lines += ["", "measured on fake tensors (peak + modelled GPU overhead: "
-                  f"{CUDA_CONTEXT_BYTES / 2**30:.1f} GiB context + {ALLOCATOR_RESERVE:.0%} "
-                  "allocator reserve):",
+        lines += ["", ("measured on fake tensors (peak + modelled GPU overhead: "
+                       f"{CUDA_CONTEXT_BYTES / 2**30:.1f} GiB context + {ALLOCATOR_RESERVE:.0%} "
+                       "allocator reserve):"),
                   f"{'step':<52} {'trace':>8} {'on GPU':>8}  fits  stack measured"]
         for r in result["rows"]:
             if "measured_GiB" in r:

@@ -11,6 +11,7 @@ FLOP/s and bytes/s against the machine's measured peaks (``machine_peaks``).
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -190,8 +191,9 @@ def check_sizes(sizes: Sequence[int], name: str = "sizes") -> list[int]:
     """
     sizes = [int(s) for s in sizes]
     if len(sizes) < 3:
-        raise ValueError(f"{name}={sizes}: a sweep needs at least three sizes to place a crossover")
-    if sizes[0] <= 0 or any(b <= a for a, b in zip(sizes, sizes[1:])):
+        raise ValueError(f"{name}={sizes}: a sweep needs at least three sizes to place a "
+                         "crossover")
+    if sizes[0] <= 0 or any(b <= a for a, b in itertools.pairwise(sizes)):
         raise ValueError(f"{name}={sizes}: sizes must be positive and strictly growing")
     return sizes
 

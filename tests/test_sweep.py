@@ -1,5 +1,4 @@
 import pytest
-import torch
 
 from recipes_lib import attention, checkpointing, chunked_loss
 from recipes_lib.results import Results

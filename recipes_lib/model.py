@@ -139,7 +139,9 @@ def build_tiny_model(
     out = Path(out_dir) if out_dir is not None else DEFAULT_CACHE / spec.cache_name()
     if (out / "pretrain_report.json").exists():
         return out
-    tmp = out.with_name(out.name + ".partial")
+    # one partial folder per process: two processes building the same model (two notebooks, or
+    # parallel test workers) never write into each other's
+    tmp = out.with_name(f"{out.name}.partial-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
 
@@ -163,8 +165,16 @@ def build_tiny_model(
     report = {"spec": asdict(spec), "eval_loss_before": loss_before,
               "eval_loss_after": loss_after, "train_losses": result.losses}
     (tmp / "pretrain_report.json").write_text(json.dumps(report, indent=1))
+    if (out / "pretrain_report.json").exists():  # another process finished the same build first
+        shutil.rmtree(tmp, ignore_errors=True)
+        return out
     shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
+    try:
+        tmp.rename(out)
+    except OSError:
+        if not (out / "pretrain_report.json").exists():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 

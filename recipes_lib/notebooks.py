@@ -22,7 +22,8 @@ EXECUTED = NOTEBOOKS / "executed"
 # reliable or complete (more timed repeats, one more point in a sweep, the compiled kernel);
 # correctness and memory claims are the same at both sizes. A `-p NAME VALUE` wins over these.
 REFERENCE_SIZE: dict[str, dict[str, Any]] = {
-    "01_large_models_limited_hardware": {"TIME_REPEATS": 5},
+    "01_large_models_limited_hardware": {"TIME_REPEATS": 5,
+                                         "CKPT_SWEEP_WIDTHS": (64, 256, 512, 1024)},
     "02_multi_gpu_training": {"LOADER_STEPS": 6, "LATENCY_SWEEP_MS": (50,)},
     "03_optimizing_inference_speed": {"LATENCY_REPEATS": 15, "COMPILE_RMSNORM": True,
                                       "ATTN_SEQ_LENS": (256, 512, 1024, 2048, 4096)},

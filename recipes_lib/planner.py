@@ -155,8 +155,9 @@ def plan(model: str, gpu_mem: str | float, seq_len: int = 2048, batch_size: int 
 
 def max_context(model: str, gpu_mem: str | float, stack: Any = None, batch_size: int = 1,
                 step: int = 256, limit: int | None = None) -> dict[str, Any]:
-    """The longest sequence whose training step fits ``gpu_mem``, by measurement: a bisection
-    over fake-tensor steps (``fake_memory.measure_step``), each peak plus ``gpu_overhead``.
+    """The longest sequence whose training step fits ``gpu_mem``, by measurement: a search over
+    fake-tensor steps (``fake_memory.measure_step``, each peak plus ``gpu_overhead``) that
+    doubles the length until it no longer fits, then bisects.
 
     Args:
         model: a preset name or a ``config.json``.
@@ -175,18 +176,31 @@ def max_context(model: str, gpu_mem: str | float, stack: Any = None, batch_size:
     stack = stack or fake_memory.Stack(method="lora", checkpointing=True)
     budget = parse_bytes(gpu_mem)
     config = fake_memory.model_config(model)
-    hi = (limit or config.max_position_embeddings) // step
-    lo, best, tries = 0, None, []
-    while lo < hi:  # invariant: lo * step fits (or lo == 0); above hi * step nothing is tried
+    top = (limit or config.max_position_embeddings) // step
+    tries: list[tuple[int, float]] = []
+
+    def need(n: int) -> float:
+        peak = fake_memory.measure_step(config, stack, n * step, batch_size).peak_bytes
+        tries.append((n * step, (peak + gpu_overhead(peak)) / 2**30))
+        return peak + gpu_overhead(peak)
+
+    # gallop up from one step (lengths that fit are usually far below the model's positions),
+    # then bisect between the last length that fit and the first that did not
+    lo, hi, best, n = 0, top, 0.0, 1
+    while n <= top:
+        used = need(n)
+        if used > budget:
+            hi = n - 1
+            break
+        lo, best, n = n, used, 2 * n
+    while lo < hi:  # invariant: lo * step fits (or lo == 0); above hi * step nothing fits
         mid = (lo + hi + 1) // 2
-        peak = fake_memory.measure_step(config, stack, mid * step, batch_size).peak_bytes
-        need = peak + gpu_overhead(peak)
-        tries.append((mid * step, need / 2**30))
-        if need <= budget:
-            lo, best = mid, need
+        used = need(mid)
+        if used <= budget:
+            lo, best = mid, used
         else:
             hi = mid - 1
-    return {"max_seq_len": lo * step, "gpu_GiB": (best or 0.0) / 2**30, "tries": tries,
+    return {"max_seq_len": lo * step, "gpu_GiB": best / 2**30, "tries": tries,
             "stack": stack.label}
 
 

@@ -32,7 +32,7 @@ from recipes_lib import calc
 from recipes_lib.checkpointing import enable_activation_checkpointing
 from recipes_lib.grad_accumulation import forward_backward
 from recipes_lib.memory import MemoryReport, allocator_peak, measure_memory
-from recipes_lib.train import optimizer_step
+from recipes_lib.train import TrainConfig, make_optimizer, optimizer_step
 
 METHODS = ("full", "lora")
 PRECISIONS = ("fp32", "bf16", "fp16", "bf16-mixed")
@@ -195,10 +195,9 @@ def _restore_buffers(model: torch.nn.Module) -> None:
 
 
 def _optimizer(model: torch.nn.Module, stack: Stack):
-    params = [p for p in model.parameters() if p.requires_grad]
     if stack.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=1e-4)
-    return torch.optim.AdamW(params, lr=1e-4)
+        return torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    return make_optimizer(model, TrainConfig(lr=1e-4))  # the training loop's AdamW
 
 
 def measure_step(model: Any, stack: Stack = Stack(), seq_len: int = 2048, batch_size: int = 1,
@@ -264,6 +263,7 @@ def measure_step(model: Any, stack: Stack = Stack(), seq_len: int = 2048, batch_
     report.allocator_peak_bytes, report.allocator_reserved_bytes = allocated, reserved
     return report
 
+
 def fake_vs_real(model: Any, stack: Stack, seq_len: int, batch_size: int = 1,
                  device: torch.device | str = "cpu") -> dict[str, Any]:
     """The same step measured on fake tensors and for real: per-category ratio fake / real.
@@ -272,8 +272,6 @@ def fake_vs_real(model: Any, stack: Stack, seq_len: int, batch_size: int = 1,
     more step run without the tracker) are reported beside it.
     """
     fake = measure_step(model, stack, seq_len, batch_size, device, fake=True)
-    if torch.device(device).type == "cuda":
-        torch.cuda.empty_cache()
     real = measure_step(model, stack, seq_len, batch_size, device, fake=False)
     ratios = {k: (fake.by_category[k] / real.by_category[k]) if real.by_category[k] else
               (1.0 if fake.by_category[k] == 0 else float("inf")) for k in real.by_category}

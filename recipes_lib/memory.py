@@ -11,6 +11,7 @@ cross-check.
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -133,6 +134,7 @@ def measure_memory(
         if externals:
             tracker.track_external(*externals)
     if device.type == "cuda":
+        gc.collect()  # tensors an earlier tracked run left in reference cycles are not this call's
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
     allocator_reserved = None

@@ -31,20 +31,23 @@ def gpu_overhead(allocated_bytes: float) -> float:
     return CUDA_CONTEXT_BYTES + ALLOCATOR_RESERVE * allocated_bytes
 
 
-def _measured_stacks(grad_accum_steps: int) -> list:
-    """For each row of ``calc.escalation_table``: the stack measured on fake tensors for it, or
-    why that row is not measured."""
+def _measured_stack(step: str, grad_accum_steps: int) -> Any:
+    """The stack measured on fake tensors for an escalation row (by its name), or why that row
+    is not measured."""
     from recipes_lib.fake_memory import Stack
 
-    lora_ckpt = Stack(method="lora", checkpointing=True)
-    return [Stack(precision="bf16-mixed"),
-            "not measured: 8-bit states on fake tensors (bitsandbytes' kernels need real data)",
-            Stack(method="lora"),
-            "not measured: an NF4 base on fake tensors",
-            lora_ckpt,
-            Stack(method="lora", checkpointing=True, grad_accum_steps=grad_accum_steps),
-            "not measured: the host side of optimizer offload",
-            "not measured: FSDP ranks (a fake process group) not yet"]
+    stacks = {"full fine-tune (bf16 + AdamW)": Stack(precision="bf16-mixed"),
+              "LoRA on a bf16 base": Stack(method="lora"),
+              "+ activation checkpointing": Stack(method="lora", checkpointing=True),
+              f"+ gradient accumulation (k={grad_accum_steps})": Stack(
+                  method="lora", checkpointing=True, grad_accum_steps=grad_accum_steps)}
+    reasons = {"8-bit": "8-bit states on fake tensors (bitsandbytes' kernels need real data)",
+               "NF4": "an NF4 base on fake tensors", "offload": "the host side of offload",
+               "FSDP": "FSDP ranks (a fake process group)"}
+    if step in stacks:
+        return stacks[step]
+    why = next((v for k, v in reasons.items() if k in step), "no fake-tensor stack for it")
+    return f"not measured: {why}"
 
 _UNITS = {"": 2**30, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "k": 2**10, "m": 2**20,
@@ -140,7 +143,8 @@ def plan(model: str, gpu_mem: str | float, seq_len: int = 2048, batch_size: int 
     if measure:
         from recipes_lib import fake_memory
 
-        for row, stack in zip(rows, _measured_stacks(grad_accum_steps)):
+        for row in rows:
+            stack = _measured_stack(row["step"], grad_accum_steps)
             if isinstance(stack, str):
                 row["measured_stack"] = stack
                 continue

@@ -77,7 +77,8 @@ def forward_backward(
     Args:
         model: a causal LM returning ``.logits`` (transformers or peft).
         batch: ``input_ids``, ``labels`` (-100 = no loss) and, unless every row is full,
-            ``attention_mask``; on any device.
+            ``attention_mask``; packed rows carry ``position_ids`` instead (restarting at each
+            document, ``packing.collate_padding_free``); on any device.
         grad_accum_steps: micro-batches per global batch; must divide the batch size.
         precision: resolved precision ("fp32", "bf16", "fp16") used for autocast.
         scaler: a GradScaler for fp16, else None.
@@ -117,8 +118,12 @@ def forward_backward(
             if loss_fn is not None:
                 loss_sum = loss_fn(model, mb)
             else:
-                logits = model(input_ids=mb["input_ids"],
-                               attention_mask=mb.get("attention_mask")).logits
+                packed = {} if "position_ids" not in mb else {
+                    # transformers reads restarting positions as packed documents only without
+                    # a KV cache (config.use_cache would create one): Trainer sets it False too
+                    "position_ids": mb["position_ids"], "use_cache": False}
+                logits = model(input_ids=mb["input_ids"], attention_mask=mb.get("attention_mask"),
+                               **packed).logits
         if loss_fn is None:
             loss_sum = causal_lm_loss_sum(logits, mb["labels"])
         total += loss_sum.detach().float()

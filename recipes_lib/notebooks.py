@@ -24,7 +24,7 @@ EXECUTED = NOTEBOOKS / "executed"
 REFERENCE_SIZE: dict[str, dict[str, Any]] = {
     "01_large_models_limited_hardware": {"TIME_REPEATS": 5,
                                          "CKPT_SWEEP_WIDTHS": (64, 256, 512, 1024)},
-    "02_multi_gpu_training": {"LOADER_STEPS": 6, "LATENCY_SWEEP_MS": (50,)},
+    "02_multi_gpu_training": {"LOADER_STEPS": 6, "LATENCY_SWEEP_MS": (50,), "PACK_REPEATS": 3},
     "03_optimizing_inference_speed": {"LATENCY_REPEATS": 15, "COMPILE_RMSNORM": True,
                                       "ATTN_SEQ_LENS": (256, 512, 1024, 2048, 4096)},
 }

@@ -6,7 +6,8 @@ Core (every notebook uses these; they never import a recipe or a tooling module)
 Recipes (one module per idea; may import core and other recipes, never tooling):
     quantization, checkpointing, offload, optim8bit, fsdp, fsdp_qlora, data_loading, comm_bench, ptq,
     latency, distillation, chunked_loss, attention, norms, kv_cache, gemm_bench,
-    sparse_attention, curriculum, max_context, passkey, fp8, fake_memory, packing.
+    sparse_attention, curriculum, max_context, passkey, fp8, fake_memory, packing,
+    context_parallel.
 Tooling (the command line and what it drives; may import anything):
     __main__, notebooks, report, colab, planner, calc_validation.
 

@@ -281,6 +281,34 @@ def kv_cache_bytes(shape: ModelShape, seq_len: int, batch_size: int, bytes_per_v
             * seq_len * batch_size * bytes_per_value)
 
 
+def ring_attention_bytes(shape: ModelShape, seq_len: int, batch_size: int, world_size: int,
+                         bytes_per_value: int = 4) -> dict[str, int]:
+    """Bytes one rank sends around the ring per training step (context parallelism).
+
+    Each rank holds ``s / N`` tokens; its keys and values (``kv_heads`` wide, not expanded) form
+    a block of ``2 b (s/N) h_kv d`` values. Forward: the block makes ``N - 1`` hops. Backward:
+    keys, values and their two gradient accumulators make ``N - 1`` hops, then the gradients one
+    more, home. Per layer, ``(2 (N-1) + 4 (N-1) + 2) b (s/N) h_kv d`` values.
+
+    Raises:
+        ValueError: for fewer than 2 ranks or a length the ``2N`` chunks do not divide.
+
+    Example:
+        >>> s = ModelShape(512, 64, 192, 2, 2, 1)
+        >>> ring_attention_bytes(s, 1024, 1, 2)["total"]
+        1048576
+    """
+    if not isinstance(world_size, int) or world_size < 2:
+        raise ValueError(f"world_size={world_size!r}: context parallelism needs >= 2 ranks")
+    if seq_len % (2 * world_size):
+        raise ValueError(f"seq_len={seq_len}: must be a multiple of 2 x world_size")
+    one = batch_size * (seq_len // world_size) * shape.num_key_value_heads * shape.head_dim \
+        * bytes_per_value * shape.num_hidden_layers
+    fwd = 2 * (world_size - 1) * one
+    bwd = (4 * (world_size - 1) + 2) * one
+    return {"forward": fwd, "backward": bwd, "total": fwd + bwd}
+
+
 def int8_linear_bytes(out_features: int, in_features: int) -> int:
     """A Linear layer in int8 with a per-output-channel fp32 scale and int32 zero point.
 

@@ -38,7 +38,8 @@ def tiny_model_path():
 @pytest.fixture(scope="session")
 def sharded_runs(tiny_model_path, tmp_path_factory):
     """One torchrun job of 2 ranks (each start costs ~10 s here): DDP, FSDP (with a sharded
-    checkpoint and an export) and FSDP over an NF4 QLoRA model; and the single-process reference
+    checkpoint and an export), FSDP over an NF4 QLoRA model and context parallelism (ring
+    attention, a model step split over the ranks); and the single-process reference
     of the first two, same data and global batch."""
     from recipes_lib import distributed, fsdp
 
@@ -51,9 +52,12 @@ def sharded_runs(tiny_model_path, tmp_path_factory):
                                                         checkpoint_dir=str(tmp / "ckpt"),
                                                         export_dir=str(tmp / "export"))),
         "fsdp_qlora": ("recipes_lib.fsdp_qlora:train_fsdp_qlora",
-                       {"model_path": str(tiny_model_path), "steps": 2, "global_batch_size": 4})},
+                       {"model_path": str(tiny_model_path), "steps": 2, "global_batch_size": 4}),
+        "ring_attention": ("recipes_lib.context_parallel:check_against_dense", {"seq_len": 64}),
+        "context_parallel": ("recipes_lib.context_parallel:compare_with_one_rank",
+                             {"seq_len": 256, "budget_mib": 12, "search_limit": 4096})},
         verbose=False)
-    assert list(runs) == ["ddp", "fsdp", "fsdp_qlora"] and all(len(r) == 2 for r in runs.values())
+    assert list(runs)[:3] == ["ddp", "fsdp", "fsdp_qlora"] and all(len(r) == 2 for r in runs.values())
     single = fsdp.train_sharded(strategy="single", measure_repeats=0, **kw)
     return {**runs, "single": single, "tmp": tmp, "kw": kw}
 

@@ -263,7 +263,29 @@ def load_model(
         ) from err
     if device is not None and quantization_config is None:
         model = model.to(device)
+    if quantization_config is not None:
+        keep_4bit_compute_dtype(model)
     return model
+
+
+def keep_4bit_compute_dtype(model: torch.nn.Module) -> int:
+    """Make bitsandbytes' 4-bit layers compute in their ``compute_dtype`` at inference on CPU too.
+
+    On CPUs with AVX512-BF16, bitsandbytes (>= 0.49) runs an eval-mode, no-grad 4-bit layer
+    through a fused bf16 kernel (repacking its weights in place on first use), whatever
+    ``bnb_4bit_compute_dtype`` says: faster there, but the same model then computes differently
+    in training and inference and from one CPU to the next, and a 4-bit model no longer matches
+    its own adapter reloaded or merged. The course keeps the dtype it asked for, on every CPU.
+
+    Returns:
+        How many 4-bit layers were switched off that kernel.
+    """
+    switched = 0
+    for module in model.modules():
+        if getattr(module, "support_avx512bf16_for_cpu", False):
+            module.support_avx512bf16_for_cpu = False
+            switched += 1
+    return switched
 
 
 def small_llama(tokenizer=None, max_positions: int = 512, vocab_size: int | None = None,

@@ -4,7 +4,7 @@ import torch
 pytest.importorskip("bitsandbytes")
 
 from recipes_lib import calc, data, quantization
-from recipes_lib.model import load_model
+from recipes_lib.model import keep_4bit_compute_dtype, load_model
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +61,10 @@ def test_lora_adapter_roundtrip_is_bit_identical(tiny_model_path, tokenizer, tmp
         tiny_model_path, dtype=torch.float32, quantization_config=BitsAndBytesConfig(
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
             bnb_4bit_compute_dtype=torch.float32), device_map={"": "cpu"})
+    # the files load with plain transformers and peft; the one change is a compute choice: on
+    # AVX512-BF16 CPUs bitsandbytes' fused bf16 inference kernel would ignore the fp32 compute
+    # dtype, so it is switched off as load_model does, for a like-for-like comparison
+    keep_4bit_compute_dtype(plain_base)
     plain_adapter = PeftModel.from_pretrained(plain_base, str(tmp_path)).eval()
     merged.save_pretrained(tmp_path / "merged")
     plain_merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
@@ -95,3 +99,10 @@ def test_lora_with_checkpointing_trains(tiny_model_path, tokenizer):
     model.train()
     forward_backward(model, batch)
     assert all(p.grad is not None for n, p in model.named_parameters() if "lora_" in n)
+
+
+def test_4bit_layers_keep_their_compute_dtype_on_every_cpu(nf4_model):
+    """bitsandbytes' fused bf16 CPU kernel (AVX512-BF16 CPUs) stays off in what load_model gives."""
+    layers = [m for m in nf4_model.modules() if hasattr(m, "support_avx512bf16_for_cpu")]
+    assert layers and not any(m.support_avx512bf16_for_cpu for m in layers)
+    assert keep_4bit_compute_dtype(nf4_model) == 0  # nothing left to switch

@@ -59,3 +59,11 @@ def test_a_model_step_split_over_two_ranks_equals_one_rank(sharded_runs):
                                           1, 2, 4)
     assert m["sent_bytes"] == {"forward": predicted["forward"], "backward": predicted["backward"]}
     assert m["longest"]["ring"]["max_seq_len"] >= 1.8 * m["longest"]["one rank"]["max_seq_len"]
+
+
+def test_pytorch_context_parallel_is_refused_without_nccl():
+    """Its GPU run is tests/test_gpu_paths.py's (2 GPUs); elsewhere it says why not."""
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present: the refusal is for machines without it")
+    with pytest.raises(ValueError, match="needs NCCL"):
+        context_parallel.check_torch_context_parallel()

@@ -101,3 +101,13 @@ def test_qlora_nf4_step_on_cuda(tiny_model_path):
     loss.backward()
     grads = [p.grad for p in m.parameters() if p.requires_grad]
     assert torch.isfinite(loss) and grads and all(g is not None for g in grads)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="PyTorch's context_parallel needs NCCL "
+                    "and a GPU per rank: at least 2 GPUs")
+def test_pytorch_context_parallel_equals_dense_attention_on_two_gpus():
+    from recipes_lib import distributed
+
+    [per_rank] = distributed.launch([("recipes_lib.context_parallel:check_torch_context_parallel",
+                                      {})], world_size=2, backend="nccl", verbose=False)
+    assert all(r["output"] <= 2e-2 for r in per_rank), per_rank  # bf16, |values| ~ 1

@@ -29,6 +29,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from recipes_lib.memory import measure_memory
+from recipes_lib.model import small_llama
+from recipes_lib.numerics import collect_gradients, max_abs_diff
+
 ATTN_NAME = "ring_attention"
 
 
@@ -398,10 +402,6 @@ def compare_with_one_rank(seq_len: int = 1024, budget_mib: float = 48.0,
         ValueError: for one rank, or a ``seq_len`` / ``search_limit`` the ``2N`` chunks do not
             divide.
     """
-    from recipes_lib.memory import measure_memory
-    from recipes_lib.model import small_llama
-    from recipes_lib.numerics import collect_gradients, max_abs_diff
-
     rank, world_size = dist.get_rank(), dist.get_world_size()
     check_split(seq_len, world_size)
     check_split(search_limit, world_size)

@@ -23,6 +23,11 @@ import torch
 
 from recipes_lib import data
 from recipes_lib.data_loading import pack_examples
+from recipes_lib.grad_accumulation import count_target_tokens, forward_backward
+from recipes_lib.memory import measure_memory
+from recipes_lib.numerics import collect_gradients, max_abs_diff
+from recipes_lib.timing import time_interleaved
+from recipes_lib.train import TrainConfig, make_optimizer, optimizer_step
 
 IGNORE_INDEX = data.IGNORE_INDEX
 LAYOUTS = ("padded", "concatenated", "padding-free")
@@ -221,9 +226,6 @@ def check_against_one_by_one(model: torch.nn.Module, docs: list[dict[str, list[i
     Raises:
         ValueError: for fewer than two documents.
     """
-    from recipes_lib.grad_accumulation import count_target_tokens, forward_backward
-    from recipes_lib.numerics import collect_gradients, max_abs_diff
-
     if len(docs) < 2:
         raise ValueError(f"docs: {len(docs)} given, packing needs at least two documents")
     row = collate_padding_free([docs], pad_token_id)
@@ -264,11 +266,6 @@ def compare_layouts(model: torch.nn.Module, docs: list[dict[str, list[int]]], se
     Raises:
         ValueError: for ``repeats`` < 1 (and what :func:`layouts` refuses).
     """
-    from recipes_lib.grad_accumulation import forward_backward
-    from recipes_lib.memory import measure_memory
-    from recipes_lib.timing import time_interleaved
-    from recipes_lib.train import TrainConfig, make_optimizer, optimizer_step
-
     if not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats={repeats!r}: must be an integer >= 1")
     per_layout = layouts(docs, seq_len, rows_per_batch, pad_token_id)

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from recipes_lib.max_context import max_seq_len
 from recipes_lib.memory import measure_memory
 from recipes_lib.model import small_llama
 from recipes_lib.numerics import collect_gradients, max_abs_diff
@@ -395,8 +396,8 @@ def compare_with_one_rank(seq_len: int = 1024, budget_mib: float = 48.0,
     - **communication**: bytes this rank sent around the ring, to set beside
       ``calc.ring_attention_bytes``;
     - **longest sequence** whose per-rank peak fits ``budget_mib``, both ways: doubling from
-      ``seq_len``, then bisecting to a multiple of ``16 x world size`` tokens (a lower bound when
-      it reaches ``search_limit``).
+      ``seq_len``, then bisecting to a multiple of ``16 x world size`` tokens
+      (``max_context.max_seq_len``; a lower bound when it reaches ``search_limit``).
 
     Raises:
         ValueError: for one rank, or a ``seq_len`` / ``search_limit`` the ``2N`` chunks do not
@@ -432,25 +433,11 @@ def compare_with_one_rank(seq_len: int = 1024, budget_mib: float = 48.0,
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)  # every rank takes the same decision
         return int(worst[0]), int(worst[1])
 
-    budget = budget_mib * 2**20
-    step_len = 16 * world_size
-
     def longest(parallel: bool) -> dict[str, Any]:
-        fits, n, probes = 0, seq_len, 0
-        while n <= search_limit:
-            probes += 1
-            if peak(n, parallel)[0] > budget:
-                break
-            fits, n = n, 2 * n
-        hi = min(n, search_limit + step_len)
-        while fits and hi - fits > step_len:
-            mid = (fits + hi) // 2 // step_len * step_len
-            probes += 1
-            if peak(mid, parallel)[0] <= budget:
-                fits = mid
-            else:
-                hi = mid
-        return {"max_seq_len": fits, "at_limit": fits >= search_limit, "probes": probes}
+        found = max_seq_len(lambda n: peak(n, parallel)[0], budget_mib * 2**20, start=seq_len,
+                            limit=search_limit, multiple_of=16 * world_size)
+        return {"max_seq_len": found["seq_len"], "at_limit": found["seq_len"] >= search_limit,
+                "probes": len(found["probes"])}
 
     one_peak, one_act = peak(seq_len, False)
     ring_peak, ring_act = peak(seq_len, True)
@@ -467,6 +454,38 @@ def compare_with_one_rank(seq_len: int = 1024, budget_mib: float = 48.0,
                    "num_attention_heads": model.config.num_attention_heads,
                    "num_key_value_heads": model.config.num_key_value_heads},
         "longest": {"one rank": longest(False), "ring": longest(True)},
+    }
+
+
+def summarize(attention: list[dict[str, dict[str, float]]], model: dict[str, Any],
+              predicted_bytes: int) -> dict[str, Any]:
+    """The figures of one launch of :func:`check_against_dense` and :func:`compare_with_one_rank`.
+
+    Args:
+        attention: every rank's :func:`check_against_dense` result.
+        model: rank 0's :func:`compare_with_one_rank` result.
+        predicted_bytes: ``calc.ring_attention_bytes(...)["total"]`` for the same model and length.
+
+    Returns:
+        ``max_error`` per dtype (worst over ranks, output and gradients), ``activation_ratio``
+        (ring / one rank), ``max_seq_gain``, ``traffic_ratio`` (sent / predicted), ``errors``
+        (rank -> "dtype what" -> error) and ``table`` (per-rank peak, activations and longest
+        sequence, one rank vs the ring).
+    """
+    errors = {f"rank {r}": {f"{dt} {what}": e[dt][what] for dt in e for what in e[dt]}
+              for r, e in enumerate(attention)}
+    ring = f"ring, {model['world_size']} ranks"
+    return {
+        "max_error": {dt: max(e[dt][w] for e in attention for w in e[dt]) for dt in attention[0]},
+        "activation_ratio": model["activation_bytes"]["ring"] / model["activation_bytes"]["one rank"],
+        "max_seq_gain": (model["longest"]["ring"]["max_seq_len"]
+                         / model["longest"]["one rank"]["max_seq_len"]),
+        "traffic_ratio": sum(model["sent_bytes"].values()) / predicted_bytes,
+        "errors": errors,
+        "table": {name: {f"peak MiB/rank, s={model['seq_len']}": model["peak_bytes"][key] / 2**20,
+                         "activations MiB/rank": model["activation_bytes"][key] / 2**20,
+                         "longest sequence": model["longest"][key]["max_seq_len"]}
+                  for name, key in (("one rank", "one rank"), (ring, "ring"))},
     }
 
 

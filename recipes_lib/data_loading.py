@@ -139,10 +139,28 @@ def pack_examples(examples: list[dict[str, list[int]]], seq_len: int
             for i in range(0, len(stream) - seq_len + 1, seq_len)]
 
 
-def padding_fraction(batch: dict[str, torch.Tensor]) -> float:
-    """Share of a batch's token slots that are padding."""
-    mask = batch["attention_mask"]
-    return 1.0 - float(mask.sum()) / mask.numel()
+def padding_fraction(batches: dict[str, torch.Tensor] | list[dict[str, torch.Tensor]],
+                     pad_token_id: int | None = None) -> float:
+    """Share of the token slots of a batch (or of several) that hold no document token.
+
+    Padded batches say so with their ``attention_mask``. Padding-free rows
+    (``packing.collate_padding_free``) have none: their filler is ``pad_token_id`` at label -100
+    (labels alone would overcount: the first token of each packed document is -100 too).
+
+    Raises:
+        ValueError: for a batch without ``attention_mask`` when no ``pad_token_id`` is given.
+    """
+    slots = pad = 0
+    for b in [batches] if isinstance(batches, dict) else batches:
+        slots += b["input_ids"].numel()
+        if "attention_mask" in b:
+            pad += int((b["attention_mask"] == 0).sum())
+        elif pad_token_id is not None:
+            pad += int(((b["input_ids"] == pad_token_id) & (b["labels"] == data.IGNORE_INDEX)).sum())
+        else:
+            raise ValueError("pad_token_id: needed for batches without an attention_mask "
+                             "(padding-free rows)")
+    return pad / slots if slots else 0.0
 
 
 def plot_stall(runs: list[dict[str, Any]], predicted: dict[str, Callable[[float], float]]):

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from recipes_lib import data
-from recipes_lib.data_loading import pack_examples
+from recipes_lib.data_loading import pack_examples, padding_fraction
 from recipes_lib.grad_accumulation import count_target_tokens, forward_backward
 from recipes_lib.memory import measure_memory
 from recipes_lib.numerics import collect_gradients, max_abs_diff
@@ -190,24 +190,6 @@ def layouts(docs: list[dict[str, list[int]]], seq_len: int, rows_per_batch: int,
         "padding-free": [collate_padding_free([[docs[i] for i in b] for b in c], pad_token_id,
                                               width=seq_len) for c in chunks(bins)],
     }
-
-
-def padding_fraction(batches: list[dict[str, torch.Tensor]], pad_token_id: int | None = None
-                     ) -> float:
-    """Share of the token slots of ``batches`` that hold no document token.
-
-    Padded batches say so with their ``attention_mask``; packed rows mark their filler with
-    ``pad_token_id`` at label -100 (real tokens of a padding-free row may carry label -100 too,
-    the first of each document, so labels alone would overcount).
-    """
-    slots = pad = 0
-    for b in batches:
-        slots += b["input_ids"].numel()
-        if "attention_mask" in b:
-            pad += int((b["attention_mask"] == 0).sum())
-        elif pad_token_id is not None:
-            pad += int(((b["input_ids"] == pad_token_id) & (b["labels"] == IGNORE_INDEX)).sum())
-    return pad / slots if slots else 0.0
 
 
 def check_against_one_by_one(model: torch.nn.Module, docs: list[dict[str, list[int]]],

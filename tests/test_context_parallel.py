@@ -59,6 +59,10 @@ def test_a_model_step_split_over_two_ranks_equals_one_rank(sharded_runs):
                                           1, 2, 4)
     assert m["sent_bytes"] == {"forward": predicted["forward"], "backward": predicted["backward"]}
     assert m["longest"]["ring"]["max_seq_len"] >= 1.8 * m["longest"]["one rank"]["max_seq_len"]
+    summary = context_parallel.summarize(attention, m, predicted["total"])
+    assert summary["traffic_ratio"] == 1.0 and summary["max_seq_gain"] >= 1.8
+    assert summary["max_error"]["float64"] <= 1e-10 and set(summary["errors"]) == {"rank 0",
+                                                                                     "rank 1"}
 
 
 def test_pytorch_context_parallel_is_refused_without_nccl():

@@ -2,8 +2,8 @@ import pytest
 import torch
 from transformers import DataCollatorWithFlattening
 
+from recipes_lib import data_loading, packing
 from recipes_lib import model as models
-from recipes_lib import packing
 
 
 def _docs(lengths, vocab=60, seed=0):
@@ -41,10 +41,12 @@ def test_rows_restart_positions_mask_first_labels_and_fill_with_their_own_docume
     assert batch["labels"][0, [0, 3, 7]].tolist() == [-100, -100, -100]
     assert batch["labels"][0, 4:7].tolist() == docs[1]["input_ids"][1:]
     assert batch["input_ids"][1, 3:].tolist() == [0] * 5
-    assert packing.padding_fraction([batch], pad_token_id=0) == pytest.approx(6 / 16)
+    assert data_loading.padding_fraction([batch], pad_token_id=0) == pytest.approx(6 / 16)
     flat = packing.collate_padding_free([docs, docs[:1]], 0, flatten=True)
     ref = DataCollatorWithFlattening(return_tensors="pt")(docs + docs[:1])
     assert all(torch.equal(flat[k], ref[k]) for k in ("input_ids", "labels", "position_ids"))
+    with pytest.raises(ValueError, match="pad_token_id"):
+        data_loading.padding_fraction(batch)
     with pytest.raises(ValueError, match="width=4"):
         packing.collate_padding_free([docs], 0, width=4)
 
@@ -70,10 +72,10 @@ def test_the_layouts_hold_the_same_documents_and_padding_free_wastes_least():
     tokens = sum(len(d["input_ids"]) for d in docs)
     assert sum(int(b["attention_mask"].sum()) for b in lay["padded"]) == tokens
     free = sum(int((b["position_ids"] >= 0).sum()) for b in lay["padding-free"])
-    pad = packing.padding_fraction(lay["padding-free"], pad_token_id=0)
+    pad = data_loading.padding_fraction(lay["padding-free"], pad_token_id=0)
     assert round(free * (1 - pad)) == tokens
-    assert pad < packing.padding_fraction(lay["padded"]) and \
-        packing.padding_fraction(lay["concatenated"]) == 0.0
+    assert pad < data_loading.padding_fraction(lay["padded"]) and \
+        data_loading.padding_fraction(lay["concatenated"]) == 0.0
     with pytest.raises(ValueError, match="n=999"):
         packing.long_tailed_documents(examples, 999, 64, 12)
     with pytest.raises(ValueError, match="median_len"):

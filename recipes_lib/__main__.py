@@ -100,20 +100,25 @@ def real_scale_benchmark() -> None:
     (value = fake / real), and one Llama-3.1-8B training step measured on fake tensors, timed
     (the claim: at most 90 s on the reference machine)."""
     import time
+    from dataclasses import asdict
 
     import torch
     from transformers import LlamaConfig
 
-    from recipes_lib import checks, device, fake_memory, results
+    from recipes_lib import checks, device, distributed, fake_memory, results
 
     S = fake_memory.Stack
     # every flag in fp32 at both sizes; the 16-bit precisions at the tiny size only: bf16 is
     # emulated on CPUs without AVX512-BF16 / AMX, minutes per step at 110 M parameters
     flags = [S(precision="fp32"), S(precision="fp32", checkpointing=True),
-             S(method="lora", precision="fp32"), S(precision="fp32", grad_accum_steps=2),
-             S(optimizer="sgd", precision="fp32")]
+             S(method="lora", precision="fp32"), S(method="qlora", precision="fp32"),
+             S(precision="fp32", grad_accum_steps=2), S(optimizer="sgd", precision="fp32"),
+             S(optimizer="adamw-8bit", precision="fp32"), S(precision="fp32", chunked_loss=128)]
     sixteen = [S(), S(precision="fp16"), S(precision="bf16-mixed"),
-               S(method="lora", checkpointing=True)]
+               S(method="lora", checkpointing=True),
+               S(method="qlora", precision="bf16-mixed", checkpointing=True)]
+    sharded = [S(precision="fp32", fsdp_ranks=2), S(precision="bf16-mixed", fsdp_ranks=2),
+               S(method="lora", precision="bf16-mixed", checkpointing=True, fsdp_ranks=2)]
     configs = {"tiny": LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=176,
                                    num_hidden_layers=2, num_attention_heads=4,
                                    num_key_value_heads=2, max_position_embeddings=512),
@@ -129,6 +134,17 @@ def real_scale_benchmark() -> None:
                   f"worst category {worst:.2e}")
             r.add("fake_vs_real", f"{name}: {stack.label}", out["peak_ratio"], baseline=1.0,
                   unit="fake / real peak, 2 x 256 tokens, CPU")
+    # FSDP: rank 0 of a fake process group against both ranks of a real 2-rank gloo job
+    tiny = configs["tiny"].to_dict()
+    reals = distributed.launch([("recipes_lib.fake_memory:real_rank_step", {
+        "model": tiny, "stack": asdict(stack), "seq_len": 256, "batch_size": 2})
+        for stack in sharded], verbose=False)
+    for stack, ranks in zip(sharded, reals):
+        fake = fake_memory.measure_step(tiny, stack, 256, 2)
+        ratio = max(sum(fake.by_category.values()) / sum(rank.values()) for rank in ranks)
+        print(f"  fake vs real, tiny, {stack.label}: peak {ratio:.4f} (worst rank)")
+        r.add("fake_vs_real", f"tiny: {stack.label}", ratio, baseline=1.0,
+              unit="fake / real peak, worst of 2 gloo ranks, 2 x 256 tokens, CPU")
     t0 = time.perf_counter()
     big = fake_memory.measure_step("Llama-3.1-8B", S(checkpointing=True), 2048, 1)
     seconds = time.perf_counter() - t0

@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import is_fake
 
 IGNORE_INDEX = -100
 ChunkLoss = Callable[..., torch.Tensor]
@@ -78,7 +79,9 @@ class _ChunkedLinearLoss(torch.autograd.Function):
     def backward(ctx, grad_out):
         grad_h, grad_w = ctx.grads
         del ctx.grads  # backward runs once (retain_graph is not supported)
-        one = bool(grad_out == 1)  # the usual case: the loss is the graph's output, no copy
+        # the loss as the graph's output needs no copy; a fake tensor (fake_memory) has no value
+        # to test, and a training step divides the loss sum by its token count, so it scales
+        one = not is_fake(grad_out) and bool(grad_out == 1)
         gh = grad_h if grad_h is None or one else grad_h * grad_out
         gw = None if grad_w is None else (grad_w if one else grad_w * grad_out).to(ctx.weight_dtype)
         return (gh, gw, None, None) + (None,) * ctx.n_extras
@@ -209,7 +212,8 @@ class ChunkedCausalLMLoss:
         if getattr(head, "bias", None) is not None:
             raise ValueError("model: its output layer has a bias; expected a bias-free LM head")
         hidden = model.get_decoder()(input_ids=batch["input_ids"],
-                                     attention_mask=batch["attention_mask"]).last_hidden_state
+                                     attention_mask=batch.get("attention_mask")
+                                     ).last_hidden_state
         return chunked_cross_entropy(hidden[:, :-1], head.weight, batch["labels"][:, 1:],
                                      self.chunk_size, reduction="sum")
 

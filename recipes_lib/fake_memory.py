@@ -30,13 +30,16 @@ import torch
 
 from recipes_lib import calc
 from recipes_lib.checkpointing import enable_activation_checkpointing
+from recipes_lib.chunked_loss import ChunkedCausalLMLoss
+from recipes_lib.fsdp import shard_model
 from recipes_lib.grad_accumulation import forward_backward
 from recipes_lib.memory import MemoryReport, allocator_peak, measure_memory
+from recipes_lib.optim8bit import make_adamw_8bit
 from recipes_lib.train import TrainConfig, make_optimizer, optimizer_step
 
-METHODS = ("full", "lora")
+METHODS = ("full", "lora", "qlora")
 PRECISIONS = ("fp32", "bf16", "fp16", "bf16-mixed")
-OPTIMIZERS = ("adamw", "sgd")
+OPTIMIZERS = ("adamw", "adamw-8bit", "sgd")
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
            "bf16-mixed": torch.float32}
 _AUTOCAST = {"bf16-mixed": "bf16"}  # precision -> the training loop's autocast precision
@@ -51,6 +54,13 @@ class Stack:
     "bf16-mixed": fp32 weights, gradients and states under bf16 autocast, what transformers'
     ``Trainer`` does with ``bf16=True`` (ZeRO's 16 bytes per parameter, plus the bf16 copies of the
     weights autocast caches until the forward pass ends).
+
+    ``method="qlora"`` is QLoRA as the course and the QLoRA paper run it: every linear layer but
+    the head in NF4 with double quantization (bitsandbytes' own quantize and 4-bit matmul ops),
+    LoRA adapters on all of them; with "bf16-mixed" peft's ``prepare_model_for_kbit_training``
+    first casts the remaining weights (norms, embeddings, head) to fp32, as a ``Trainer`` run
+    does. ``optimizer="adamw-8bit"`` is bitsandbytes' blockwise 8-bit AdamW. ``chunked_loss`` is
+    the chunk size of the chunked cross-entropy (0: the full logits).
     """
 
     method: str = "full"
@@ -59,25 +69,41 @@ class Stack:
     optimizer: str = "adamw"
     grad_accum_steps: int = 1
     lora_rank: int = 16
+    chunked_loss: int = 0
+    fsdp_ranks: int = 1
 
     def __post_init__(self) -> None:
+        if "qlora" in str(self.method) and "full" in str(self.method):
+            raise ValueError(f"method={self.method!r}: QLoRA trains adapters on a frozen 4-bit "
+                             "base; a full fine-tune of NF4 weights does not exist (use "
+                             "'qlora' or 'full')")
         for name, allowed in (("method", METHODS), ("precision", PRECISIONS),
                               ("optimizer", OPTIMIZERS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}={getattr(self, name)!r}: expected one of {allowed}")
-        for name in ("grad_accum_steps", "lora_rank"):
+        for name, low in (("grad_accum_steps", 1), ("lora_rank", 1), ("chunked_loss", 0),
+                          ("fsdp_ranks", 1)):
             v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"{name}={v!r}: must be an integer >= 1")
+            if not isinstance(v, int) or isinstance(v, bool) or v < low:
+                raise ValueError(f"{name}={v!r}: must be an integer >= {low}")
+        if self.fsdp_ranks > 1 and self.method == "qlora":
+            raise ValueError("method='qlora' with fsdp_ranks > 1: bitsandbytes' packed weights "
+                             "do not shard under FSDP2; the course's FSDP + QLoRA uses torchao's "
+                             "NF4Tensor (fsdp_qlora), which is not measured here")
 
     @property
     def label(self) -> str:
-        parts = [self.method if self.method == "full" else f"LoRA r={self.lora_rank}",
+        method = {"full": "full", "lora": "LoRA", "qlora": "QLoRA"}[self.method]
+        parts = [method if self.method == "full" else f"{method} r={self.lora_rank}",
                  self.precision, self.optimizer]
         if self.checkpointing:
             parts.append("checkpointing")
         if self.grad_accum_steps > 1:
             parts.append(f"accumulation x{self.grad_accum_steps}")
+        if self.chunked_loss:
+            parts.append(f"chunked CE ({self.chunked_loss})")
+        if self.fsdp_ranks > 1:
+            parts.append(f"FSDP over {self.fsdp_ranks} ranks")
         return ", ".join(parts)
 
 
@@ -94,6 +120,8 @@ def model_config(model: Any):
 
     if isinstance(model, PretrainedConfig):
         config = model
+    elif isinstance(model, dict):  # a config's to_dict(), e.g. sent to the ranks of a real run
+        config = AutoConfig.for_model(**model)
     elif isinstance(model, calc.ModelShape) or str(model).split("/")[-1].lower() in {
             k.lower() for k in calc.PRESETS}:
         shape = model if isinstance(model, calc.ModelShape) else next(
@@ -137,29 +165,105 @@ def build_model(config, stack: Stack, device: torch.device | str, fake: bool = T
     from transformers import AutoModelForCausalLM
 
     device = torch.device(device)
+    dtype = _DTYPES[stack.precision]
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=_DTYPES[stack.precision],
-                                                 attn_implementation=attn_implementation)
-    if stack.method == "lora":
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=torch.bfloat16 if stack.precision == "bf16-mixed" and
+            stack.method == "qlora" else dtype, attn_implementation=attn_implementation)
+    if stack.method == "qlora":
+        _to_nf4(model, stack)
+    if stack.method in ("lora", "qlora"):
         from peft import LoraConfig, get_peft_model
 
         model = get_peft_model(model, LoraConfig(r=stack.lora_rank, lora_alpha=2 * stack.lora_rank,
                                                  target_modules="all-linear",
                                                  task_type="CAUSAL_LM"))
+    nf4_shapes = _packed_placeholders(model)
+    if stack.fsdp_ranks > 1:  # sharded on meta; to_empty then gives each rank its shards only
+        shard_model(model, "bf16" if stack.precision == "bf16-mixed" else "fp32",
+                    device_type=device.type)
     mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else None
     with mode or contextlib.nullcontext():
         model.to_empty(device=device)
         if not fake:
             with torch.no_grad():
                 for p in model.parameters():
-                    p.normal_(0.0, 0.02)
-        model.tie_weights()  # to_empty gives tied weights separate storages
+                    if p.is_floating_point():
+                        p.normal_(0.0, 0.02)
+        for layer, shape in nf4_shapes.items():
+            _quantize_nf4(layer, shape, dtype if stack.precision != "bf16-mixed" else
+                          torch.bfloat16, device, fake)
+        if stack.fsdp_ranks == 1:  # FSDP keeps one sharded parameter for tied weights
+            model.tie_weights()  # to_empty gives tied weights separate storages
         if not fake:  # fake tensors hold no values to restore
             _restore_buffers(model)
     if stack.checkpointing:
         enable_activation_checkpointing(model)
     model.train()
     return model, mode
+
+
+def _to_nf4(model: torch.nn.Module, stack: Stack) -> None:
+    """Swap every linear layer but the head for bitsandbytes' ``Linear4bit`` (on meta, NF4 with
+    double quantization, as ``quantization.nf4_config``)."""
+    from transformers.integrations.bitsandbytes import replace_with_bnb_linear
+
+    from recipes_lib.quantization import nf4_config
+
+    compute = torch.bfloat16 if stack.precision == "bf16-mixed" else _DTYPES[stack.precision]
+    replace_with_bnb_linear(model, modules_to_not_convert=["lm_head"],
+                            quantization_config=nf4_config(compute_dtype=compute))
+    if stack.precision == "bf16-mixed":  # what a Trainer run with bf16=True gets from peft
+        from peft import prepare_model_for_kbit_training
+
+        model.is_loaded_in_4bit = True
+        prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+
+
+def _packed_placeholders(model: torch.nn.Module) -> dict[torch.nn.Module, torch.Size]:
+    """Give each 4-bit layer (once peft has wrapped it) a plain uint8 weight of the packed shape
+    for ``to_empty``: bitsandbytes' ``Params4bit`` cannot wrap a fake tensor. Returns each 4-bit
+    layer's full weight shape, to quantize once materialised."""
+    from recipes_lib.device import has_module
+
+    if not has_module("bitsandbytes"):
+        return {}
+    import bitsandbytes as bnb
+
+    shapes = {}
+    for layer in model.modules():
+        if isinstance(layer, bnb.nn.Linear4bit):
+            shapes[layer] = layer.weight.shape
+            packed = torch.empty(layer.weight.numel() // 2, 1, dtype=torch.uint8, device="meta")
+            layer.weight = torch.nn.Parameter(packed, requires_grad=False)
+    if shapes:
+        bnb.functional.quantize_blockwise(torch.ones(256))  # its code table, outside fake mode
+    return shapes
+
+
+def _quantize_nf4(layer: torch.nn.Module, shape: torch.Size, dtype: torch.dtype,
+                  device: torch.device, fake: bool) -> None:
+    """Quantize a (fake or random) weight of ``shape`` into ``layer`` with bitsandbytes' own op,
+    whose fake implementation allocates what the kernel does. The quantization statistics are
+    registered as buffers so the meter counts them; the packed weight stays a frozen parameter."""
+    import bitsandbytes as bnb
+
+    weight = torch.empty(shape, dtype=dtype, device=device)
+    if not fake:
+        weight.normal_(0.0, 0.02)
+    packed, state = bnb.functional.quantize_4bit(weight, blocksize=64, compress_statistics=True,
+                                                 quant_type="nf4", quant_storage=torch.uint8)
+    layer.weight.data = packed
+    layer.weight.quant_state = state
+    for name, t in nf4_statistics(state).items():
+        layer.register_buffer(f"nf4_{name}", t, persistent=False)
+
+
+def nf4_statistics(state: Any) -> dict[str, torch.Tensor]:
+    """The tensors a bitsandbytes NF4 ``QuantState`` (double quantization) keeps beside the
+    packed weight: what ``calc.nf4_tensor_bytes`` counts."""
+    return {"absmax": state.absmax, "code": state.code, "offset": state.offset,
+            "absmax2": state.state2.absmax, "code2": state.state2.code}
 
 
 @contextlib.contextmanager
@@ -181,6 +285,31 @@ def _unpacked_rows():
         masking_utils.find_packed_sequence_indices = original
 
 
+@contextlib.contextmanager
+def _process_group(world_size: int, fake: bool):
+    """Rank 0 of a fake process group of ``world_size`` ranks (torchtitan's estimator does the
+    same), or the real one a real FSDP run is launched in."""
+    import torch.distributed as dist
+
+    if world_size == 1:
+        yield
+        return
+    if dist.is_initialized() or not fake:
+        if not dist.is_initialized() or dist.get_world_size() != world_size:
+            raise ValueError(f"fsdp_ranks={world_size}: a real run needs a process group of "
+                             f"{world_size} ranks (distributed.launch); "
+                             f"{dist.get_world_size() if dist.is_initialized() else 'none'} here")
+        yield
+        return
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
 def _restore_buffers(model: torch.nn.Module) -> None:
     """Recompute the buffers ``to_empty`` left uninitialised (rotary inverse frequencies) by
     building each owning module afresh on the CPU and copying them in."""
@@ -195,8 +324,11 @@ def _restore_buffers(model: torch.nn.Module) -> None:
 
 
 def _optimizer(model: torch.nn.Module, stack: Stack):
+    trainable = [p for p in model.parameters() if p.requires_grad]
     if stack.optimizer == "sgd":
-        return torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+        return torch.optim.SGD(trainable, lr=1e-4)
+    if stack.optimizer == "adamw-8bit":  # its code tables are built here, outside fake mode
+        return make_adamw_8bit(trainable, lr=1e-4)
     return make_optimizer(model, TrainConfig(lr=1e-4))  # the training loop's AdamW
 
 
@@ -207,17 +339,21 @@ def measure_step(model: Any, stack: Stack = Stack(), seq_len: int = 2048, batch_
     Args:
         model: a preset name (``calc.PRESETS``), a ``config.json`` path or a config.
         stack: the recipes applied.
-        seq_len, batch_size: tokens per sequence and sequences per optimizer step.
+        seq_len, batch_size: tokens per sequence and sequences per optimizer step (over all
+            ranks with FSDP: each rank takes ``batch_size / stack.fsdp_ranks``).
         device: the device the step would run on (fake tensors need no such device for
             matmuls, but run CUDA attention kernels only on a CUDA build).
-        fake: measure on fake tensors (no memory used); False runs it for real.
+        fake: measure on fake tensors (no memory used); False runs it for real (with FSDP,
+            on every rank of a process group of ``stack.fsdp_ranks`` ranks).
 
     Returns:
-        The step's ``MemoryReport`` on ``device``.
+        The step's ``MemoryReport`` on ``device`` (one rank's, with FSDP: on fake tensors the
+        process is rank 0 of a fake process group of ``stack.fsdp_ranks`` ranks, whose
+        collectives return at once and allocate what the real ones do).
 
     Raises:
         ValueError: for bad sizes, a sequence beyond the model's positions, or a batch the
-            accumulation steps do not divide.
+            ranks and accumulation steps do not divide.
 
     Example:
         >>> r = measure_step("Llama-3.1-8B", Stack(checkpointing=True), 2048)  # doctest: +SKIP
@@ -227,9 +363,14 @@ def measure_step(model: Any, stack: Stack = Stack(), seq_len: int = 2048, batch_
     for name, v, low in (("seq_len", seq_len, 2), ("batch_size", batch_size, 1)):
         if not isinstance(v, int) or isinstance(v, bool) or v < low:
             raise ValueError(f"{name}={v!r}: must be an integer >= {low}")
-    if batch_size % stack.grad_accum_steps:
+    if batch_size % stack.fsdp_ranks:
+        raise ValueError(f"fsdp_ranks={stack.fsdp_ranks}: does not divide "
+                         f"batch_size={batch_size} (each rank takes a whole share)")
+    per_rank = batch_size // stack.fsdp_ranks
+    if per_rank % stack.grad_accum_steps:
         raise ValueError(f"grad_accum_steps={stack.grad_accum_steps}: does not divide "
-                         f"batch_size={batch_size}")
+                         f"{'batch_size' if stack.fsdp_ranks == 1 else 'the per-rank batch'}"
+                         f"={per_rank}")
     config = model_config(model)
     _check_seq_len(config, seq_len)
     device = torch.device(device)
@@ -238,17 +379,25 @@ def measure_step(model: Any, stack: Stack = Stack(), seq_len: int = 2048, batch_
         gc.collect()
         torch.cuda.empty_cache()
         before = (torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device))
+    with _process_group(stack.fsdp_ranks, fake):
+        return _measure(config, stack, seq_len, per_rank, device, fake, before)
+
+
+def _measure(config, stack: Stack, seq_len: int, per_rank: int, device: torch.device,
+             fake: bool, before: tuple[int, int]) -> MemoryReport:
     net, mode = build_model(config, stack, device, fake)
     opt = _optimizer(net, stack)
-    targets = batch_size * (seq_len - 1)
+    loss_fn = ChunkedCausalLMLoss(stack.chunked_loss) if stack.chunked_loss else None
+    targets = per_rank * (seq_len - 1)  # the global count over the ranks, as forward_backward asks
+    # FSDP's mixed-precision policy casts the weights; elsewhere bf16-mixed is autocast's
+    autocast = "fp32" if stack.fsdp_ranks > 1 else _AUTOCAST.get(stack.precision, "fp32")
     with mode or contextlib.nullcontext(), _unpacked_rows():
-        ids = torch.randint(0, config.vocab_size, (batch_size, seq_len), device=device)
+        ids = torch.randint(0, config.vocab_size, (per_rank, seq_len), device=device)
         batch = {"input_ids": ids, "labels": ids}
 
         def step() -> None:
-            forward_backward(net, batch, stack.grad_accum_steps,
-                             _AUTOCAST.get(stack.precision, "fp32"),
-                             num_target_tokens=targets)
+            forward_backward(net, batch, stack.grad_accum_steps, autocast,
+                             num_target_tokens=targets, loss_fn=loss_fn)
             optimizer_step(net, opt, max_grad_norm=None)
 
         step()  # optimizer states now exist, as in every step after the first
@@ -262,6 +411,13 @@ def measure_step(model: Any, stack: Stack = Stack(), seq_len: int = 2048, batch_
         report = measure_memory(step, net, opt, device)
     report.allocator_peak_bytes, report.allocator_reserved_bytes = allocated, reserved
     return report
+
+
+def real_rank_step(model: dict, stack: dict, seq_len: int, batch_size: int) -> dict[str, int]:
+    """This rank's categories of a real FSDP step (``measure_step(..., fake=False)``), with the
+    config and the stack as plain dicts: a target for ``distributed.launch``, whose ranks are
+    compared with the same step on a fake process group."""
+    return measure_step(model, Stack(**stack), seq_len, batch_size, fake=False).by_category
 
 
 def fake_vs_real(model: Any, stack: Stack, seq_len: int, batch_size: int = 1,

@@ -57,7 +57,8 @@ def mixed_precision_policy(precision: str = "fp32"):
 
 
 def shard_model(model: torch.nn.Module, precision: str = "fp32",
-                reshard_after_forward: bool = True) -> torch.nn.Module:
+                reshard_after_forward: bool = True, device_type: str | None = None
+                ) -> torch.nn.Module:
     """Apply ``fully_shard`` to every transformer block, then to the root (in place).
 
     Args:
@@ -65,6 +66,8 @@ def shard_model(model: torch.nn.Module, precision: str = "fp32",
         precision: compute precision of the mixed-precision policy ("fp32", "bf16", "fp16").
         reshard_after_forward: free gathered parameters after forward (ZeRO-3); False keeps them
             until backward (ZeRO-2-like: less communication, more memory).
+        device_type: the mesh's device type (default: the model's; a model built on the meta
+            device to be materialised afterwards, as ``fake_memory`` does, names its target).
 
     Returns:
         The same model, now an ``FSDPModule``.
@@ -83,7 +86,7 @@ def shard_model(model: torch.nn.Module, precision: str = "fp32",
     # The mesh follows the model's device. fully_shard's default mesh takes the accelerator
     # when one exists, so gloo ranks on the CPU of a GPU machine (one GPU, two ranks) would
     # otherwise shard onto CUDA through a CPU-only process group (seen: SIGSEGV on both ranks).
-    device_type = next(model.parameters()).device.type
+    device_type = device_type or next(model.parameters()).device.type
     mesh = init_device_mesh(device_type, (dist.get_world_size(),))
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)

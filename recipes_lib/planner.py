@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -31,19 +32,25 @@ def gpu_overhead(allocated_bytes: float) -> float:
     return CUDA_CONTEXT_BYTES + ALLOCATOR_RESERVE * allocated_bytes
 
 
-def _measured_stack(step: str, grad_accum_steps: int) -> Any:
+def _measured_stack(step: str, grad_accum_steps: int, gpus: int = 1) -> Any:
     """The stack measured on fake tensors for an escalation row (by its name), or why that row
     is not measured."""
     from recipes_lib.fake_memory import Stack
 
+    qlora = Stack(method="qlora", precision="bf16-mixed")  # the course's QLoRA, as under Trainer
     stacks = {"full fine-tune (bf16 + AdamW)": Stack(precision="bf16-mixed"),
+              "full fine-tune, 8-bit AdamW states": Stack(precision="bf16-mixed",
+                                                          optimizer="adamw-8bit"),
               "LoRA on a bf16 base": Stack(method="lora"),
-              "+ activation checkpointing": Stack(method="lora", checkpointing=True),
-              f"+ gradient accumulation (k={grad_accum_steps})": Stack(
-                  method="lora", checkpointing=True, grad_accum_steps=grad_accum_steps)}
-    reasons = {"8-bit": "8-bit states on fake tensors (bitsandbytes' kernels need real data)",
-               "NF4": "an NF4 base on fake tensors", "offload": "the host side of offload",
-               "FSDP": "FSDP ranks (a fake process group)"}
+              "QLoRA (NF4 base)": qlora,
+              "+ activation checkpointing": replace(qlora, checkpointing=True),
+              f"+ gradient accumulation (k={grad_accum_steps})": replace(
+                  qlora, checkpointing=True, grad_accum_steps=grad_accum_steps)}
+    if gpus > 1:  # rank 0 of a fake process group
+        stacks[f"full fine-tune, FSDP over {gpus} GPUs + checkpointing"] = Stack(
+            precision="bf16-mixed", checkpointing=True, fsdp_ranks=gpus)
+    reasons = {"offload": "the host side of offload (a fake trace runs on one device)",
+               "FSDP": "FSDP over one GPU is the full fine-tune"}
     if step in stacks:
         return stacks[step]
     why = next((v for k, v in reasons.items() if k in step), "no fake-tensor stack for it")
@@ -144,11 +151,13 @@ def plan(model: str, gpu_mem: str | float, seq_len: int = 2048, batch_size: int 
         from recipes_lib import fake_memory
 
         for row in rows:
-            stack = _measured_stack(row["step"], grad_accum_steps)
+            stack = _measured_stack(row["step"], grad_accum_steps, gpus)
             if isinstance(stack, str):
                 row["measured_stack"] = stack
                 continue
-            peak = fake_memory.measure_step(model, stack, seq_len, batch_size).peak_bytes
+            # every rank takes a whole share of the batch (the calculator's per-GPU batch)
+            batch = stack.fsdp_ranks * max(1, batch_size // stack.fsdp_ranks)
+            peak = fake_memory.measure_step(model, stack, seq_len, batch).peak_bytes
             row.update(measured_stack=stack.label, measured_GiB=peak / 2**30,
                        gpu_GiB=(peak + gpu_overhead(peak)) / 2**30,
                        measured_fits=peak + gpu_overhead(peak) <= budget)

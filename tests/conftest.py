@@ -35,6 +35,15 @@ def tiny_model_path():
     return build_tiny_model(progress=False)
 
 
+# FSDP steps run for real on the 2 ranks above, compared with fake ones (test_fake_memory.py)
+FSDP_FAKE_CONFIG = {"model_type": "llama", "vocab_size": 512, "hidden_size": 64,
+                    "intermediate_size": 176, "num_hidden_layers": 2, "num_attention_heads": 4,
+                    "num_key_value_heads": 2, "max_position_embeddings": 256}
+FSDP_FAKE_STACKS = [{"precision": "fp32", "fsdp_ranks": 2},
+                    {"precision": "bf16-mixed", "fsdp_ranks": 2, "checkpointing": True},
+                    {"method": "lora", "precision": "bf16-mixed", "fsdp_ranks": 2}]
+
+
 @pytest.fixture(scope="session")
 def sharded_runs(tiny_model_path, tmp_path_factory):
     """One torchrun job of 2 ranks (each start costs ~10 s here): DDP, FSDP (with a sharded
@@ -55,7 +64,10 @@ def sharded_runs(tiny_model_path, tmp_path_factory):
                        {"model_path": str(tiny_model_path), "steps": 2, "global_batch_size": 4}),
         "ring_attention": ("recipes_lib.context_parallel:check_against_dense", {"seq_len": 64}),
         "context_parallel": ("recipes_lib.context_parallel:compare_with_one_rank",
-                             {"seq_len": 256, "budget_mib": 12, "search_limit": 4096})},
+                             {"seq_len": 256, "budget_mib": 12, "search_limit": 4096}),
+        **{f"fake_memory_{i}": ("recipes_lib.fake_memory:real_rank_step", {
+            "model": FSDP_FAKE_CONFIG, "stack": stack, "seq_len": 64, "batch_size": 4})
+           for i, stack in enumerate(FSDP_FAKE_STACKS)}},
         verbose=False)
     assert list(runs)[:3] == ["ddp", "fsdp", "fsdp_qlora"] and all(len(r) == 2 for r in runs.values())
     single = fsdp.train_sharded(strategy="single", measure_repeats=0, **kw)

@@ -17,13 +17,36 @@ def config():
     Stack(precision="fp32"), Stack(precision="bf16"), Stack(precision="fp16"),
     Stack(precision="fp32", checkpointing=True), Stack(method="lora", precision="fp32"),
     Stack(method="lora", checkpointing=True), Stack(grad_accum_steps=2),
-    Stack(optimizer="sgd", precision="fp32"), Stack(precision="bf16-mixed")],
+    Stack(optimizer="sgd", precision="fp32"), Stack(precision="bf16-mixed"),
+    Stack(method="qlora", precision="bf16-mixed"),
+    Stack(method="qlora", precision="bf16", checkpointing=True),
+    Stack(optimizer="adamw-8bit", precision="bf16-mixed"),
+    Stack(chunked_loss=64, precision="fp32"),
+    Stack(method="qlora", precision="bf16-mixed", optimizer="adamw-8bit", checkpointing=True,
+          grad_accum_steps=2, chunked_loss=32)],
     ids=lambda s: s.label)
 def test_fake_step_equals_the_real_step_in_every_category(config, stack):
     r = fake_memory.fake_vs_real(config, stack, seq_len=128, batch_size=2)
     assert r["real"].peak_bytes > 0
     assert r["fake"].by_category == r["real"].by_category
     assert r["peak_ratio"] == 1.0
+
+
+def test_a_fake_fsdp_rank_equals_each_real_rank_in_every_category(sharded_runs):
+    from conftest import FSDP_FAKE_CONFIG, FSDP_FAKE_STACKS
+
+    for i, stack in enumerate(FSDP_FAKE_STACKS):
+        fake = fake_memory.measure_step(FSDP_FAKE_CONFIG, Stack(**stack), 64, 4)
+        for rank in sharded_runs[f"fake_memory_{i}"]:
+            assert rank == fake.by_category, stack
+
+
+def test_fsdp_shards_the_state_over_the_ranks(config):
+    one = fake_memory.measure_step(config, Stack(precision="fp32"), 64, 4)
+    four = fake_memory.measure_step(config, Stack(precision="fp32", fsdp_ranks=4), 64, 4)
+    assert four.by_category["optimizer"] * 4 == pytest.approx(one.by_category["optimizer"],
+                                                              rel=0.01)  # padding to 4 ranks
+    assert four.by_category["communication"] > 0  # all-gathered blocks
 
 
 def test_the_counted_states_are_what_the_stack_says(config):
@@ -38,6 +61,20 @@ def test_the_counted_states_are_what_the_stack_says(config):
                  if p.requires_grad]
     assert lora.by_category["optimizer"] == 8 * sum(p.numel() for p in trainable) + 4 * len(
         trainable)  # two fp32 moments, the adapters' only
+
+
+def test_fake_nf4_weights_hold_the_bytes_the_calculator_counts(config):
+    import bitsandbytes as bnb
+
+    model, _ = fake_memory.build_model(config, Stack(method="qlora", precision="bf16-mixed"), "cpu")
+    layers = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert len(layers) == 7 * config.num_hidden_layers  # every linear layer but the head
+    for layer in layers:
+        held = [layer.weight, *fake_memory.nf4_statistics(layer.weight.quant_state).values()]
+        assert sum(t.numel() * t.element_size() for t in held) == calc.nf4_tensor_bytes(
+            layer.out_features, layer.in_features)
+    head = model.get_base_model().lm_head
+    assert head.weight.dtype == torch.float32  # peft's kbit preparation, as under Trainer
 
 
 def test_a_preset_is_built_on_fake_tensors_without_its_memory():
@@ -65,10 +102,19 @@ def test_bad_inputs_name_the_parameter(config, tmp_path):
         fake_memory.measure_step(config, Stack(), 512, 1)
     with pytest.raises(ValueError, match="grad_accum_steps=2"):
         fake_memory.measure_step(config, Stack(grad_accum_steps=2), 64, 3)
-    for kw, name in (({"method": "qlora-full"}, "method"), ({"precision": "fp8"}, "precision"),
-                     ({"optimizer": "lion"}, "optimizer"), ({"grad_accum_steps": 0}, "grad_")):
+    with pytest.raises(ValueError, match="method='qlora-full'.*does not exist"):
+        Stack(method="qlora-full")
+    for kw, name in (({"method": "dora"}, "method"), ({"precision": "fp8"}, "precision"),
+                     ({"optimizer": "lion"}, "optimizer"), ({"grad_accum_steps": 0}, "grad_"),
+                     ({"chunked_loss": -1}, "chunked_loss")):
         with pytest.raises(ValueError, match=name):
             Stack(**kw)
+    with pytest.raises(ValueError, match="fsdp_ranks=4: does not divide batch_size=6"):
+        fake_memory.measure_step(config, Stack(fsdp_ranks=4), 64, 6)
+    with pytest.raises(ValueError, match="fsdp_ranks=2: a real run needs a process group"):
+        fake_memory.measure_step(config, Stack(fsdp_ranks=2), 64, 2, fake=False)
+    with pytest.raises(ValueError, match="method='qlora' with fsdp_ranks"):
+        Stack(method="qlora", fsdp_ranks=2)
     with pytest.raises(ValueError, match="batch_size=0"):
         fake_memory.measure_step(config, Stack(), 64, 0)
     assert torch.get_default_dtype() == torch.float32

@@ -77,13 +77,15 @@ def test_8bit_adamw_row_saves_three_quarters_of_the_moments():
 def test_measure_puts_a_fake_measurement_or_its_reason_beside_each_row(tmp_path, small_llama):
     small_llama.config.save_pretrained(tmp_path)
     result = planner.plan(str(tmp_path), "1GB", seq_len=64, batch_size=2, grad_accum_steps=2,
-                          measure=True)
+                          measure=True, gpus=2)
     measured = [r for r in result["rows"] if "measured_GiB" in r]
     assert [r["step"] for r in measured] == [
-        "full fine-tune (bf16 + AdamW)", "LoRA on a bf16 base", "+ activation checkpointing",
-        "+ gradient accumulation (k=2)"]
-    assert all(r["measured_stack"].startswith("not measured") for r in result["rows"]
-               if r not in measured)
+        "full fine-tune (bf16 + AdamW)", "full fine-tune, 8-bit AdamW states",
+        "LoRA on a bf16 base", "QLoRA (NF4 base)", "+ activation checkpointing",
+        "+ gradient accumulation (k=2)", "full fine-tune, FSDP over 2 GPUs + checkpointing"]
+    assert [r["measured_stack"] for r in result["rows"] if r not in measured] == [
+        "not measured: the host side of offload (a fake trace runs on one device)"]
+    assert "QLoRA" in measured[4]["measured_stack"]  # builds on the QLoRA row, as calc does
     for r in measured:
         assert r["gpu_GiB"] * 2**30 == pytest.approx(
             r["measured_GiB"] * 2**30 + planner.gpu_overhead(r["measured_GiB"] * 2**30))

@@ -9,7 +9,7 @@ Recipes (one module per idea; may import core and other recipes, never tooling):
     sparse_attention, curriculum, max_context, passkey, fp8, fake_memory, packing,
     context_parallel.
 Tooling (the command line and what it drives; may import anything):
-    __main__, notebooks, report, colab, planner, calc_validation.
+    __main__, notebooks, report, colab, planner, calc_validation, published, fit_form.
 
 ``tests/test_layers.py`` parses every module, function-local imports included, and fails on an
 import cycle or an import against these layers.

@@ -71,6 +71,8 @@ class Stack:
     lora_rank: int = 16
     chunked_loss: int = 0
     fsdp_ranks: int = 1
+    lora_targets: str | tuple[str, ...] = "all-linear"
+    lora_dropout: float = 0.0
 
     def __post_init__(self) -> None:
         if "qlora" in str(self.method) and "full" in str(self.method):
@@ -86,6 +88,13 @@ class Stack:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < low:
                 raise ValueError(f"{name}={v!r}: must be an integer >= {low}")
+        if not 0 <= self.lora_dropout < 1:
+            raise ValueError(f"lora_dropout={self.lora_dropout!r}: must be in [0, 1)")
+        if not isinstance(self.lora_targets, str) and not (
+                isinstance(self.lora_targets, tuple) and self.lora_targets
+                and all(isinstance(t, str) for t in self.lora_targets)):
+            raise ValueError(f"lora_targets={self.lora_targets!r}: 'all-linear' or a tuple of "
+                             "module names, e.g. ('q_proj', 'v_proj')")
         if self.fsdp_ranks > 1 and self.method == "qlora":
             raise ValueError("method='qlora' with fsdp_ranks > 1: bitsandbytes' packed weights "
                              "do not shard under FSDP2; the course's FSDP + QLoRA uses torchao's "
@@ -94,7 +103,8 @@ class Stack:
     @property
     def label(self) -> str:
         method = {"full": "full", "lora": "LoRA", "qlora": "QLoRA"}[self.method]
-        parts = [method if self.method == "full" else f"{method} r={self.lora_rank}",
+        targets = "" if self.lora_targets == "all-linear" else f" on {'+'.join(self.lora_targets)}"
+        parts = [method if self.method == "full" else f"{method} r={self.lora_rank}{targets}",
                  self.precision, self.optimizer]
         if self.checkpointing:
             parts.append("checkpointing")
@@ -175,8 +185,11 @@ def build_model(config, stack: Stack, device: torch.device | str, fake: bool = T
     if stack.method in ("lora", "qlora"):
         from peft import LoraConfig, get_peft_model
 
+        targets = stack.lora_targets if isinstance(stack.lora_targets, str) else list(
+            stack.lora_targets)
         model = get_peft_model(model, LoraConfig(r=stack.lora_rank, lora_alpha=2 * stack.lora_rank,
-                                                 target_modules="all-linear",
+                                                 target_modules=targets,
+                                                 lora_dropout=stack.lora_dropout,
                                                  task_type="CAUSAL_LM"))
     nf4_shapes = _packed_placeholders(model)
     if stack.fsdp_ranks > 1:  # sharded on meta; to_empty then gives each rank its shards only
@@ -332,9 +345,22 @@ def _optimizer(model: torch.nn.Module, stack: Stack):
     return make_optimizer(model, TrainConfig(lr=1e-4))  # the training loop's AdamW
 
 
+def _create_optimizer_states(model: torch.nn.Module, optimizer: Any) -> None:
+    """One optimizer step on zero gradients, then the gradients freed: the states a first
+    training step leaves behind, at half the cost of running that step (on fake tensors the
+    step's time is dispatch overhead, the same for both)."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    with torch.no_grad():
+        for p in trainable:
+            p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
 def measure_step(model: Any, stack: Stack = Stack(), seq_len: int = 2048, batch_size: int = 1,
                  device: torch.device | str = "cpu", fake: bool = True) -> MemoryReport:
-    """Peak memory of one training step (after a warm-up step, so optimizer states exist).
+    """Peak memory of one training step, optimizer states already created (as after a first
+    step).
 
     Args:
         model: a preset name (``calc.PRESETS``), a ``config.json`` path or a config.
@@ -400,7 +426,7 @@ def _measure(config, stack: Stack, seq_len: int, per_rank: int, device: torch.de
                              num_target_tokens=targets, loss_fn=loss_fn)
             optimizer_step(net, opt, max_grad_norm=None)
 
-        step()  # optimizer states now exist, as in every step after the first
+        _create_optimizer_states(net, opt)  # as they exist in every step after the first
         allocated = reserved = None
         if not fake and device.type == "cuda":
             # the allocator read first, on a step with no tracker: the tracker's hooks form
@@ -434,3 +460,42 @@ def fake_vs_real(model: Any, stack: Stack, seq_len: int, batch_size: int = 1,
     return {"fake": fake, "real": real, "peak_ratio": fake.peak_bytes / real.peak_bytes,
             "ratios": ratios}
 
+
+
+def fsdp_per_rank(model: Any, ranks: int, seq_len: int = 4096, micro_batch_size: int = 1,
+                  stack: Stack | None = None) -> dict[str, Any]:
+    """One rank's memory for a full fine-tune sharded with FSDP over ``ranks`` GPUs, measured on
+    fake tensors (rank 0 of a fake process group), beside the calculator's prediction.
+
+    Args:
+        model: a preset name, a ``config.json`` or a config.
+        ranks: the FSDP world size (>= 2).
+        seq_len, micro_batch_size: each rank's sequences.
+        stack: the recipes (default: bf16 mixed precision + checkpointing, AdamW: ZeRO-3's
+            16 bytes per parameter over ``ranks``).
+
+    Returns:
+        ``{"model", "ranks", "stack", "params_B", "<category>_GiB"..., "peak_GiB", "calc_GiB"
+        (``calc.data_parallel_bytes``), "optimizer_expected_GiB" (AdamW's two fp32 moments of
+        this rank's shards)}``.
+
+    Raises:
+        ValueError: for ``ranks`` < 2 (naming it) and what ``measure_step`` refuses.
+    """
+    if not isinstance(ranks, int) or isinstance(ranks, bool) or ranks < 2:
+        raise ValueError(f"ranks={ranks!r}: FSDP needs at least 2 ranks")
+    stack = stack or Stack(precision="bf16-mixed", checkpointing=True)
+    stack = Stack(**{**stack.__dict__, "fsdp_ranks": ranks})
+    config = model_config(model)
+    report = measure_step(config, stack, seq_len, ranks * micro_batch_size)
+    shape = calc.ModelShape.from_config(config.to_dict())
+    predicted = calc.data_parallel_bytes(shape, ranks, "fsdp", seq_len, micro_batch_size)
+    n = calc.param_count(shape)["total"]
+    name = Path(str(model)).name if isinstance(model, (str, Path)) else config.model_type
+    row = {"model": name, "ranks": ranks,
+           "stack": stack.label, "params_B": n / 1e9}
+    row.update({f"{k}_GiB": v / 2**30 for k, v in report.by_category.items() if v})
+    row.update(peak_GiB=report.peak_bytes / 2**30,
+               calc_GiB=predicted["gpu_total"] / 2**30,
+               optimizer_expected_GiB=8 * n / ranks / 2**30)
+    return row

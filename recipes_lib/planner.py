@@ -166,55 +166,80 @@ def plan(model: str, gpu_mem: str | float, seq_len: int = 2048, batch_size: int 
     return out
 
 
-def max_context(model: str, gpu_mem: str | float, stack: Any = None, batch_size: int = 1,
-                step: int = 256, limit: int | None = None) -> dict[str, Any]:
+def max_context(model: str, gpu_mem: str | float | list, stack: Any = None, batch_size: int = 1,
+                step: int = 256, limit: int | None = None) -> dict[str, Any] | list[dict[str, Any]]:
     """The longest sequence whose training step fits ``gpu_mem``, by measurement: a search over
-    fake-tensor steps (``fake_memory.measure_step``, each peak plus ``gpu_overhead``) that
-    doubles the length until it no longer fits, then bisects.
+    fake-tensor steps (``fake_memory.measure_step``, each peak plus ``gpu_overhead``).
+
+    A step's memory grows almost linearly with its length (flash-style attention saves O(s)), so
+    the search interpolates: it measures two lengths, extrapolates to the budget, then narrows
+    the bracket between the longest length that fit and the shortest that did not by linear
+    interpolation (bisecting when that stalls) until they are one ``step`` apart. Several budgets
+    share their measurements. Every reported length was measured to fit and ``step`` more was
+    measured not to (or is the model's limit).
 
     Args:
         model: a preset name or a ``config.json``.
-        gpu_mem: memory of one GPU.
+        gpu_mem: memory of one GPU, or a list of them (one result each).
         stack: the recipes (default: LoRA + checkpointing in bf16).
         batch_size: sequences per step.
         step: the search's granularity in tokens.
         limit: the longest length tried (default: the model's positions).
 
     Returns:
-        ``{"max_seq_len", "gpu_GiB" (at that length), "tries": [(seq_len, gpu_GiB)]}``;
-        ``max_seq_len`` is 0 when not even ``step`` tokens fit.
+        ``{"max_seq_len", "gpu_GiB" (at that length), "tries": [(seq_len, gpu_GiB)], "stack",
+        "budget_GiB"}`` (a list of them for a list of budgets); ``max_seq_len`` is 0 when not
+        even ``step`` tokens fit.
+
+    Example:
+        >>> max_context("Llama-3.1-8B", "24GB")["max_seq_len"]  # doctest: +SKIP
     """
     from recipes_lib import fake_memory
 
     stack = stack or fake_memory.Stack(method="lora", checkpointing=True)
-    budget = parse_bytes(gpu_mem)
+    budgets = [parse_bytes(g) for g in (gpu_mem if isinstance(gpu_mem, (list, tuple))
+                                        else [gpu_mem])]
     config = fake_memory.model_config(model)
     top = (limit or config.max_position_embeddings) // step
-    tries: list[tuple[int, float]] = []
+    need: dict[int, float] = {}  # length in steps -> bytes on the GPU
 
-    def need(n: int) -> float:
+    def measure(n: int) -> None:
         peak = fake_memory.measure_step(config, stack, n * step, batch_size).peak_bytes
-        tries.append((n * step, (peak + gpu_overhead(peak)) / 2**30))
-        return peak + gpu_overhead(peak)
+        need[n] = peak + gpu_overhead(peak)
 
-    # gallop up from one step (lengths that fit are usually far below the model's positions),
-    # then bisect between the last length that fit and the first that did not
-    lo, hi, best, n = 0, top, 0.0, 1
-    while n <= top:
-        used = need(n)
-        if used > budget:
-            hi = n - 1
-            break
-        lo, best, n = n, used, 2 * n
-    while lo < hi:  # invariant: lo * step fits (or lo == 0); above hi * step nothing fits
-        mid = (lo + hi + 1) // 2
-        used = need(mid)
-        if used <= budget:
-            lo, best = mid, used
-        else:
-            hi = mid - 1
-    return {"max_seq_len": lo * step, "gpu_GiB": best / 2**30, "tries": tries,
-            "stack": stack.label}
+    def longest(budget: float) -> int:
+        stalls = 0
+        while True:
+            lo = max((n for n, v in need.items() if v <= budget), default=0)
+            hi = min((n for n, v in need.items() if v > budget), default=top + 1)
+            if hi - lo <= 1 or lo >= top:
+                return min(lo, top)
+            if not need:
+                guess = 1
+            elif len(need) == 1:
+                guess = min(top, 8 * next(iter(need)))
+            else:  # the secant through the bracket's ends, or the two points nearest it
+                pts = sorted(need)
+                a, b = ((lo, hi) if lo and hi <= top else (pts[-2], pts[-1]) if hi > top
+                        else (pts[0], pts[1]))
+                slope = (need[b] - need[a]) / (b - a)
+                guess = int(a + (budget - need[a]) / slope) if slope > 0 else 2 * max(lo, 1)
+                if stalls >= 2:  # interpolation creeps along one side: halve the bracket
+                    guess, stalls = (lo + hi) // 2, 0
+            guess = max(lo + 1, min(hi - 1, guess))
+            width = hi - lo
+            measure(guess)
+            new_lo = max((n for n, v in need.items() if v <= budget), default=0)
+            new_hi = min((n for n, v in need.items() if v > budget), default=top + 1)
+            stalls = stalls + 1 if (new_hi - new_lo) * 2 > width else 0
+
+    out = []
+    for budget in budgets:
+        n = longest(budget)
+        out.append({"max_seq_len": n * step, "gpu_GiB": need.get(n, 0.0) / 2**30,
+                    "budget_GiB": budget / 2**30, "stack": stack.label,
+                    "tries": [(k * step, v / 2**30) for k, v in need.items()]})
+    return out if isinstance(gpu_mem, (list, tuple)) else out[0]
 
 
 def format_plan(result: dict[str, Any]) -> str:

@@ -1,0 +1,109 @@
+"""Will it fit? A small form for notebook 01: a model, a GPU, a length and the recipes in, one
+training step measured on fake tensors out, as a chart of its anatomy and a verdict.
+
+The HF Ultra-Scale Playbook's memory widget computes from formulas; this one measures
+(``fake_memory.measure_step``), then adds the modelled GPU overhead (``planner.gpu_overhead``)
+as its own bar. In JupyterLab and Colab the form is interactive; headless runs (papermill,
+nbval) call :func:`verdict` with the parameters cell's values instead.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from recipes_lib import calc, planner
+from recipes_lib.fake_memory import METHODS, Stack, measure_step
+from recipes_lib.memory import MemoryReport
+
+
+def make_stack(method: str = "qlora", checkpointing: bool = True, adamw_8bit: bool = False,
+               chunked_loss: int = 0, precision: str = "bf16-mixed") -> Stack:
+    """The form's toggles as a ``fake_memory.Stack`` (errors name the field)."""
+    return Stack(method=method, precision=precision, checkpointing=checkpointing,
+                 optimizer="adamw-8bit" if adamw_8bit else "adamw", chunked_loss=chunked_loss)
+
+
+def verdict(model: str, gpu_mem: str | float, seq_len: int, batch_size: int,
+            stack: Stack) -> dict[str, Any]:
+    """Measure one step and say whether it fits one GPU of ``gpu_mem``.
+
+    Returns:
+        ``{"report", "overhead_bytes", "need_bytes", "budget_bytes", "fits", "text"}``.
+
+    Raises:
+        ValueError: naming the parameter, for what ``fake_memory`` or ``planner.parse_bytes``
+            refuse.
+    """
+    budget = planner.parse_bytes(gpu_mem)
+    report = measure_step(model, stack, seq_len, batch_size)
+    overhead = planner.gpu_overhead(report.peak_bytes)
+    need = report.peak_bytes + overhead
+    fits = need <= budget
+    text = (f"{model}, {seq_len} x {batch_size} tokens, {stack.label}: "
+            f"{need / 2**30:.1f} GiB on the GPU ({report.peak_bytes / 2**30:.1f} measured + "
+            f"{overhead / 2**30:.1f} modelled overhead) of {budget / 2**30:.1f} GiB: "
+            f"{'fits' if fits else 'does NOT fit'}")
+    return {"report": report, "overhead_bytes": overhead, "need_bytes": need,
+            "budget_bytes": budget, "fits": fits, "text": text}
+
+
+def plot_verdict(result: dict[str, Any], title: str = "One training step, fake tensors"):
+    """The step's anatomy (GiB) with the modelled overhead on top and the GPU's size as a
+    line."""
+    from recipes_lib.compare import plot_memory_breakdown
+
+    report = result["report"]
+    shown = MemoryReport(report.peak_bytes, {**report.by_category,
+                                             "other": report.by_category.get("other", 0)
+                                             + int(result["overhead_bytes"])})
+    fig = plot_memory_breakdown({"this step\n(+ overhead as other)": shown}, title, unit=2**30)
+    ax = fig.axes[0]
+    ax.axhline(result["budget_bytes"] / 2**30, color="black", linestyle="--", label="GPU")
+    ax.legend(fontsize=8)
+    return fig
+
+
+def form(model: str = "Llama-3.1-8B", gpu_mem: str = "24GB", seq_len: int = 2048,
+         batch_size: int = 1):
+    """The interactive form (ipywidgets): fields, toggles, a Measure button and an output area
+    that shows the verdict and the chart, or the error for a bad field."""
+    import ipywidgets as w
+    import matplotlib.pyplot as plt
+    from IPython.display import display
+
+    fields = {
+        "model": w.Combobox(value=model, options=list(calc.PRESETS),
+                            description="model", placeholder="preset or config.json path"),
+        "gpu_mem": w.Text(value=str(gpu_mem), description="GPU memory"),
+        "seq_len": w.IntText(value=seq_len, description="sequence"),
+        "batch_size": w.IntText(value=batch_size, description="batch"),
+        "method": w.Dropdown(options=list(METHODS), value="qlora", description="method"),
+        "checkpointing": w.Checkbox(value=True, description="activation checkpointing"),
+        "adamw_8bit": w.Checkbox(value=False, description="8-bit AdamW"),
+        "chunked": w.Checkbox(value=False, description="chunked cross-entropy"),
+    }
+    button = w.Button(description="Measure", button_style="primary")
+    out = w.Output()
+
+    def run(_=None) -> str:
+        out.clear_output()
+        with out:
+            try:
+                stack = make_stack(fields["method"].value, fields["checkpointing"].value,
+                                   fields["adamw_8bit"].value,
+                                   1024 if fields["chunked"].value else 0)
+                result = verdict(fields["model"].value, fields["gpu_mem"].value,
+                                 fields["seq_len"].value, fields["batch_size"].value, stack)
+            except ValueError as err:
+                print(f"error: {err}")
+                return f"error: {err}"
+            print(result["text"])
+            fig = plot_verdict(result)
+            display(fig)
+            plt.close(fig)
+            return result["text"]
+
+    button.on_click(run)
+    box = w.VBox([*fields.values(), button, out])
+    box.run = run  # what a click does, returning the text shown (headless use and tests)
+    return box

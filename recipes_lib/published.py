@@ -1,0 +1,165 @@
+"""Our fake-tensor predictions beside GPU memory figures other people published.
+
+Each row is a figure as its source states it (model, recipe stack, batch, GPU memory) and the
+source's address. ``predict`` measures the same configuration on fake tensors
+(``fake_memory.measure_step``, or ``planner.max_context`` for "longest context that fits"
+figures) and adds ``planner.gpu_overhead``, the modelled CUDA context and allocator reserve;
+``record`` writes each pair to a results file (recipe ``published``: value = our prediction,
+baseline = the published figure). A row is met when the prediction is within ``TOLERANCE`` of
+the figure; a row that misses stays in the table with the reason found.
+
+GPU sizes are read as the cards report them (an "80GB" A100 has 80 GiB), which is an assumption
+where the source does not say how it capped memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from recipes_lib import planner
+from recipes_lib.fake_memory import Stack
+
+TOLERANCE = 0.15
+KINDS = ("max_context", "peak")
+READS = ("allocated", "reserved")  # what a peak figure is: the trace's, or a whole card's share
+
+UNSLOTH_README = ("https://github.com/unslothai/unsloth (README: Llama 3.1 (8B) max. context "
+                  "length)")
+UNSLOTH_LLAMA33 = "https://unsloth.ai/blog/llama3-3 (Llama 3.3 (70B) max. context length)"
+LITGPT = ("https://github.com/Lightning-AI/litgpt/blob/main/tutorials/resource-tables.md "
+          "(Finetuning with LoRA on 1 GPU, A100 40GB)")
+TORCHTITAN = ("https://github.com/pytorch/torchtitan/blob/main/benchmarks/"
+              "llama3_h100_202412_torchtitan.md (Table 2)")
+
+# Unsloth: "4bit QLoRA on all linear layers (Q, K, V, O, gate, up and down) with rank = 32 with
+# a batch size of 1 ... padded all sequences to a certain maximum sequence length"; its
+# "Hugging Face + FA2" column is transformers + peft + bitsandbytes with gradient checkpointing:
+# the course's QLoRA under Trainer (bf16=True, peft's k-bit preparation).
+_HF_QLORA = Stack(method="qlora", precision="bf16-mixed", checkpointing=True, lora_rank=32)
+# litgpt (October 2023): --precision bf16-true, LoRA r=8 on the query and value projections
+# (4,194,304 trainable parameters for Llama 2 7B), dropout 0.05, no activation checkpointing;
+# "Max GPU RAM" is torch.cuda.max_memory_allocated() / 1e9 at the longest Alpaca example,
+# 1304 tokens with the Llama 2 tokenizer.
+_LITGPT = {"precision": "bf16", "lora_rank": 8, "lora_targets": ("q_proj", "v_proj"),
+           "lora_dropout": 0.05}
+
+
+@dataclass(frozen=True)
+class Figure:
+    """One published figure and the configuration its source states.
+
+    ``kind="max_context"``: the longest sequence that fits ``gpu_mem`` (tokens).
+    ``kind="peak"``: a training step's peak memory at ``seq_len`` x ``batch_size``, in units of
+    ``unit_bytes`` (1e9 for "GB" as ``max_memory_allocated() / 1e9``; 2**30 for GiB);
+    ``reads="allocated"`` compares it with the trace's peak, ``"reserved"`` with the trace plus
+    ``planner.gpu_overhead``.
+    """
+
+    source: str
+    row: str
+    model: str
+    stack: Stack
+    kind: str
+    published: float
+    config: str
+    gpu_mem: str | None = None
+    seq_len: int = 0
+    batch_size: int = 1
+    reads: str = "reserved"
+    unit_bytes: float = 2**30
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"kind={self.kind!r}: expected one of {KINDS}")
+        if self.reads not in READS:
+            raise ValueError(f"reads={self.reads!r}: expected one of {READS}")
+        if self.kind == "max_context" and not self.gpu_mem:
+            raise ValueError(f"gpu_mem: a max_context figure ({self.row}) needs the card's memory")
+        if self.kind == "peak" and self.seq_len < 1:
+            raise ValueError(f"seq_len={self.seq_len}: a peak figure ({self.row}) needs it")
+
+
+FIGURES = [
+    *(Figure(UNSLOTH_README, f"Llama-3.1-8B QLoRA r=32, HF + FA2, longest context on {gb} GB",
+             "Llama-3.1-8B", _HF_QLORA, "max_context", tokens, gpu_mem=f"{gb}GiB",
+             config="4-bit QLoRA on all linear layers, rank 32, batch 1, padded sequences; "
+                    "GB read as the card's GiB")
+      for gb, tokens in ((12, 932), (16, 2551), (24, 5789), (40, 12264), (48, 15502),
+                         (80, 28454))),
+    Figure(UNSLOTH_LLAMA33, "Llama-3.3-70B QLoRA r=32, HF + FA2, longest context on 80 GB",
+           "Llama-3.1-70B", _HF_QLORA, "max_context", 6916, gpu_mem="80GiB",
+           config="4-bit QLoRA on all linear layers, rank 32, batch 1, A100 80GB (Llama 3.3 "
+                  "70B has Llama 3.1 70B's shape)"),
+    *(Figure(LITGPT, f"{model} LoRA{' ' + q if q else ''}, micro-batch {b}", model,
+             Stack(method="qlora" if q else "lora", **_LITGPT), "peak", gb,
+             config=f"bf16-true, LoRA r=8 on q and v, micro-batch {b}, longest example 1304 "
+                    f"tokens{', quantize ' + q if q else ''}; lm_head stays 16-bit here",
+             seq_len=1304, batch_size=b, reads="allocated", unit_bytes=1e9)
+      for model, q, b, gb in (("Llama-2-7B", "", 1, 21.30), ("Llama-2-7B", "", 2, 29.07),
+                              ("Llama-2-7B", "bnb.nf4-dq", 1, 13.84),
+                              ("Llama-2-13B", "", 1, 38.12),
+                              ("Llama-2-13B", "bnb.nf4-dq", 1, 22.55))),
+    Figure(TORCHTITAN, "Llama-3.1-8B FSDP 8, 32768 tokens, full AC", "Llama-3.1-8B",
+           Stack(precision="bf16-mixed", checkpointing=True, fsdp_ranks=8), "peak", 83.9,
+           config="FSDP over 8 H100s, local batch 1, sequence 32768, full activation "
+                  "checkpointing, fp32 master weights; torch.compile + Float8 (not modelled "
+                  "here: bf16 eager); memory is torchtitan's max reserved, GiB",
+           seq_len=32768, batch_size=8, reads="reserved"),
+]
+
+
+def predict(figures: list[Figure] = FIGURES, step: int = 64) -> list[dict[str, Any]]:
+    """Our prediction for each figure, measured on fake tensors: rows that ask for the longest
+    context of the same model and stack share one search (``planner.max_context``).
+
+    Returns:
+        One dict per figure: its fields, ``predicted``, ``error`` (predicted / published - 1)
+        and ``met`` (within ``TOLERANCE``).
+    """
+    from recipes_lib import fake_memory
+
+    predicted: dict[int, float] = {}
+    groups: dict[tuple, list[int]] = {}
+    for i, f in enumerate(figures):
+        if f.kind == "max_context":
+            groups.setdefault((f.model, f.stack, f.batch_size), []).append(i)
+            continue
+        peak = fake_memory.measure_step(f.model, f.stack, f.seq_len, f.batch_size).peak_bytes
+        if f.reads == "reserved":
+            peak += planner.gpu_overhead(peak)
+        predicted[i] = peak / f.unit_bytes
+    for (model, stack, batch), rows in groups.items():
+        found = planner.max_context(model, [figures[i].gpu_mem for i in rows], stack, batch,
+                                    step=step)
+        for i, r in zip(rows, found):
+            predicted[i] = float(r["max_seq_len"])
+    out = []
+    for i, f in enumerate(figures):
+        error = predicted[i] / f.published - 1
+        unit = ("tokens" if f.kind == "max_context" else
+                "GB" if f.unit_bytes == 1e9 else "GiB") + (
+                    f" ({f.reads})" if f.kind == "peak" else "")
+        out.append({"source": f.source, "row": f.row, "kind": f.kind, "config": f.config,
+                    "unit": unit, "published": f.published, "predicted": predicted[i],
+                    "error": error, "met": abs(error) <= TOLERANCE, "stack": f.stack.label})
+    return out
+
+
+def record(results: Any, rows: list[dict[str, Any]]) -> None:
+    """Write each row to ``results`` as recipe ``published`` (value = our prediction, baseline =
+    the published figure; the unit names the source's address)."""
+    for r in rows:
+        results.add("published", r["row"], r["predicted"], baseline=r["published"],
+                    unit=f"{r['unit']}; {r['source']}; measured stack: {r['stack']}")
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    """The rows as a plain-text table, misses marked."""
+    lines = [f"{'published figure':<66} {'published':>10} {'ours':>10} {'error':>7}"]
+    for r in rows:
+        digits = 0 if r["kind"] == "max_context" else 2
+        lines.append(f"{r['row']:<66} {r['published']:>10,.{digits}f} "
+                     f"{r['predicted']:>10,.{digits}f} {r['error']:>+7.1%}"
+                     f"{'' if r['met'] else '  MISSED'}")
+    return "\n".join(lines)

@@ -1,0 +1,42 @@
+import pytest
+
+from recipes_lib import fit_form
+
+
+@pytest.fixture(scope="module")
+def config_dir(tmp_path_factory):
+    from transformers import LlamaConfig
+
+    path = tmp_path_factory.mktemp("cfg")
+    LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2,
+                max_position_embeddings=256).save_pretrained(path)
+    return str(path)
+
+
+def test_the_verdict_is_the_measured_step_plus_the_modelled_overhead(config_dir):
+    from recipes_lib import fake_memory, planner
+
+    stack = fit_form.make_stack("lora", checkpointing=True)
+    small = fit_form.verdict(config_dir, "0.5GiB", 128, 2, stack)  # the CUDA context alone
+    peak = fake_memory.measure_step(config_dir, stack, 128, 2).peak_bytes
+    assert small["need_bytes"] == peak + planner.gpu_overhead(peak)
+    assert not small["fits"] and "does NOT fit" in small["text"]
+    assert fit_form.verdict(config_dir, "1GiB", 128, 2, stack)["fits"]
+    fig = fit_form.plot_verdict(small)
+    assert fig.axes[0].get_ylabel() == "GiB at peak"
+
+
+def test_the_form_measures_on_click_and_shows_bad_input_as_an_error(config_dir):
+    pytest.importorskip("ipywidgets")
+    box = fit_form.form(config_dir, "1GiB", 64, 1)
+    assert box.run().endswith(": fits")
+    box.children[1].value = "lots"  # GPU memory
+    assert box.run().startswith("error: gpu_mem='lots'")
+
+
+def test_bad_toggles_name_the_field():
+    with pytest.raises(ValueError, match="method='dora'"):
+        fit_form.make_stack("dora")
+    with pytest.raises(ValueError, match="chunked_loss=-1"):
+        fit_form.make_stack(chunked_loss=-1)

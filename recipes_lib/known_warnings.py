@@ -17,6 +17,9 @@ LOG_NOISE = (
     ("torchao", "Failed to load"),
     # torchao registers Enums with pytree, which torch now supports natively
     ("torch.utils._pytree", "is an Enum subclass"),
+    # bitsandbytes looks for an optional fused CPU 4-bit kernel package; the course keeps 4-bit
+    # layers on the plain dequantize + matmul path anyway (model.keep_4bit_compute_dtype)
+    ("bitsandbytes.backends.cpu.ops", "Failed to load CPU gemm_4bit_forward"),
 )
 # (module regex, message regex, category): raised through the warnings module
 WARNING_NOISE = (

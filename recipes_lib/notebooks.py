@@ -19,12 +19,18 @@ NOTEBOOKS = ROOT / "notebooks"
 EXECUTED = NOTEBOOKS / "executed"
 # The parameters cells' defaults are the test size: every claim checked, within the suite's
 # time budget. `make run` and `make bench` scale up only what a speed figure needs to be
-# reliable or complete (more timed repeats, one more point in a sweep, the compiled kernel);
-# correctness and memory claims are the same at both sizes. A `-p NAME VALUE` wins over these.
+# reliable or complete (more timed repeats, one more point in a sweep, the compiled kernel) and
+# the real-size models measured on fake tensors (seconds each, minutes in all); correctness and
+# memory claims are the same at both sizes. A `-p NAME VALUE` wins over these.
 REFERENCE_SIZE: dict[str, dict[str, Any]] = {
     "01_large_models_limited_hardware": {"TIME_REPEATS": 5,
-                                         "CKPT_SWEEP_WIDTHS": (64, 256, 512, 1024)},
-    "02_multi_gpu_training": {"LOADER_STEPS": 6, "LATENCY_SWEEP_MS": (50,), "PACK_REPEATS": 3},
+                                         "CKPT_SWEEP_WIDTHS": (64, 256, 512, 1024),
+                                         "REAL_ESCALATION": True},
+    "02_multi_gpu_training": {"LOADER_STEPS": 6, "LATENCY_SWEEP_MS": (50,), "PACK_REPEATS": 3,
+                              "FSDP_FAKE_MODELS": ("Llama-3.1-8B", "Llama-3.1-70B"),
+                              "FSDP_FAKE_SEQ": 4096},
+    "04_training_long_sequences": {"REAL_CONTEXT_MODEL": "Llama-3.1-8B",
+                                   "REAL_CONTEXT_GPUS": ("24GiB", "80GiB")},
     "03_optimizing_inference_speed": {"LATENCY_REPEATS": 15, "COMPILE_RMSNORM": True,
                                       "ATTN_SEQ_LENS": (256, 512, 1024, 2048, 4096)},
 }

@@ -53,3 +53,17 @@ def test_bad_figures_name_the_field():
     with pytest.raises(ValueError, match="reads='peak'"):
         published.Figure("https://x", "r", "Llama-2-7B", Stack(), "peak", 1, config="c",
                          seq_len=8, reads="peak")
+
+
+def test_the_readme_table_shows_each_miss_with_its_reason():
+    rows = [{"source": published.UNSLOTH_README, "row": "r1", "kind": "max_context",
+             "config": "c", "unit": "tokens", "published": 932, "predicted": 320,
+             "error": 320 / 932 - 1, "met": False, "stack": "s", "alternative": 1920.0,
+             "alternative_stack": "t", "reason": published.REASONS[published.UNSLOTH_README]},
+            {"source": published.LITGPT, "row": "r2", "kind": "peak", "config": "c",
+             "unit": "GB (allocated)", "published": 21.3, "predicted": 22.3, "error": 0.047,
+             "met": True, "stack": "s", "alternative": None, "alternative_stack": None}]
+    table = published.markdown_table(rows)
+    assert "| 932 tokens | 320 | 1,920 | -65.7% | MISSED: The source's words" in table
+    assert "| 21.30 GB (allocated) | 22.30 |  | +4.7% | met |" in table
+    assert published.REASONS.keys() <= {f.source for f in published.FIGURES}

@@ -426,7 +426,10 @@ def _measure(config, stack: Stack, seq_len: int, per_rank: int, device: torch.de
                              num_target_tokens=targets, loss_fn=loss_fn)
             optimizer_step(net, opt, max_grad_norm=None)
 
-        _create_optimizer_states(net, opt)  # as they exist in every step after the first
+        if stack.fsdp_ranks > 1:  # FSDP2's first iteration records the order it prefetches by
+            step()
+        else:  # the optimizer states, as they exist in every step after the first
+            _create_optimizer_states(net, opt)
         allocated = reserved = None
         if not fake and device.type == "cuda":
             # the allocator read first, on a step with no tracker: the tracker's hooks form

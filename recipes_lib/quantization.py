@@ -157,7 +157,9 @@ def reload_adapter(base_path: str | Path, adapter_dir: str | Path, quantization_
     """Load the base again, attach a saved adapter; optionally merge it into the weights.
 
     ``device`` is where the base is loaded (None: the CPU); use the trained model's device to
-    compare their outputs.
+    compare their outputs. A 4-bit base gets the k-bit preparation ``add_lora`` gave it for
+    training (fp32 norms, embeddings and head), so the reloaded adapter computes exactly what
+    the trained model did.
 
     Merging into 4-bit weights would re-quantize them (lossy), so with ``merge=True`` a 4-bit
     base is first dequantized to ``dtype`` and the adapter merged into those dense weights: the
@@ -168,6 +170,12 @@ def reload_adapter(base_path: str | Path, adapter_dir: str | Path, quantization_
     from recipes_lib.model import load_model
 
     base = load_model(base_path, dtype=dtype, quantization_config=quantization_config, device=device)
+    if quantization_config is not None and not merge:
+        # the base as ``add_lora`` trained it: peft's k-bit preparation keeps the norms, the
+        # embeddings and the head in fp32, so the reloaded model computes what the trained one did
+        from peft import prepare_model_for_kbit_training
+
+        base = prepare_model_for_kbit_training(base, use_gradient_checkpointing=False)
     if merge and quantization_config is not None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

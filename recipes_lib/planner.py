@@ -247,6 +247,34 @@ def max_context(model: str, gpu_mem: str | float | list, stack: Any = None, batc
     return out if isinstance(gpu_mem, (list, tuple)) else out[0]
 
 
+def max_context_per_step(model: str, gpu_mem: str | float, batch_size: int = 1,
+                         grad_accum_steps: int | None = None, gpus: int = 1, step: int = 256
+                         ) -> list[dict[str, Any]]:
+    """The longest sequence that fits ``gpu_mem`` under each escalation step's measured stack
+    (``max_context`` per stack; rows with the same stack share one search).
+
+    Returns:
+        One dict per escalation row: ``step``, ``stack`` and ``max_seq_len`` / ``gpu_GiB`` /
+        ``tries`` (or ``measured_stack``: why the row is not measured).
+    """
+    if grad_accum_steps is None:
+        grad_accum_steps = max(k for k in range(1, 5) if batch_size % k == 0)
+    steps = [r["step"] for r in plan(model, gpu_mem, 2048, batch_size, gpus,
+                                       grad_accum_steps)["rows"]]
+    found: dict[Any, dict[str, Any]] = {}
+    out = []
+    for name in steps:
+        stack = _measured_stack(name, grad_accum_steps, gpus)
+        if isinstance(stack, str):
+            out.append({"step": name, "measured_stack": stack})
+            continue
+        if stack not in found:
+            batch = stack.fsdp_ranks * max(1, batch_size // stack.fsdp_ranks)
+            found[stack] = max_context(model, gpu_mem, stack, batch, step)
+        out.append({"step": name, **found[stack]})
+    return out
+
+
 def format_plan(result: dict[str, Any]) -> str:
     """The plan as a plain-text table."""
     lines = [(f"{result['model']}: {result['params_B']:.2f} B parameters, "

@@ -108,3 +108,26 @@ def test_max_context_is_the_longest_measured_length_within_the_budget(tmp_path, 
     assert 64 <= found["max_seq_len"] < 128
     assert need(found["max_seq_len"]) <= need(64) < need(found["max_seq_len"] + 16)
     assert planner.max_context(str(tmp_path), "0.4GiB", stack, step=16)["max_seq_len"] == 0
+
+
+def test_max_context_per_step_searches_each_measured_stack_once(tmp_path, small_llama,
+                                                                 monkeypatch):
+    small_llama.config.save_pretrained(tmp_path)
+    searched = []
+    real = planner.max_context
+
+    def counting(model, gpu_mem, stack, batch_size, step):
+        searched.append(stack)
+        return real(model, gpu_mem, stack, batch_size, step=step)
+    monkeypatch.setattr(planner, "max_context", counting)
+    rows = planner.max_context_per_step(str(tmp_path), "0.6GiB", batch_size=1, step=16)
+    by_step = {r["step"]: r for r in rows}
+    assert by_step["full fine-tune, FSDP over 1 GPUs + checkpointing"]["measured_stack"] \
+        .startswith("not measured")
+    # with batch 1, accumulation k=1 is the checkpointing row's stack: searched once
+    assert by_step["+ gradient accumulation (k=1)"] is not by_step["+ activation checkpointing"]
+    assert by_step["+ gradient accumulation (k=1)"]["tries"] is \
+        by_step["+ activation checkpointing"]["tries"]
+    assert len(searched) == len(set(searched)) == 6  # 8 rows, FSDP not measured, k=1 shared
+    lengths = [r["max_seq_len"] for r in rows if "tries" in r]
+    assert all(0 <= n <= small_llama.config.max_position_embeddings for n in lengths)

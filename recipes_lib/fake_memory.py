@@ -36,6 +36,7 @@ from recipes_lib.grad_accumulation import forward_backward
 from recipes_lib.memory import MemoryReport, allocator_peak, measure_memory
 from recipes_lib.offload import CPUOffloadOptimizer
 from recipes_lib.optim8bit import make_adamw_8bit
+from recipes_lib.quantization import nf4_config, require_bitsandbytes
 from recipes_lib.train import TrainConfig, make_optimizer, optimizer_step
 
 METHODS = ("full", "lora", "qlora")
@@ -75,6 +76,7 @@ class Stack:
     lora_targets: str | tuple[str, ...] = "all-linear"
     lora_dropout: float = 0.0
     offload_optimizer: bool = False
+    offload_activations: bool = False
 
     def __post_init__(self) -> None:
         if "qlora" in str(self.method) and "full" in str(self.method):
@@ -101,6 +103,9 @@ class Stack:
             raise ValueError("offload_optimizer=True: the course offloads AdamW or SGD states of "
                              "one device (offload.CPUOffloadOptimizer); with FSDP use its "
                              "CPUOffloadPolicy, and 8-bit states are not offloaded")
+        if self.offload_activations and self.fsdp_ranks > 1:
+            raise ValueError("offload_activations=True with fsdp_ranks > 1: not measured here "
+                             "(one device's saved tensors go to its host)")
         if self.fsdp_ranks > 1 and self.method == "qlora":
             raise ValueError("method='qlora' with fsdp_ranks > 1: bitsandbytes' packed weights "
                              "do not shard under FSDP2; the course's FSDP + QLoRA uses torchao's "
@@ -122,6 +127,8 @@ class Stack:
             parts.append(f"FSDP over {self.fsdp_ranks} ranks")
         if self.offload_optimizer:
             parts.append("optimizer offloaded")
+        if self.offload_activations:
+            parts.append("activations offloaded")
         return ", ".join(parts)
 
 
@@ -227,9 +234,8 @@ def build_model(config, stack: Stack, device: torch.device | str, fake: bool = T
 def _to_nf4(model: torch.nn.Module, stack: Stack) -> None:
     """Swap every linear layer but the head for bitsandbytes' ``Linear4bit`` (on meta, NF4 with
     double quantization, as ``quantization.nf4_config``)."""
+    require_bitsandbytes()
     from transformers.integrations.bitsandbytes import replace_with_bnb_linear
-
-    from recipes_lib.quantization import nf4_config
 
     compute = torch.bfloat16 if stack.precision == "bf16-mixed" else _DTYPES[stack.precision]
     replace_with_bnb_linear(model, modules_to_not_convert=["lm_head"],
@@ -356,6 +362,20 @@ def _optimizer(model: torch.nn.Module, stack: Stack, host: torch.device | str = 
     return make_optimizer(model, TrainConfig(lr=1e-4))  # the training loop's AdamW
 
 
+def _saved_on(host: str):
+    """``torch.autograd.graph.save_on_cpu`` (the course's ``checkpointing.offload_activations``)
+    with the host named: each tensor saved for backward is copied there in the forward pass and
+    back in the backward pass; on fake tensors the host is the meta device, counted apart."""
+    def pack(t: torch.Tensor):
+        return t.device, t.to(host, copy=True)
+
+    def unpack(packed) -> torch.Tensor:
+        device, t = packed
+        return t.to(device)
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+
 def _create_optimizer_states(model: torch.nn.Module, optimizer: Any) -> None:
     """One optimizer step on zero gradients, then the gradients freed: the states a first
     training step leaves behind, at half the cost of running that step (on fake tensors the
@@ -437,8 +457,9 @@ def _measure(config, stack: Stack, seq_len: int, per_rank: int, device: torch.de
         batch = {"input_ids": ids, "labels": ids}
 
         def step() -> None:
-            forward_backward(net, batch, stack.grad_accum_steps, autocast,
-                             num_target_tokens=targets, loss_fn=loss_fn)
+            with _saved_on(host) if stack.offload_activations else contextlib.nullcontext():
+                forward_backward(net, batch, stack.grad_accum_steps, autocast,
+                                 num_target_tokens=targets, loss_fn=loss_fn)
             optimizer_step(net, opt, max_grad_norm=None)
 
         if stack.fsdp_ranks > 1:  # FSDP2's first iteration records the order it prefetches by

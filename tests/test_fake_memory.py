@@ -74,6 +74,18 @@ def test_offloaded_states_are_counted_on_the_host(config, stack):
     assert fake.by_category["gradients"] == 0 and real.host_bytes == 0
 
 
+def test_offloaded_activations_leave_the_device_for_the_host(config):
+    """save_on_cpu semantics (every saved tensor, weights included, copied to the host in the
+    forward pass): the device's activations fall and what left them is on the host."""
+    plain = fake_memory.measure_step(config, Stack(precision="fp32"), 128, 2)
+    off = fake_memory.measure_step(config, Stack(precision="fp32", offload_activations=True),
+                                   128, 2)
+    moved = plain.by_category["activations"] - off.by_category["activations"]
+    assert moved > 0 and off.host_by_category["activations"] >= moved
+    assert off.by_category["parameters"] == plain.by_category["parameters"]
+    assert plain.host_bytes == 0
+
+
 def test_the_counted_states_are_what_the_stack_says(config):
     full = fake_memory.measure_step(config, Stack(precision="bf16"), 64, 1)
     params = list(fake_memory.build_model(config, Stack(), "cpu")[0].parameters())
@@ -138,6 +150,8 @@ def test_bad_inputs_name_the_parameter(config, tmp_path):
         fake_memory.measure_step(config, Stack(fsdp_ranks=4), 64, 6)
     with pytest.raises(ValueError, match="fsdp_ranks=2: a real run needs a process group"):
         fake_memory.measure_step(config, Stack(fsdp_ranks=2), 64, 2, fake=False)
+    with pytest.raises(ValueError, match="offload_activations=True with fsdp_ranks"):
+        Stack(offload_activations=True, fsdp_ranks=2)
     with pytest.raises(ValueError, match="offload_optimizer=True"):
         Stack(offload_optimizer=True, fsdp_ranks=2)
     with pytest.raises(ValueError, match="method='qlora' with fsdp_ranks"):

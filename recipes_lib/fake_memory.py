@@ -47,6 +47,11 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
 _AUTOCAST = {"bf16-mixed": "bf16"}  # precision -> the training loop's autocast precision
 
 
+def _compute_dtype(stack: Stack) -> torch.dtype:
+    """The dtype matmuls run in (a QLoRA base's compute dtype; bf16 under bf16-mixed)."""
+    return torch.bfloat16 if stack.precision == "bf16-mixed" else _DTYPES[stack.precision]
+
+
 @dataclass(frozen=True)
 class Stack:
     """A stack of the course's recipes for one training step.
@@ -190,11 +195,12 @@ def build_model(config, stack: Stack, device: torch.device | str, fake: bool = T
     from transformers import AutoModelForCausalLM
 
     device = torch.device(device)
-    dtype = _DTYPES[stack.precision]
+    # a QLoRA base loads in its compute dtype (peft's k-bit preparation then casts what stays
+    # unquantized to fp32 under bf16-mixed); other stacks load in their weights' dtype
+    dtype = _compute_dtype(stack) if stack.method == "qlora" else _DTYPES[stack.precision]
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(
-            config, dtype=torch.bfloat16 if stack.precision == "bf16-mixed" and
-            stack.method == "qlora" else dtype, attn_implementation=attn_implementation)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype,
+                                                 attn_implementation=attn_implementation)
     if stack.method == "qlora":
         _to_nf4(model, stack)
     if stack.method in ("lora", "qlora"):
@@ -219,8 +225,7 @@ def build_model(config, stack: Stack, device: torch.device | str, fake: bool = T
                     if p.is_floating_point():
                         p.normal_(0.0, 0.02)
         for layer, shape in nf4_shapes.items():
-            _quantize_nf4(layer, shape, dtype if stack.precision != "bf16-mixed" else
-                          torch.bfloat16, device, fake)
+            _quantize_nf4(layer, shape, _compute_dtype(stack), device, fake)
         if stack.fsdp_ranks == 1:  # FSDP keeps one sharded parameter for tied weights
             model.tie_weights()  # to_empty gives tied weights separate storages
         if not fake:  # fake tensors hold no values to restore
@@ -237,9 +242,8 @@ def _to_nf4(model: torch.nn.Module, stack: Stack) -> None:
     require_bitsandbytes()
     from transformers.integrations.bitsandbytes import replace_with_bnb_linear
 
-    compute = torch.bfloat16 if stack.precision == "bf16-mixed" else _DTYPES[stack.precision]
     replace_with_bnb_linear(model, modules_to_not_convert=["lm_head"],
-                            quantization_config=nf4_config(compute_dtype=compute))
+                            quantization_config=nf4_config(compute_dtype=_compute_dtype(stack)))
     if stack.precision == "bf16-mixed":  # what a Trainer run with bf16=True gets from peft
         from peft import prepare_model_for_kbit_training
 
@@ -449,7 +453,7 @@ def _measure(config, stack: Stack, seq_len: int, per_rank: int, device: torch.de
     with (mode if stack.offload_optimizer and mode else contextlib.nullcontext()):
         opt = _optimizer(net, stack, host)
     loss_fn = ChunkedCausalLMLoss(stack.chunked_loss) if stack.chunked_loss else None
-    targets = per_rank * (seq_len - 1)  # the global count over the ranks, as forward_backward asks
+    targets = per_rank * (seq_len - 1)  # the global count / the ranks, as forward_backward asks
     # FSDP's mixed-precision policy casts the weights; elsewhere bf16-mixed is autocast's
     autocast = "fp32" if stack.fsdp_ranks > 1 else _AUTOCAST.get(stack.precision, "fp32")
     with mode or contextlib.nullcontext(), _unpacked_rows():
@@ -498,7 +502,6 @@ def fake_vs_real(model: Any, stack: Stack, seq_len: int, batch_size: int = 1,
               (1.0 if fake.by_category[k] == 0 else float("inf")) for k in real.by_category}
     return {"fake": fake, "real": real, "peak_ratio": fake.peak_bytes / real.peak_bytes,
             "ratios": ratios}
-
 
 
 def fsdp_per_rank(model: Any, ranks: int, seq_len: int = 4096, micro_batch_size: int = 1,

@@ -58,6 +58,12 @@ def _measured_stack(step: str, grad_accum_steps: int, gpus: int = 1) -> Any:
     why = next((v for k, v in reasons.items() if k in step), "no fake-tensor stack for it")
     return f"not measured: {why}"
 
+def _whole_shares(stack: Any, batch_size: int) -> int:
+    """The batch a row's stack is measured with: every FSDP rank takes a whole share (the
+    calculator's per-GPU batch, at least one sequence)."""
+    return stack.fsdp_ranks * max(1, batch_size // stack.fsdp_ranks)
+
+
 _UNITS = {"": 2**30, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "k": 2**10, "m": 2**20,
           "g": 2**30, "t": 2**40}
@@ -158,9 +164,8 @@ def plan(model: str, gpu_mem: str | float, seq_len: int = 2048, batch_size: int 
             if isinstance(stack, str):
                 row["measured_stack"] = stack
                 continue
-            # every rank takes a whole share of the batch (the calculator's per-GPU batch)
-            batch = stack.fsdp_ranks * max(1, batch_size // stack.fsdp_ranks)
-            report = fake_memory.measure_step(model, stack, seq_len, batch)
+            report = fake_memory.measure_step(model, stack, seq_len,
+                                              _whole_shares(stack, batch_size))
             peak = report.peak_bytes
             row.update(measured_stack=stack.label, measured_GiB=peak / 2**30,
                        host_GiB=report.host_bytes / 2**30,
@@ -269,8 +274,8 @@ def max_context_per_step(model: str, gpu_mem: str | float, batch_size: int = 1,
             out.append({"step": name, "measured_stack": stack})
             continue
         if stack not in found:
-            batch = stack.fsdp_ranks * max(1, batch_size // stack.fsdp_ranks)
-            found[stack] = max_context(model, gpu_mem, stack, batch, step)
+            found[stack] = max_context(model, gpu_mem, stack, _whole_shares(stack, batch_size),
+                                       step)
         out.append({"step": name, **found[stack]})
     return out
 

@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run bench test lab lint clean
+.PHONY: run bench archs test lab lint clean
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,6 +20,11 @@ run: $(STAMP)
 # `run`, then asserts every speed claim on the reference machine (2-core x86_64 AVX2 CPU).
 bench: $(STAMP)
 	$(PY) -m recipes_lib bench
+
+# Every notebook on a tiny model of each architecture (Qwen2, Qwen3, Mistral, Phi-3, Gemma-2,
+# Llama): results/architectures.json and the README's table (also part of `bench`).
+archs: $(STAMP)
+	$(PY) -m recipes_lib archs
 
 # Correctness and memory only: speed claims are reported, never asserted; results go to a
 # temporary folder, so the tests leave the tree as they found it. Notebooks 01-03 run under

@@ -2,12 +2,13 @@
 
 Core (every notebook uses these; they never import a recipe or a tooling module):
     device, timing, memory, results, checks, sweep, data, numerics, calc, grad_accumulation,
-    distributed, train_state, train, evaluation, model, compare, known_warnings.
+    distributed, train_state, train, evaluation, model, architectures, compare,
+    known_warnings.
 Recipes (one module per idea; may import core and other recipes, never tooling):
     quantization, checkpointing, offload, optim8bit, fsdp, fsdp_qlora, data_loading, comm_bench, ptq,
     latency, distillation, chunked_loss, attention, norms, kv_cache, gemm_bench,
     sparse_attention, curriculum, max_context, passkey, fp8, fake_memory, packing,
-    context_parallel.
+    context_parallel, trainers.
 Tooling (the command line and what it drives; may import anything):
     __main__, notebooks, report, colab, planner, calc_validation, published, fit_form.
 

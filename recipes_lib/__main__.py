@@ -10,6 +10,10 @@
   its figure, spread and verdict; exits non-zero if one is not met on the reference machine
   (``checks.REFERENCE``).
   Elsewhere the verdicts are printed, not asserted, and the output says why.
+- ``archs``: every notebook on a tiny model of each architecture (Qwen2, Qwen3, Mistral, Phi-3,
+  Gemma-2 and Llama; ``notebooks.architecture_matrix``), recorded as ``architectures.json`` and
+  the README's architecture x notebook table; exits non-zero if a cell failed. ``make bench``
+  runs it too.
 - ``readme``: refresh the README's results table only.
 - ``check-notebooks``: fail if a committed notebook carries outputs or execution counts
   (``--strip`` removes them).
@@ -191,6 +195,26 @@ def _run(args, parser) -> int:
     return 0 if all(s == "ok" for s in status.values()) else 1
 
 
+def architectures_matrix(names: list[str] | None = None) -> bool:
+    """``archs``: the architecture x notebook matrix, its results file and README table;
+    return whether every notebook ran on every architecture."""
+    import torch
+
+    from recipes_lib import device, notebooks, results
+
+    matrix = notebooks.architecture_matrix(tuple(names) if names else None)
+    r = results.Results("architectures", device.describe_device(torch.device("cpu")))
+    for arch, row in matrix.items():
+        for stem, state in row.items():
+            print(f"  {arch:<9} {stem}: {state}")
+            r.add(arch, stem, float(state == "ok"), unit="1: ran top to bottom, 0: failed")
+    r.save()
+    table = notebooks.matrix_table(matrix)
+    results.write_readme_section("architectures", table)
+    print(table)
+    return all(s == "ok" for row in matrix.values() for s in row.values())
+
+
 def main(argv: list[str] | None = None) -> int:
     from recipes_lib import data, results
 
@@ -203,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
         cmd.add_argument("-p", "--parameter", nargs=2, action="append", default=[],
                          dest="parameters", metavar=("NAME", "VALUE"),
                          help="a notebook parameter, as papermill -p takes it")
+    ar = sub.add_parser("archs", help="every notebook on a tiny model of each architecture")
+    ar.add_argument("names", nargs="*", help="default: every decoder of model.ARCHITECTURES")
     sub.add_parser("readme", help="refresh the README's results table")
     ck = sub.add_parser("check-notebooks", help="fail if a notebook carries outputs")
     ck.add_argument("--strip", action="store_true", help="remove outputs and execution counts")
@@ -269,6 +295,11 @@ def main(argv: list[str] | None = None) -> int:
         return 1 if problems else 0
     if args.command == "run":
         return _run(args, parser)
+    if args.command == "archs":
+        try:
+            return 0 if architectures_matrix(args.names) else 1
+        except ValueError as err:
+            parser.error(str(err))
     if args.command == "bench":
         from recipes_lib.checks import is_reference_machine
 
@@ -280,12 +311,14 @@ def main(argv: list[str] | None = None) -> int:
         print("micro-benchmark: int8 prefill backends")
         int8_backends_benchmark()
         real_scale_benchmark()
+        print("every notebook on every architecture")
+        archs_ok = architectures_matrix()
         results.update_readme()
         rows = claims_table()
         print(f"\nspeed claims ({len(rows)}):\n{format_claims(rows)}")
         verdict, ok = bench_verdict(rows, reference, how)
         print(verdict)
-        return code if ok else 1
+        return code if ok and archs_ok else 1
     results.update_readme()
     return 0
 

@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import is_fake
 
+from recipes_lib.architectures import final_logit_softcap, lm_head_weight, softcap
+
 IGNORE_INDEX = -100
 ChunkLoss = Callable[..., torch.Tensor]
 
@@ -149,6 +151,7 @@ def chunked_cross_entropy(
     chunk_size: int = 1024,
     ignore_index: int = IGNORE_INDEX,
     reduction: str = "mean",
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:
     """Cross-entropy of ``hidden @ weight.T`` against ``labels`` without the full logits.
 
@@ -162,6 +165,8 @@ def chunked_cross_entropy(
         chunk_size: tokens per chunk (> 0).
         ignore_index: label value that carries no loss.
         reduction: "mean" (over non-ignored tokens) or "sum".
+        logit_softcap: Gemma-2's final soft-capping, applied to each chunk's logits as the
+            model applies it to all of them (None: plain logits).
 
     Returns:
         A scalar loss (fp32, or fp64 for fp64 inputs).
@@ -183,8 +188,8 @@ def chunked_cross_entropy(
     h, y = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
 
     def ce_sum(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(upcast(logits), target, ignore_index=ignore_index,
-                               reduction="sum")
+        return F.cross_entropy(softcap(upcast(logits), logit_softcap), target,
+                               ignore_index=ignore_index, reduction="sum")
 
     total = chunked_linear_loss(h, weight, ce_sum, chunk_size, y)
     if reduction == "sum":
@@ -208,14 +213,13 @@ class ChunkedCausalLMLoss:
         self.chunk_size = chunk_size
 
     def __call__(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        head = model.get_output_embeddings()
-        if getattr(head, "bias", None) is not None:
-            raise ValueError("model: its output layer has a bias; expected a bias-free LM head")
+        weight = lm_head_weight(model)  # tied or not: the same matrix the model multiplies by
         hidden = model.get_decoder()(input_ids=batch["input_ids"],
                                      attention_mask=batch.get("attention_mask")
                                      ).last_hidden_state
-        return chunked_cross_entropy(hidden[:, :-1], head.weight, batch["labels"][:, 1:],
-                                     self.chunk_size, reduction="sum")
+        return chunked_cross_entropy(hidden[:, :-1], weight, batch["labels"][:, 1:],
+                                     self.chunk_size, reduction="sum",
+                                     logit_softcap=final_logit_softcap(model))
 
 
 def liger_available(device: torch.device | str) -> bool:

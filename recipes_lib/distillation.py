@@ -20,6 +20,7 @@ import copy
 import torch
 import torch.nn.functional as F
 
+from recipes_lib.architectures import final_logit_softcap, lm_head_weight, softcap
 from recipes_lib.chunked_loss import IGNORE_INDEX, chunked_linear_loss, upcast
 
 
@@ -76,14 +77,6 @@ def kd_loss(
     return per_token.sum() / (labels != IGNORE_INDEX).sum()
 
 
-def _lm_head_weight(model: torch.nn.Module) -> torch.Tensor:
-    head = model.get_output_embeddings()
-    if getattr(head, "bias", None) is not None:
-        raise ValueError("model: its output layer has a bias; DistillationLoss expects a "
-                         "bias-free LM head (Llama, Mistral, Qwen, GPT-NeoX)")
-    return head.weight
-
-
 def _last_hidden(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     out = model.get_decoder()(input_ids=batch["input_ids"],
                               attention_mask=batch["attention_mask"])
@@ -115,10 +108,10 @@ class DistillationLoss:
             raise ValueError(f"chunk_size={chunk_size!r}: must be an integer > 0")
         self.teacher = teacher.eval().requires_grad_(False)
         self.temperature, self.alpha, self.chunk_size = temperature, alpha, chunk_size
-        self.teacher_weight = _lm_head_weight(teacher)
+        self.teacher_weight = lm_head_weight(teacher)
 
     def __call__(self, student: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        w_s = _lm_head_weight(student)
+        w_s = lm_head_weight(student)
         if w_s.shape[0] != self.teacher_weight.shape[0]:
             raise ValueError(f"student: vocabulary of {w_s.shape[0]} tokens != the teacher's "
                              f"{self.teacher_weight.shape[0]}; distillation on logits needs the "
@@ -131,9 +124,12 @@ class DistillationLoss:
             h_t = _last_hidden(self.teacher, batch)[:, :-1]
             h_t = h_t.reshape(-1, h_t.shape[-1])[keep]
         w_t, temperature, alpha = self.teacher_weight, self.temperature, self.alpha
+        # Gemma-2 soft-caps its final logits: both sides as their own forward would make them
+        cap_s, cap_t = final_logit_softcap(student), final_logit_softcap(self.teacher)
 
         def chunk_loss(s_logits: torch.Tensor, t_hidden: torch.Tensor, y: torch.Tensor):
-            return _token_kd(s_logits, t_hidden @ w_t.T, y, temperature, alpha).sum()
+            return _token_kd(softcap(s_logits, cap_s), softcap(t_hidden @ w_t.T, cap_t), y,
+                             temperature, alpha).sum()
 
         return chunked_linear_loss(h_s, w_s, chunk_loss, self.chunk_size, h_t, labels[keep])
 

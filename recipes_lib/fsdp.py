@@ -18,26 +18,11 @@ import torch
 import torch.distributed as dist
 
 from recipes_lib import data, train_state
+from recipes_lib.architectures import decoder_layers
 from recipes_lib.memory import tensor_bytes
 
 STRATEGIES = ("single", "ddp", "fsdp")
 _DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The repeated transformer blocks (the classes transformers lists in ``_no_split_modules``).
-
-    Raises:
-        ValueError: if the model names no such classes or none are found.
-    """
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    names = set(getattr(base, "_no_split_modules", None) or [])
-    layers = [m for m in model.modules() if type(m).__name__ in names]
-    if not layers:
-        wanted = sorted(names) or "_no_split_modules"
-        raise ValueError(f"model: found no transformer blocks to shard (looked for {wanted} in "
-                         f"{type(base).__name__})")
-    return layers
 
 
 def mixed_precision_policy(precision: str = "fp32"):

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+from recipes_lib.architectures import adapter_targets, architecture_name
 
 
 def _nf4():
@@ -68,14 +68,16 @@ class NF4LoRALinear(nn.Module):
 
 
 def apply_nf4_lora(model: nn.Module, r: int = 8, alpha: float = 16.0, dropout: float = 0.0,
-                   target_modules: tuple[str, ...] = DEFAULT_TARGETS,
+                   target_modules: tuple[str, ...] | None = None,
                    base_dtype: torch.dtype = torch.bfloat16) -> nn.Module:
     """Swap every targeted ``nn.Linear`` for an :class:`NF4LoRALinear`, freeze everything else.
 
     Args:
         model: a transformers causal LM (before sharding).
         r, alpha, dropout: LoRA rank, scale numerator and dropout, as in peft's ``LoraConfig``.
-        target_modules: names of the linear layers to quantize and adapt.
+        target_modules: names of the linear layers to quantize and adapt; None: every linear
+            layer of the decoder blocks, whatever the architecture calls them
+            (``architectures.adapter_targets``: Phi-3's fused ``qkv_proj`` and ``gate_up_proj``).
         base_dtype: the dtype NF4 dequantizes to (bf16, as the weights were trained in).
 
     Returns:
@@ -84,6 +86,8 @@ def apply_nf4_lora(model: nn.Module, r: int = 8, alpha: float = 16.0, dropout: f
     Raises:
         ValueError: if no module matches ``target_modules``.
     """
+    if target_modules is None:
+        target_modules = adapter_targets(model)
     for p in model.parameters():
         p.requires_grad_(False)
     swapped = 0
@@ -93,7 +97,10 @@ def apply_nf4_lora(model: nn.Module, r: int = 8, alpha: float = 16.0, dropout: f
                 setattr(parent, name, NF4LoRALinear(child, r, alpha, dropout, base_dtype))
                 swapped += 1
     if swapped == 0:
-        raise ValueError(f"target_modules={target_modules}: no nn.Linear with these names")
+        have = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                       if isinstance(m, nn.Linear)})
+        raise ValueError(f"target_modules={target_modules}: no nn.Linear with these names in "
+                         f"{architecture_name(model)} (its linear layers: {have})")
     return model
 
 

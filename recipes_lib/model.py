@@ -45,7 +45,16 @@ class TinyModelSpec:
     pretrain_seq_len: int = 128
     pretrain_lr: float = 3e-3
     seed: int = 0
-    architecture: str = "llama"  # or "gpt_neox": LayerNorm instead of RMSNorm (notebook 03)
+    # "llama", another decoder of ARCHITECTURES (qwen2, qwen3, mistral, phi3, gemma2), or
+    # "gpt_neox": LayerNorm instead of RMSNorm (notebook 03)
+    architecture: str = "llama"
+
+    @classmethod
+    def smallest(cls, architecture: str = "llama") -> TinyModelSpec:
+        """The unit tests' size: the default width (so NF4's blocks still tile every weight) with
+        2 layers, pretrained for 30 steps; each architecture's recipes run on it in seconds."""
+        return cls(intermediate_size=512, num_hidden_layers=2, pretrain_steps=30,
+                   architecture=architecture)
 
     def cache_name(self) -> str:
         digest = hashlib.sha1(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()
@@ -75,24 +84,44 @@ def train_tokenizer(texts: list[str], vocab_size: int, max_length: int):
     )
 
 
-ARCHITECTURES = ("llama", "gpt_neox")
+# What each architecture changes beside Llama, at the tiny size (from its transformers config):
+# Qwen2 and Qwen3 tie the head to the embeddings as their small checkpoints do (Qwen3 adds q/k
+# RMSNorm), Mistral is Llama with a sliding window option, Phi-3 fuses qkv_proj and gate_up_proj,
+# Gemma-2 ties, soft-caps attention and final logits, and alternates sliding (half the context, as Gemma-2's 4096 of 8192) and global layers.
+_EXTRA: dict[str, dict[str, Any]] = {
+    "llama": {"tie_word_embeddings": False},
+    "qwen2": {"tie_word_embeddings": True},
+    "qwen3": {"tie_word_embeddings": True, "head_dim": "auto"},
+    "mistral": {"tie_word_embeddings": False, "sliding_window": None, "head_dim": "auto"},
+    "phi3": {"tie_word_embeddings": False, "original_max_position_embeddings": "positions"},
+    "gemma2": {"tie_word_embeddings": True, "head_dim": "auto", "query_pre_attn_scalar": "auto",
+               "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0,
+               "sliding_window": "half"},
+}
+ARCHITECTURES = (*_EXTRA, "gpt_neox")
 
 
 def model_config(spec: TinyModelSpec, tokenizer) -> Any:
-    """A ``LlamaConfig`` (or ``GPTNeoXConfig``) for ``spec`` with ``tokenizer``'s special ids.
+    """The transformers config of ``spec.architecture`` for ``spec`` with ``tokenizer``'s special
+    ids (``LlamaConfig`` by default; see ``ARCHITECTURES``)."""
+    from transformers import AutoConfig, GPTNeoXConfig
 
-    """
-    from transformers import GPTNeoXConfig, LlamaConfig
-
+    special = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+               "pad_token_id": tokenizer.pad_token_id}
     if spec.architecture == "gpt_neox":
         return GPTNeoXConfig(
             vocab_size=len(tokenizer), hidden_size=spec.hidden_size,
             intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_hidden_layers,
             num_attention_heads=spec.num_attention_heads,
             max_position_embeddings=spec.max_position_embeddings, rotary_pct=1.0,
-            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False)
-    return LlamaConfig(
+            tie_word_embeddings=False, **special)
+    head_dim = spec.hidden_size // spec.num_attention_heads
+    resolve = {"auto": head_dim, "positions": spec.max_position_embeddings,
+               "half": spec.max_position_embeddings // 2}
+    extra = {k: resolve.get(v, v) if isinstance(v, str) else v
+             for k, v in _EXTRA[spec.architecture].items()}
+    return AutoConfig.for_model(
+        spec.architecture,
         vocab_size=len(tokenizer),
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
@@ -100,10 +129,7 @@ def model_config(spec: TinyModelSpec, tokenizer) -> Any:
         num_attention_heads=spec.num_attention_heads,
         num_key_value_heads=spec.num_key_value_heads,
         max_position_embeddings=spec.max_position_embeddings,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=False,
+        **special, **extra,
     )
 
 

@@ -141,3 +141,46 @@ def strip(paths: list[Path]) -> list[Path]:
             Path(path).write_text(nbformat.writes(nb) + "\n")
             changed.append(Path(path))
     return changed
+
+
+def architecture_matrix(architectures: tuple[str, ...] | None = None, out_dir: Path = EXECUTED,
+                        parameters: dict[str, Any] | None = None) -> dict[str, dict[str, str]]:
+    """Every course notebook at its test size with ``MODEL_ID`` set to a tiny model of each
+    architecture, built and pretrained the way the default is (``model.build_tiny_model``).
+
+    Args:
+        architectures: names from ``model.ARCHITECTURES`` (default: every decoder but GPT-NeoX,
+            which notebook 03 builds itself as its LayerNorm baseline).
+        out_dir: the executed copies go to ``out_dir/<architecture>/``.
+        parameters: more papermill parameters for every run.
+
+    Returns:
+        architecture -> notebook stem -> ``"ok"`` or ``"failed: <error>"``.
+
+    Raises:
+        ValueError: for an architecture the course cannot build (before running anything).
+    """
+    from recipes_lib import model as models
+
+    archs = architectures or tuple(a for a in models.ARCHITECTURES if a != "gpt_neox")
+    unknown = [a for a in archs if a not in models.ARCHITECTURES]
+    if unknown:
+        raise ValueError(f"architectures={unknown}: expected some of {models.ARCHITECTURES}")
+    matrix = {}
+    for arch in archs:
+        path = models.build_tiny_model(spec=models.TinyModelSpec(architecture=arch))
+        matrix[arch] = execute(course_notebooks(), Path(out_dir) / arch,
+                               {**(parameters or {}), "MODEL_ID": str(path)})
+    return matrix
+
+
+def matrix_table(matrix: dict[str, dict[str, str]]) -> str:
+    """The architecture x notebook matrix as a markdown table ("run" or the failure)."""
+    stems = sorted({stem for row in matrix.values() for stem in row})
+    lines = ["| architecture | " + " | ".join(s[:2] for s in stems) + " |",
+             "|---" * (len(stems) + 1) + "|"]
+    for arch, row in matrix.items():
+        cells = ["run" if row.get(s) == "ok" else (row.get(s) or "not run").replace("|", "/")
+                 for s in stems]
+        lines.append(f"| {arch} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)

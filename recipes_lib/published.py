@@ -208,17 +208,7 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
 def update_readme(rows: list[dict[str, Any]]) -> bool:
     """Write :func:`markdown_table` between the README's published-table markers (only when
     results go to the repository's ``results/``, as ``results.update_readme``)."""
-    if results.output_dir().resolve() != results.RESULTS_DIR.resolve():
-        print("README published table not refreshed: results went elsewhere")
-        return False
-    text = results.README.read_text()
-    begin, end = "<!-- published-table:begin -->", "<!-- published-table:end -->"
-    if begin not in text or end not in text:
-        raise ValueError(f"README: missing {begin} / {end} markers")
-    head, rest = text.split(begin, 1)
-    new = f"{head}{begin}\n{markdown_table(rows)}\n{end}{rest.split(end, 1)[1]}"
-    results.README.write_text(new)
-    return new != text
+    return results.write_readme_section("published-table", markdown_table(rows))
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:

@@ -176,11 +176,17 @@ def _fmt(x: float | None) -> str:
     return f"{x:.4g}"
 
 
+# results files the README shows in a table of their own (the architecture x notebook matrix)
+OWN_TABLE = ("architectures",)
+
+
 def markdown_table(results_dir: Path | str | None = None) -> str:
     """One Markdown table of all figures: notebook, recipe, metric, value, baseline, predicted."""
     lines = ["| notebook | recipe | metric | value | baseline | predicted | unit | device |",
              "|---|---|---|---|---|---|---|---|"]
     for stem, res in load_results(results_dir).items():
+        if stem in OWN_TABLE:
+            continue
         for f in res["figures"]:
             lines.append(f"| {stem} | {f['recipe']} | {f['metric']} | {_fmt(f['value'])} | "
                          f"{_fmt(f['baseline'])} | {_fmt(f['predicted'])} | {f['unit']} | "
@@ -192,6 +198,27 @@ def _markers(section: str | None) -> tuple[str, str]:
     if section is None:
         return README_BEGIN, README_END
     return f"<!-- results-table:{section}:begin -->", f"<!-- results-table:{section}:end -->"
+
+
+def write_readme_section(name: str, table: str) -> bool:
+    """Put ``table`` between the README's ``<!-- {name}:begin -->`` and ``<!-- {name}:end -->``
+    markers, only when results go to the repository's ``results/`` (a test run's figures never
+    reach the README); return True if the README changed.
+
+    Raises:
+        ValueError: if the README lacks the markers.
+    """
+    if output_dir().resolve() != RESULTS_DIR.resolve():
+        print(f"README {name} not refreshed: results went to {output_dir()} ({RESULTS_ENV})")
+        return False
+    text = README.read_text()
+    begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+    if begin not in text or end not in text:
+        raise ValueError(f"README: missing {begin} / {end} markers")
+    head, rest = text.split(begin, 1)
+    new = f"{head}{begin}\n{table}\n{end}{rest.split(end, 1)[1]}"
+    README.write_text(new)
+    return new != text
 
 
 def update_readme(readme: Path | str = README, results_dir: Path | str | None = None) -> bool:

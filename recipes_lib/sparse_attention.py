@@ -196,8 +196,15 @@ def register_with_transformers(window: int | None, n_global: int = 0) -> str:
                              "attention; pad on the right")
         if scaling is not None and not math.isclose(scaling, query.shape[-1] ** -0.5):
             raise ValueError(f"scaling={scaling}: blockwise attention uses 1/sqrt(head_dim)")
+        if kwargs.get("softcap") is not None:
+            raise ValueError(f"softcap={kwargs['softcap']}: this architecture soft-caps its "
+                             "attention scores (Gemma-2), which blockwise attention does not")
+        # a layer with its own sliding window (Mistral, Qwen2, Gemma-2's local layers) sees the
+        # narrower of the two windows; the global tokens stay global
+        own = kwargs.get("sliding_window")
         s = query.shape[-2]
-        w = None if window is None or window >= s else window
+        w = window if own is None else own if window is None else min(window, own)
+        w = None if w is None or w >= s else w
         out = blockwise_attention(query, key, value, w, min(n_global, s))
         return out.transpose(1, 2).contiguous(), None
 

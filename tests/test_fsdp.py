@@ -7,7 +7,7 @@ from recipes_lib import fsdp, train_state
 def test_decoder_layers_finds_every_block(small_llama):
     layers = fsdp.decoder_layers(small_llama)
     assert len(layers) == small_llama.config.num_hidden_layers
-    with pytest.raises(ValueError, match="no transformer blocks"):
+    with pytest.raises(ValueError, match="Linear has no decoder blocks"):
         fsdp.decoder_layers(torch.nn.Linear(2, 2))
 
 

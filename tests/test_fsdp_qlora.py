@@ -80,3 +80,13 @@ def test_fsdp_shards_the_nf4_base_across_two_ranks(sharded_runs):
         assert r["losses"] == ranks[0]["losses"]
         assert all(math.isfinite(x) for x in r["losses"])
     assert calc.bytes_per_param("nf4_dq") / 2 / 2 < 0.15
+
+
+def test_fsdp_qlora_shards_phi3s_fused_projections_too(sharded_runs):
+    """Phi-3 fuses q/k/v and gate/up: the default targets are its own linear layers
+    (``architectures.adapter_targets``), so every one is quantized, adapted and sharded."""
+    ranks = sharded_runs["fsdp_qlora_phi3"]
+    for r in ranks:
+        assert abs(r["nf4_bytes_per_rank"] / r["nf4_bytes_unsharded"] - 0.5) < 0.01
+        assert r["losses"] == ranks[0]["losses"] and all(math.isfinite(x) for x in r["losses"])
+    assert ranks[0]["trainable_params"] > 0

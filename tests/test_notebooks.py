@@ -130,3 +130,21 @@ def test_tuple_parameters_reach_the_notebook_as_sequences(tmp_path):
     status = notebooks.execute([path], tmp_path / "out", {"SIZES": (3, 4), "NAME": "x"},
                                timeout=120)
     assert status == {"p": "ok"}, status
+
+
+def test_architecture_matrix_runs_each_notebook_on_each_folder(monkeypatch, tmp_path):
+    from recipes_lib import model as models
+
+    calls = []
+    monkeypatch.setattr(models, "build_tiny_model", lambda spec: tmp_path / spec.architecture)
+    monkeypatch.setattr(notebooks, "execute", lambda paths, out, params: calls.append(
+        (out.name, params["MODEL_ID"])) or {p.stem: "ok" if "phi3" not in str(out) else
+                                             "failed: AssertionError: loss" for p in paths})
+    matrix = notebooks.architecture_matrix(("qwen2", "phi3"), tmp_path)
+    assert calls == [("qwen2", str(tmp_path / "qwen2")), ("phi3", str(tmp_path / "phi3"))]
+    table = notebooks.matrix_table(matrix).splitlines()
+    assert table[0] == "| architecture | 01 | 02 | 03 | 04 |"
+    assert table[2] == "| qwen2 | run | run | run | run |"
+    assert table[3].startswith("| phi3 | failed: AssertionError: loss |")
+    with pytest.raises(ValueError, match=r"architectures=\['bert'\]"):
+        notebooks.architecture_matrix(("bert",))

@@ -94,3 +94,21 @@ def test_claims_are_saved_with_the_figures(tmp_path):
     saved = json.loads(r.save().read_text())
     assert saved["claims"] == [{"recipe": "sdpa", "claim": "SDPA vs eager", "value": 3.0,
                                 "target": 3.5, "at_least": True, "spread": 0.2, "met": False}]
+
+
+def test_readme_section_is_written_only_for_the_repositorys_results(tmp_path, monkeypatch,
+                                                                     capsys):
+    readme = tmp_path / "README.md"
+    readme.write_text("a\n<!-- archs:begin -->\nold\n<!-- archs:end -->\nb\n")
+    monkeypatch.setattr(results, "README", readme)
+    monkeypatch.setattr(results, "RESULTS_DIR", tmp_path)
+    monkeypatch.setenv(results.RESULTS_ENV, str(tmp_path))
+    assert results.write_readme_section("archs", "| new |")
+    assert readme.read_text() == "a\n<!-- archs:begin -->\n| new |\n<!-- archs:end -->\nb\n"
+    with pytest.raises(ValueError, match="missing <!-- other:begin -->"):
+        results.write_readme_section("other", "x")
+    monkeypatch.setenv(results.RESULTS_ENV, str(tmp_path / "elsewhere"))
+    assert not results.write_readme_section("archs", "| newer |")
+    assert "README archs not refreshed" in capsys.readouterr().out
+    results.Results("architectures", "cpu", tmp_path).save()
+    assert "architectures" not in results.markdown_table(tmp_path)

@@ -1,0 +1,140 @@
+"""What the recipes need to know about a decoder architecture, read from the model, not its name.
+
+Recipes touch a model in four places: its repeated blocks (checkpointing wraps them, FSDP shards
+them), the linear layers inside those blocks (LoRA and NF4 adapt them), the output head (chunked
+cross-entropy and distillation multiply by its weight) and its attention function (plug-ins
+replace it). Llama names are not universal: Phi-3 fuses ``qkv_proj`` and ``gate_up_proj``,
+Qwen2/3 and Gemma-2 tie the head to the embeddings, Gemma-2 soft-caps its attention scores and
+final logits (``cap * tanh(x / cap)``) and has no SDPA path in transformers. Everything here is
+found through transformers' own hooks (``_no_split_modules``, ``get_output_embeddings``, the
+config), so a new architecture works if transformers describes it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def _base(model: nn.Module) -> nn.Module:
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def _class_names(module: nn.Module) -> list[str]:
+    # FSDP2's fully_shard swaps a module's class for a subclass named FSDP<Class>
+    return [c.__name__ for c in type(module).__mro__]
+
+
+def architecture_name(model: nn.Module) -> str:
+    """The class name users know the model by (``Phi3ForCausalLM``), through a peft wrapper or
+    FSDP2's renamed class."""
+    return next(n for n in _class_names(_base(model)) if not n.startswith("FSDP"))
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The repeated transformer blocks (the classes transformers lists in ``_no_split_modules``).
+
+    Raises:
+        ValueError: naming the architecture, if it declares no such classes or none are found.
+
+    Example:
+        >>> len(decoder_layers(model)) == model.config.num_hidden_layers  # doctest: +SKIP
+        True
+    """
+    base = _base(model)
+    names = set(getattr(base, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if names.intersection(_class_names(m))]
+    if not layers:
+        wanted = sorted(names) or "_no_split_modules (none declared)"
+        raise ValueError(f"model: {architecture_name(base)} has no decoder blocks the recipes can "
+                         f"wrap or shard (looked for {wanted})")
+    return layers
+
+
+def adapter_targets(model: nn.Module) -> tuple[str, ...]:
+    """Names of the linear layers inside the decoder blocks, in order of first appearance: what
+    LoRA and NF4 adapt (Llama: q/k/v/o and gate/up/down projections; Phi-3: ``qkv_proj``,
+    ``o_proj``, ``gate_up_proj``, ``down_proj``). The head and embeddings are left out, as peft's
+    ``"all-linear"`` does. A layer adapted already (peft's LoRA wrapper, the course's NF4 layer)
+    counts as the linear it wraps.
+
+    Raises:
+        ValueError: naming the architecture, if its blocks hold no ``nn.Linear``.
+
+    Example:
+        >>> adapter_targets(phi3_model)  # doctest: +SKIP
+        ('qkv_proj', 'o_proj', 'gate_up_proj', 'down_proj')
+    """
+    names: dict[str, None] = {}
+    for block in decoder_layers(model):
+        taken: list[str] = []  # a linear layer already adapted (peft, NF4) holds its own linears
+        for name, module in block.named_modules():
+            if not name or any(name.startswith(t + ".") for t in taken):
+                continue
+            if isinstance(getattr(module, "in_features", None), int) and \
+                    isinstance(getattr(module, "out_features", None), int):
+                taken.append(name)
+                names.setdefault(name.rsplit(".", 1)[-1], None)
+    if not names:
+        raise ValueError(f"model: {architecture_name(model)}'s decoder blocks hold no nn.Linear "
+                         "layers to adapt (LoRA and NF4 need them)")
+    return tuple(names)
+
+
+def lm_head_weight(model: nn.Module) -> torch.Tensor:
+    """The output projection's weight (vocab x hidden), tied to the embeddings or not.
+
+    Raises:
+        ValueError: naming the architecture, if there is no bias-free linear head.
+    """
+    head = model.get_output_embeddings()
+    if head is None or getattr(head, "weight", None) is None:
+        raise ValueError(f"model: {architecture_name(model)} exposes no output head "
+                         "(get_output_embeddings() is None)")
+    if getattr(head, "bias", None) is not None:
+        raise ValueError(f"model: {architecture_name(model)}'s output head has a bias; the "
+                         "chunked losses expect a bias-free LM head")
+    return head.weight
+
+
+def final_logit_softcap(model: nn.Module) -> float | None:
+    """Gemma-2's ``final_logit_softcapping`` (logits become ``cap * tanh(logits / cap)``), or
+    None for architectures whose head is a plain matmul."""
+    return getattr(_base(model).config, "final_logit_softcapping", None) or None
+
+
+def softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """``cap * tanh(logits / cap)`` as Gemma-2 applies it to its final logits; unchanged for
+    None. Apply it wherever logits are made from the head's weight outside the model's forward.
+
+    Example:
+        >>> softcap(torch.tensor([0.0, 100.0]), 30.0).round()
+        tensor([ 0., 30.])
+    """
+    return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
+def describe(model: nn.Module) -> dict[str, Any]:
+    """What the recipes will use in ``model``: its block class, adapter targets, head, attention.
+
+    Example:
+        >>> describe(model)["adapter_targets"]  # doctest: +SKIP
+        ('q_proj', 'k_proj', 'v_proj', 'o_proj', 'gate_proj', 'up_proj', 'down_proj')
+    """
+    base = _base(model)
+    cfg = base.config
+    blocks = decoder_layers(model)
+    head = base.get_output_embeddings()
+    return {
+        "architecture": architecture_name(model),
+        "blocks": f"{len(blocks)} x {architecture_name(blocks[0])}",
+        "adapter_targets": adapter_targets(model),
+        "tied_embeddings": head is not None
+        and head.weight is base.get_input_embeddings().weight,
+        "attention": cfg._attn_implementation,
+        "final_logit_softcap": final_logit_softcap(model),
+        "attn_logit_softcap": getattr(cfg, "attn_logit_softcapping", None),
+        "sliding_window": getattr(cfg, "sliding_window", None),
+    }

@@ -1,0 +1,341 @@
+"""The course's recipes in the trainers people use: transformers' ``Trainer``, TRL's
+``SFTTrainer``, and ``accelerate`` / ``torchrun`` for FSDP2.
+
+Each recipe is one or two settings there (:data:`SETTINGS`). :func:`run_trainer` runs a few steps
+of the real trainer on the course's model and data, with one training step measured by the
+course's own meter (``memory.measure_memory``), so a notebook can put the trainer's figure beside
+its own loop's. Where the two differ, the notebook says by how much and why.
+
+Pitfalls the settings avoid, each a known issue:
+
+- checkpointing: transformers >= 5 checkpoints non-reentrant by default and makes the embeddings'
+  output require grad when it must; reentrant checkpointing of a model with frozen inputs gives
+  the adapters no gradient (transformers #26221) and is slower (peft #1142): see
+  :func:`check_settings`.
+- accumulation: the 2024 bug (transformers #34191), a mean per micro-batch instead of one over the
+  accumulated tokens, is fixed by passing ``num_items_in_batch`` to the loss; the course's loop
+  divides by the global token count too (``grad_accumulation``).
+- bf16 on a GPU without it (a T4, unsloth #780): :func:`precision_settings` picks fp16 there.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from recipes_lib import data, device
+from recipes_lib.memory import MemoryReport, measure_memory, tensor_bytes
+from recipes_lib.optim8bit import state_bytes
+
+# recipe -> the TrainingArguments / SFTConfig settings that apply it (transformers >= 5 names;
+# 4.x calls activation_checkpointing "gradient_checkpointing")
+SETTINGS: dict[str, dict[str, Any]] = {
+    "activation_checkpointing": {"activation_checkpointing": True,
+                                 "activation_checkpointing_kwargs": {"use_reentrant": False}},
+    "grad_accumulation": {"gradient_accumulation_steps": 4},
+    "optim8bit": {"optim": "adamw_bnb_8bit"},
+    "bf16": {"bf16": True},
+    "padding_free": {"padding_free": True},  # SFTConfig (TRL)
+    "chunked_ce": {"use_liger_kernel": True},  # Liger's fused linear CE: CUDA (Triton) only
+}
+# What the course does that these trainers do not do alone, and where it lives instead
+NO_TRAINER_SETTING = {
+    "cpu_offload": "Trainer has no optimizer offload of its own: DeepSpeed ZeRO-Offload "
+                   "(deepspeed config offload_optimizer) or FSDP's CPUOffloadPolicy",
+    "fp8": "accelerate's mixed_precision='fp8' (torchao backend) needs an H100-class GPU",
+    "fsdp_qlora": "bitsandbytes 4-bit under FSDP needs bnb_4bit_quant_storage equal to the "
+                  "compute dtype and CUDA (accelerate #1515)",
+}
+
+
+def precision_settings(where: torch.device | str) -> dict[str, bool]:
+    """``bf16`` / ``fp16`` for TrainingArguments on the device ``where``, said aloud when bf16 cannot run
+    (a T4: fp16 with a gradient scaler; a CPU without native bf16: fp32)."""
+    where = torch.device(where)
+    if device.supports_bf16(where):
+        return {"bf16": True}
+    if where.type == "cuda":
+        warnings.warn(f"{device.describe_device(where)} has no bf16: fp16=True (Trainer adds "
+                      "the gradient scaler)", stacklevel=2)
+        return {"fp16": True}
+    warnings.warn(f"{device.describe_device(where)} has no native bf16: training in fp32",
+                  stacklevel=2)
+    return {}
+
+
+def predicted_8bit_state_ratio(model: torch.nn.Module) -> float:
+    """``optim="adamw_bnb_8bit"`` states over AdamW's, as ``Trainer`` builds them: 8-bit
+    blockwise moments (``calc.adamw_8bit_state_bytes``) except for every ``nn.Embedding``,
+    which ``Trainer`` keeps in 32 bits (a bitsandbytes ``GlobalOptimManager`` override)."""
+    from recipes_lib import calc
+
+    embedding = {p.data_ptr() for m in model.modules() if isinstance(m, torch.nn.Embedding)
+                 for p in m.parameters() if p.requires_grad}
+    seen, eight, fp32 = set(), [], 0
+    for p in model.parameters():
+        if not p.requires_grad or p.data_ptr() in seen:
+            continue
+        seen.add(p.data_ptr())
+        if p.data_ptr() in embedding:
+            fp32 += p.numel()
+        else:
+            eight.append(p.numel())
+    total = sum(eight) + fp32
+    return ((calc.adamw_8bit_state_bytes(eight) + calc.optimizer_bytes(fp32, "adamw"))
+            / calc.optimizer_bytes(total, "adamw"))
+
+
+def check_settings(model: torch.nn.Module, settings: dict[str, Any]) -> dict[str, Any]:
+    """Refuse, or fix aloud, settings that conflict with a recipe before a trainer runs.
+
+    - reentrant checkpointing (``use_reentrant=True``) of a model whose inputs do not require
+      grad (LoRA's frozen embeddings): transformers >= 5 calls ``enable_input_require_grads``
+      itself, so the adapters get gradients; said aloud, since it recomputes through a slower
+      path than non-reentrant (peft #1142), and the fix is ``use_reentrant=False``;
+    - ``optim="adamw_bnb_8bit"`` without bitsandbytes: an error naming it.
+
+    Returns:
+        The settings to use.
+
+    Raises:
+        ValueError: naming the setting, for a conflict that has no fix here.
+    """
+    out = dict(settings)
+    ckpt = out.get("activation_checkpointing") or out.get("gradient_checkpointing")
+    kwargs = (out.get("activation_checkpointing_kwargs")
+              or out.get("gradient_checkpointing_kwargs") or {})
+    frozen = not any(p.requires_grad for p in model.get_input_embeddings().parameters())
+    if ckpt and kwargs.get("use_reentrant", False) and frozen:
+        warnings.warn("use_reentrant=True with frozen input embeddings (LoRA): reentrant "
+                      "checkpointing would give the adapters no gradient (transformers #26221); "
+                      "transformers makes the embeddings' output require grad for it "
+                      "(enable_input_require_grads). Prefer use_reentrant=False: the same "
+                      "memory, no hook, and faster (peft #1142)", stacklevel=2)
+    if str(out.get("optim", "")).endswith("bnb_8bit") and not device.has_module("bitsandbytes"):
+        raise ValueError(f"optim={out['optim']!r}: needs bitsandbytes (pip install "
+                         "bitsandbytes), or use optim='adamw_torch'")
+    return out
+
+
+@dataclass
+class TrainerRun:
+    """What a few trainer steps produced: the logged losses, the measured step, the optimizer."""
+
+    losses: list[float] = field(default_factory=list)
+    step: MemoryReport | None = None  # the measured training step (forward + backward)
+    optimizer_state_bytes: int = 0
+    settings: dict[str, Any] = field(default_factory=dict)
+    trainer: Any = None
+
+
+def _measured(base: type) -> type:
+    """A subclass of the trainer ``base`` whose ``training_step`` number ``measure_step`` runs
+    under the course's memory meter."""
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        self._steps_done = getattr(self, "_steps_done", 0) + 1
+        if self._steps_done != self._measure_step:
+            return base.training_step(self, model, inputs, num_items_in_batch)
+        out = []
+        inner = getattr(self.optimizer, "optimizer", self.optimizer)
+        self._report = measure_memory(
+            lambda: out.append(base.training_step(self, model, inputs, num_items_in_batch)),
+            model, inner)
+        return out[0]
+
+    return type(f"Measured{base.__name__}", (base,), {"training_step": training_step})
+
+
+def run_trainer(
+    model: torch.nn.Module,
+    examples: list[dict[str, list[int]]],
+    tokenizer: Any,
+    settings: dict[str, Any] | None = None,
+    steps: int = 2,
+    micro_batch_size: int = 4,
+    lr: float = 1e-3,
+    optim: str = "adamw_torch",
+    sft: bool = False,
+    measure_step: int = 1,
+    seed: int = 0,
+    peft_config: Any = None,
+) -> TrainerRun:
+    """A few steps of ``transformers.Trainer`` (or TRL's ``SFTTrainer``) on ``examples``.
+
+    The examples are taken in order (``train_sampling_strategy="sequential"``) and padded by the
+    course's collator, so the trainer sees the batches the course's loop sees; TRL's own collator
+    is used with ``sft=True`` (that is what ``padding_free`` changes). Constant learning rate,
+    no weight decay, nothing saved or reported; checkpointing off unless ``settings`` turn it on
+    (TRL's ``SFTConfig`` has it on by default).
+
+    Args:
+        model: a causal LM (peft-wrapped for LoRA / QLoRA).
+        examples: tokenized examples with ``input_ids`` and ``labels`` (``data.tokenize_examples``).
+        tokenizer: gives the pad id (and TRL its processing class).
+        settings: the recipe's TrainingArguments / SFTConfig fields (:data:`SETTINGS`).
+        steps: optimizer steps.
+        micro_batch_size: ``per_device_train_batch_size``.
+        lr, optim: learning rate and Trainer's optimizer name (``settings`` may override it).
+        sft: run TRL's ``SFTTrainer`` with an ``SFTConfig`` instead.
+        measure_step: the micro-step (1-based) measured by the course's meter; 0: none.
+        seed: the trainer's seed.
+        peft_config: a ``LoraConfig`` for ``SFTTrainer`` to apply (with k-bit preparation for a
+            quantized model), as TRL users pass it.
+
+    Raises:
+        ValueError: for steps < 1, no examples, or settings :func:`check_settings` refuses.
+
+    Example:
+        >>> run = run_trainer(model, examples, tok, SETTINGS["activation_checkpointing"])
+        ... # doctest: +SKIP
+        >>> run.step.activation_bytes  # doctest: +SKIP
+    """
+    from datasets import Dataset
+    from transformers import PrinterCallback, Trainer, TrainingArguments
+
+    if not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps={steps!r}: must be an integer >= 1")
+    if not examples:
+        raise ValueError("examples: empty list, nothing to train on")
+    settings = check_settings(model, {"optim": optim, **(settings or {})})
+    on_gpu = next(model.parameters()).device.type == "cuda"
+    common = dict(output_dir=tempfile.mkdtemp(prefix="trainer-"), max_steps=steps,
+                  per_device_train_batch_size=micro_batch_size, learning_rate=lr,
+                  lr_scheduler_type="constant", weight_decay=0.0, logging_steps=1,
+                  report_to="none", save_strategy="no", disable_tqdm=True, seed=seed,
+                  use_cpu=not on_gpu, train_sampling_strategy="sequential",
+                  dataloader_num_workers=0,
+                  # explicit: TRL's SFTConfig turns checkpointing on by default, Trainer off
+                  **{"activation_checkpointing": False, **settings})
+    dataset = Dataset.from_list([{"input_ids": e["input_ids"], "labels": e["labels"]}
+                                 for e in examples])
+    if sft:
+        from trl import SFTConfig, SFTTrainer
+
+        args = SFTConfig(max_length=None, **common)
+        trainer = _measured(SFTTrainer)(model=model, args=args, train_dataset=dataset,
+                                        processing_class=tokenizer, peft_config=peft_config)
+    else:
+        if peft_config is not None:
+            raise ValueError("peft_config: only SFTTrainer applies it (sft=True); wrap the "
+                             "model with peft first for Trainer")
+        args = TrainingArguments(remove_unused_columns=False, **common)
+        pad = tokenizer.pad_token_id
+        trainer = _measured(Trainer)(model=model, args=args, train_dataset=dataset,
+                                     data_collator=lambda rows: data.collate(rows, pad))
+    trainer._measure_step, trainer._report = measure_step, None
+    trainer.remove_callback(PrinterCallback)  # the losses come back in TrainerRun instead
+    trainer.train()
+    state = state_bytes(getattr(trainer.optimizer, "optimizer", trainer.optimizer))
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    return TrainerRun(losses=losses, step=trainer._report, optimizer_state_bytes=state,
+                      settings=settings, trainer=trainer)
+
+
+def compare_runs(make_model: Any, examples: list[dict[str, list[int]]], tokenizer: Any,
+                 settings: dict[str, Any], metric: str = "activation_bytes", steps: int = 1,
+                 **kwargs: Any) -> dict[str, Any]:
+    """The trainer without and with a recipe's ``settings``, each on a fresh model from
+    ``make_model``: ``metric`` of the recipe run over the baseline's, and both runs.
+
+    Args:
+        metric: "activation_bytes" (the measured step's activations and temporaries at its
+            peak) or "optimizer_state_bytes" (after the last step).
+        **kwargs: passed to :func:`run_trainer` (``micro_batch_size``, ``sft``...).
+
+    Raises:
+        ValueError: for an unknown metric.
+
+    Example:
+        >>> out = compare_runs(lambda: load_model(path), examples, tok,
+        ...                    SETTINGS["activation_checkpointing"])  # doctest: +SKIP
+        >>> out["ratio"]  # doctest: +SKIP
+        0.21
+    """
+    if metric not in ("activation_bytes", "optimizer_state_bytes"):
+        raise ValueError(f"metric={metric!r}: expected 'activation_bytes' or "
+                         "'optimizer_state_bytes'")
+    measure = 1 if metric == "activation_bytes" else 0
+    runs = [run_trainer(make_model(), examples, tokenizer, s, steps=steps, measure_step=measure,
+                        **kwargs) for s in ({}, settings)]
+
+    def value(run: TrainerRun) -> float:
+        return run.step.activation_bytes if measure else run.optimizer_state_bytes
+
+    return {"ratio": value(runs[1]) / value(runs[0]), "baseline": runs[0], "recipe": runs[1]}
+
+
+def update_gap(make_model: Any, examples: list[dict[str, list[int]]], tokenizer: Any,
+               micro_batch_size: int, accumulation_steps: int) -> float:
+    """Gradient accumulation in ``Trainer``: one SGD step (lr 1, no clipping) over the same
+    examples as one batch and as ``accumulation_steps`` micro-batches; the largest difference of
+    the two updates, relative to the largest update. 0 up to float rounding when the loss is
+    divided by the accumulated token count (``num_items_in_batch``, transformers #34191).
+
+    Args:
+        make_model: returns a fresh copy of the same model (called twice).
+        examples: ``micro_batch_size * accumulation_steps`` examples of different lengths.
+
+    Raises:
+        ValueError: if the examples do not fill the accumulated batch exactly.
+    """
+    if len(examples) != micro_batch_size * accumulation_steps:
+        raise ValueError(f"examples: {len(examples)} given, one step of {accumulation_steps} x "
+                         f"{micro_batch_size} needs {micro_batch_size * accumulation_steps}")
+    updates = []
+    for micro, k in ((micro_batch_size * accumulation_steps, 1),
+                     (micro_batch_size, accumulation_steps)):
+        model = make_model()
+        before = [p.detach().clone() for p in model.parameters()]
+        run_trainer(model, examples, tokenizer, {"gradient_accumulation_steps": k,
+                                                 "max_grad_norm": 0.0},
+                    steps=1, micro_batch_size=micro, lr=1.0, optim="sgd", measure_step=0)
+        updates.append([p.detach() - b for p, b in zip(model.parameters(), before, strict=True)])
+    scale = max(float(u.abs().max()) for u in updates[0])
+    return max(float((a - b).abs().max()) for a, b in zip(*updates, strict=True)) / scale
+
+
+def fsdp_settings(model: torch.nn.Module) -> dict[str, Any]:
+    """TrainingArguments for FSDP2 over every decoder block of ``model`` (the block class read
+    from the model, not assumed), what an accelerate FSDP2 config file says too."""
+    from recipes_lib.architectures import architecture_name, decoder_layers
+
+    block = architecture_name(decoder_layers(model)[0])
+    return {"fsdp": "full_shard auto_wrap",
+            "fsdp_config": {"version": 2, "transformer_layer_cls_to_wrap": [block],
+                            "reshard_after_forward": True}}
+
+
+def fsdp_rank_state(model_path: str, steps: int = 2, micro_batch_size: int = 2,
+                    max_length: int = 128) -> dict[str, Any]:
+    """Run on every rank of a ``torchrun`` / ``accelerate launch`` job (``distributed.launch``):
+    ``Trainer`` with :func:`fsdp_settings` on the topic task; this rank's bytes of parameters,
+    gradients and optimizer state after training (``fsdp.local_state_bytes``), the model's
+    parameter bytes before wrapping, its losses, and how accelerate ran it (``distributed_type``). With one process it is the unsharded baseline.
+
+    accelerate (1.x) turns FSDP on only for accelerator ranks (GPU, NPU, XPU, HPU...): on CPU
+    ranks the same settings run as DDP (``MULTI_CPU``), each rank keeping the whole state, and
+    nothing says so; the returned ``distributed_type`` does."""
+    from recipes_lib import model as models
+    from recipes_lib.distributed import world
+    from recipes_lib.fsdp import local_state_bytes
+
+    rank, world_size = world()
+    tok = models.load_tokenizer(model_path)
+    examples = data.tokenize_examples(data.load_corpus("topic", "train"), tok, max_length,
+                                      "sft")[:micro_batch_size * world_size * steps]
+    model = models.load_model(model_path)
+    unsharded = tensor_bytes(model.parameters())
+    settings = fsdp_settings(model) if world_size > 1 else {}
+    run = run_trainer(model, examples, tok, settings, steps=steps,
+                      micro_batch_size=micro_batch_size, measure_step=0)
+    wrapped = run.trainer.model_wrapped
+    optimizer = getattr(run.trainer.optimizer, "optimizer", run.trainer.optimizer)
+    return {"rank": rank, "world_size": world_size, "losses": run.losses,
+            "state_bytes": local_state_bytes(wrapped, optimizer),
+            "unsharded_parameter_bytes": unsharded,
+            "distributed_type": str(run.trainer.accelerator.distributed_type.value)}

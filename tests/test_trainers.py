@@ -1,0 +1,109 @@
+"""The recipes in transformers' Trainer and TRL's SFTTrainer: the same figures as the course's
+loop, measured with the course's meter, and the settings that conflict said aloud."""
+
+import pytest
+
+from recipes_lib import data, trainers
+from recipes_lib import model as models
+
+
+@pytest.fixture(scope="module")
+def small():
+    path = models.build_tiny_model(spec=models.TinyModelSpec.smallest(), progress=False)
+    tok = models.load_tokenizer(path)
+    examples = data.tokenize_examples(data.load_corpus("topic", "train"), tok, 128, "sft")[:8]
+    return path, tok, examples
+
+
+def test_checkpointing_setting_cuts_the_trainers_activations_and_keeps_its_losses(small):
+    path, tok, examples = small
+    plain = trainers.run_trainer(models.load_model(path), examples, tok, steps=1)
+    ckpt = trainers.run_trainer(models.load_model(path), examples, tok,
+                                trainers.SETTINGS["activation_checkpointing"], steps=1)
+    assert ckpt.step.activation_bytes < 0.6 * plain.step.activation_bytes
+    assert ckpt.losses == plain.losses
+
+
+def test_trainer_accumulation_equals_one_batch_on_variable_lengths(small):
+    path, tok, examples = small
+    assert len({len(e["input_ids"]) for e in examples}) > 2  # lengths differ
+    gap = trainers.update_gap(lambda: models.load_model(path), examples, tok, 2, 4)
+    assert gap < 1e-5, gap
+
+
+def test_8bit_optimizer_setting_shrinks_the_trainers_states(small):
+    """Trainer keeps the embeddings' AdamW states in 32 bits (it registers a bitsandbytes
+    override for every nn.Embedding), so its ratio sits above the course's 8-bit-everywhere
+    one; the prediction that counts this is exact."""
+    pytest.importorskip("bitsandbytes")
+    path, tok, examples = small
+    plain = trainers.run_trainer(models.load_model(path), examples, tok, steps=1, measure_step=0)
+    eight = trainers.run_trainer(models.load_model(path), examples, tok,
+                                 trainers.SETTINGS["optim8bit"], steps=1, measure_step=0)
+    ratio = eight.optimizer_state_bytes / plain.optimizer_state_bytes
+    assert ratio == pytest.approx(trainers.predicted_8bit_state_ratio(models.load_model(path)),
+                                  abs=1e-12)
+    assert ratio > 0.2545  # the course's ratio on the default model: all 8-bit
+
+
+def test_padding_free_sft_keeps_the_loss_and_drops_the_padding(small):
+    pytest.importorskip("trl")
+    path, tok, examples = small
+    padded = trainers.run_trainer(models.load_model(path), examples, tok, steps=1, sft=True)
+    free = trainers.run_trainer(models.load_model(path), examples, tok,
+                                trainers.SETTINGS["padding_free"], steps=1, sft=True)
+    assert free.losses[0] == pytest.approx(padded.losses[0], rel=1e-4)
+    assert free.step.activation_bytes < padded.step.activation_bytes
+
+
+def test_fsdp_settings_name_the_architectures_block(small):
+    settings = trainers.fsdp_settings(models.load_model(small[0]))
+    assert settings["fsdp_config"]["transformer_layer_cls_to_wrap"] == ["LlamaDecoderLayer"]
+
+
+def test_trainer_fsdp_on_cpu_ranks_runs_as_ddp(sharded_runs):
+    """accelerate enables FSDP only on accelerator ranks: on 2 CPU ranks the FSDP2 settings
+    train as DDP (each rank keeps the whole state), which ``fsdp_rank_state`` reports."""
+    ranks = sharded_runs["trainer_fsdp"]
+    assert [r["distributed_type"] for r in ranks] == ["MULTI_CPU", "MULTI_CPU"]
+    assert ranks[0]["state_bytes"]["parameters"] == ranks[1]["state_bytes"]["parameters"]
+    assert ranks[0]["losses"] == ranks[1]["losses"]
+
+
+def test_reentrant_checkpointing_with_frozen_inputs_is_said_aloud(small):
+    from recipes_lib import quantization
+
+    model = quantization.add_lora(models.load_model(small[0]), r=4)
+    reentrant = {"activation_checkpointing": True,
+                 "activation_checkpointing_kwargs": {"use_reentrant": True}}
+    with pytest.warns(UserWarning, match="use_reentrant=True with frozen input embeddings"):
+        assert trainers.check_settings(model, reentrant) == reentrant
+
+
+def test_8bit_optimizer_without_bitsandbytes_is_an_error(small, monkeypatch):
+    from recipes_lib import device
+
+    monkeypatch.setattr(device, "has_module", lambda name: name != "bitsandbytes")
+    with pytest.raises(ValueError, match="optim='adamw_bnb_8bit': needs bitsandbytes"):
+        trainers.check_settings(models.load_model(small[0]), trainers.SETTINGS["optim8bit"])
+
+
+def test_precision_settings_fall_back_aloud_on_cpu_without_bf16(monkeypatch):
+    from recipes_lib import device
+
+    monkeypatch.setattr(device, "supports_bf16", lambda d: False)
+    with pytest.warns(UserWarning, match="no native bf16: training in fp32"):
+        assert trainers.precision_settings("cpu") == {}
+    monkeypatch.setattr(device, "supports_bf16", lambda d: True)
+    assert trainers.precision_settings("cpu") == {"bf16": True}
+
+
+def test_bad_inputs(small):
+    path, tok, examples = small
+    with pytest.raises(ValueError, match="steps=0"):
+        trainers.run_trainer(models.load_model(path), examples, tok, steps=0)
+    with pytest.raises(ValueError, match="examples: empty"):
+        trainers.run_trainer(models.load_model(path), [], tok)
+    with pytest.raises(ValueError, match="examples: 8 given, one step of 3 x 2 needs 6"):
+        trainers.update_gap(lambda: models.load_model(path), examples, tok, 2, 3)
+

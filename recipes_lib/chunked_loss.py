@@ -45,6 +45,58 @@ def _check(hidden: torch.Tensor, weight: torch.Tensor, chunk_size: int,
                              f"{hidden.shape[0]}")
 
 
+class ChunkGrad:
+    """A chunk's loss *and* the gradient of its logits, written out instead of taken by
+    autograd: ``fn(hidden_chunk, weight, *target_chunks) -> (loss_sum, grad_logits)``. Written
+    out, the softmax, its gradient and the loss are elementwise over one logits tile, which
+    ``torch.compile`` fuses into a pass or two (what Cut Cross-Entropy's kernels do by hand)."""
+
+    def __init__(self, fn: Callable[..., tuple[torch.Tensor, torch.Tensor]]):
+        self.fn = fn
+
+    def __call__(self, *args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.fn(*args)
+
+
+def _ce_chunk(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor, ignore_index: int,
+              cap: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cross-entropy summed over a chunk and d(loss)/d(logits), from the hidden states:
+    ``softmax(z) - onehot(y)`` on labelled rows (times ``1 - tanh^2`` under a soft cap)."""
+    z = upcast(h @ w.T)
+    if cap is not None:
+        t = torch.tanh(z / cap)
+        z = t * cap
+    lse = torch.logsumexp(z, dim=-1)
+    valid = y != ignore_index
+    safe = torch.where(valid, y, 0)
+    picked = z.gather(1, safe[:, None])[:, 0]
+    loss = torch.where(valid, lse - picked, 0.0).sum()
+    g = torch.exp(z - lse[:, None])
+    g = g - torch.nn.functional.one_hot(safe, z.shape[1]).to(g.dtype)
+    g = g * valid[:, None].to(g.dtype)
+    if cap is not None:
+        g = g * (1 - t * t)
+    return loss, g.to(h.dtype)
+
+
+_COMPILED_CE: dict[tuple[int, float | None], ChunkGrad] = {}
+
+
+def compiled_ce_chunk(ignore_index: int = IGNORE_INDEX, logit_softcap: float | None = None
+                      ) -> ChunkGrad:
+    """The cross-entropy chunk (:func:`_ce_chunk`) compiled once per setting (Inductor: C++ on
+    a CPU, Triton on a GPU), for ``chunked_cross_entropy(..., compiled=True)``.
+
+    Raises:
+        ValueError: where ``torch.compile`` cannot run (no C++ compiler, no Triton).
+    """
+    key = (ignore_index, logit_softcap)
+    if key not in _COMPILED_CE:
+        _COMPILED_CE[key] = ChunkGrad(torch.compile(
+            lambda h, w, y: _ce_chunk(h, w, y, ignore_index, logit_softcap)))
+    return _COMPILED_CE[key]
+
+
 class _ChunkedLinearLoss(torch.autograd.Function):
     """Loss and gradients chunk by chunk in forward; backward scales the stored gradients."""
 
@@ -61,10 +113,13 @@ class _ChunkedLinearLoss(torch.autograd.Function):
         for start in range(0, hidden.shape[0], chunk_size):
             end = min(start + chunk_size, hidden.shape[0])
             h = hidden[start:end].detach()
-            with torch.enable_grad():
-                logits = (h @ w.T).requires_grad_()
-                loss = loss_fn(logits, *(t[start:end] for t in extras))
-            (g_logits,) = torch.autograd.grad(loss, logits)  # one chunk of tokens x vocab
+            if isinstance(loss_fn, ChunkGrad):  # the loss and its logits' gradient in one pass
+                loss, g_logits = loss_fn(h, w, *(t[start:end] for t in extras))
+            else:
+                with torch.enable_grad():
+                    logits = (h @ w.T).requires_grad_()
+                    loss = loss_fn(logits, *(t[start:end] for t in extras))
+                (g_logits,) = torch.autograd.grad(loss, logits)  # one chunk of tokens x vocab
             # the two matmuls of the Linear's backward, written out so nothing weight-sized is
             # allocated per chunk
             if need_h:
@@ -114,8 +169,10 @@ def chunked_linear_loss(
     Args:
         hidden: (tokens, hidden_size) final hidden states.
         weight: (vocab, hidden_size) output projection (the LM head's weight).
-        loss_fn: ``loss_fn(logits_chunk, *target_chunks) -> scalar``; it must be a *sum* over the
-            chunk's tokens (divide inside it by a global count if a mean is wanted), so chunks add.
+        loss_fn: ``loss_fn(logits_chunk, *target_chunks) -> scalar``, or a :class:`ChunkGrad`
+            (which makes the logits itself and returns their gradient too); it must be a *sum*
+            over the chunk's tokens (divide inside it by a global count if a mean is wanted),
+            so chunks add.
         chunk_size: tokens per chunk; peak memory is about ``chunk_size * vocab`` logits.
         *targets: per-token tensors (first dimension = tokens) sliced alongside ``hidden``.
 
@@ -138,8 +195,10 @@ def chunked_linear_loss(
                             device=hidden.device)
         for start in range(0, hidden.shape[0], chunk_size):
             end = start + chunk_size
-            total += upcast(loss_fn(hidden[start:end] @ weight.T,
-                                    *(t[start:end] for t in targets)))
+            chunk = [t[start:end] for t in targets]
+            total += upcast(loss_fn(hidden[start:end], weight, *chunk)[0]
+                            if isinstance(loss_fn, ChunkGrad)
+                            else loss_fn(hidden[start:end] @ weight.T, *chunk))
         return total
     return _ChunkedLinearLoss.apply(hidden, weight, loss_fn, chunk_size, *targets)
 
@@ -152,6 +211,7 @@ def chunked_cross_entropy(
     ignore_index: int = IGNORE_INDEX,
     reduction: str = "mean",
     logit_softcap: float | None = None,
+    compiled: bool = False,
 ) -> torch.Tensor:
     """Cross-entropy of ``hidden @ weight.T`` against ``labels`` without the full logits.
 
@@ -167,6 +227,9 @@ def chunked_cross_entropy(
         reduction: "mean" (over non-ignored tokens) or "sum".
         logit_softcap: Gemma-2's final soft-capping, applied to each chunk's logits as the
             model applies it to all of them (None: plain logits).
+        compiled: compute each chunk's loss and logits gradient with one ``torch.compile``d
+            function (:func:`compiled_ce_chunk`) instead of autograd over eager ops (training
+            only; a no-grad call takes the plain path).
 
     Returns:
         A scalar loss (fp32, or fp64 for fp64 inputs).
@@ -191,7 +254,12 @@ def chunked_cross_entropy(
         return F.cross_entropy(softcap(upcast(logits), logit_softcap), target,
                                ignore_index=ignore_index, reduction="sum")
 
-    total = chunked_linear_loss(h, weight, ce_sum, chunk_size, y)
+    if compiled:
+        from recipes_lib.compiling import require_compile
+
+        require_compile(hidden.device)
+    fn = compiled_ce_chunk(ignore_index, logit_softcap) if compiled else ce_sum
+    total = chunked_linear_loss(h, weight, fn, chunk_size, y)
     if reduction == "sum":
         return total
     # F.cross_entropy's mean is over non-ignored targets (nan when there are none, as here)
@@ -284,21 +352,44 @@ def compare_with_full(tokens: int, vocab_size: int, hidden_size: int, chunk_size
     return out
 
 
+def cce_available() -> bool:
+    """Apple's Cut Cross-Entropy can run here: ``cut-cross-entropy`` and Triton installed (its
+    ``torch_compile`` implementation runs on a CPU, but the package imports Triton)."""
+    from recipes_lib.device import has_module
+
+    return has_module("cut_cross_entropy") and has_module("triton")
+
+
 def tokens_sweep(tokens: list[int], vocab_size: int, hidden_size: int, chunk_size: int = 1024,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                 repeats: int = 5, include_liger: bool = False):
+                 repeats: int = 5, include_liger: bool = False, include_compiled: bool = False,
+                 include_cce: bool = False):
     """Where chunked cross-entropy stops costing time against the full logits: a loss step
     (forward + backward) over the number of tokens, timed in alternation
-    (``sweep.run_sweep``); Liger's fused kernel beside it with ``include_liger``.
+    (``sweep.run_sweep``). Timed beside it where asked: Liger's fused kernel
+    (``include_liger``, CUDA), ours with each chunk compiled (``include_compiled``,
+    ``compiled_ce_chunk``) and Apple's Cut Cross-Entropy (``include_cce``; its
+    ``torch_compile`` implementation on a CPU, its Triton kernels on CUDA). Compilation happens
+    in the warm-up call, outside the timing.
 
     Returns:
         A ``sweep.Sweep`` (recipe "chunked_ce", dimension "tokens").
+
+    Raises:
+        ValueError: for a comparison asked where it cannot run, naming it.
     """
     from recipes_lib.sweep import run_sweep
 
     if include_liger and not liger_available(device):
         raise ValueError(f"include_liger=True: Liger-Kernel is not installed or device={device!s} "
                          "is not CUDA")
+    if include_cce and not cce_available():
+        raise ValueError("include_cce=True: cut-cross-entropy (and Triton, which it imports) "
+                         "is not installed: pip install cut-cross-entropy")
+    if include_compiled:
+        from recipes_lib.compiling import require_compile
+
+        require_compile(device)
     device = torch.device(device)
     size = torch.empty((), dtype=dtype).element_size()
 
@@ -308,8 +399,17 @@ def tokens_sweep(tokens: list[int], vocab_size: int, hidden_size: int, chunk_siz
         w = (torch.randn(vocab_size, hidden_size, generator=g) / hidden_size**0.5
              ).to(device, dtype).requires_grad_()
         y = torch.randint(0, vocab_size, (n,), generator=g).to(device)
+        c = min(chunk_size, n)
         losses = {"baseline": lambda: F.cross_entropy(upcast(h @ w.T), y),
-                  "recipe": lambda: chunked_cross_entropy(h, w, y, min(chunk_size, n))}
+                  "recipe": lambda: chunked_cross_entropy(h, w, y, c)}
+        if include_compiled:
+            losses["chunked (compiled)"] = lambda: chunked_cross_entropy(h, w, y, c,
+                                                                         compiled=True)
+        if include_cce:
+            from cut_cross_entropy import linear_cross_entropy
+
+            impl = "cce" if device.type == "cuda" else "torch_compile"
+            losses["cut cross-entropy"] = lambda: linear_cross_entropy(h, w, y, impl=impl)
         if include_liger:
             from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
 

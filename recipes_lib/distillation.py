@@ -185,3 +185,44 @@ def param_ratio(student: torch.nn.Module, teacher: torch.nn.Module) -> float:
     """Student parameters / teacher parameters."""
     return (sum(p.numel() for p in student.parameters())
             / sum(p.numel() for p in teacher.parameters()))
+
+
+def latency_sweep(hidden_sizes: list[int], num_hidden_layers: int = 6, new_tokens: int = 32,
+                  vocab_size: int = 512, width_factor: float = 0.5, depth_factor: float = 1 / 3,
+                  repeats: int = 3):
+    """Where a smaller student's generation latency approaches its size ratio: at batch 1,
+    teachers of growing width (``model.small_llama``, untrained: latency does not depend on the
+    weights) against their students (``make_student``), ``new_tokens`` greedy tokens each,
+    timed in alternation (``sweep.run_sweep``). A small model's decode step is bound by per-op
+    overhead, the same for both, so the student's gain grows with the width. Work per call (the
+    teacher's): ``2 N`` FLOPs per token; bytes: its weights, read once per token.
+
+    Returns:
+        A ``sweep.Sweep`` (recipe "distillation", dimension "teacher_hidden").
+
+    Raises:
+        ValueError: for sizes a sweep cannot use.
+    """
+    from recipes_lib.model import small_llama
+    from recipes_lib.sweep import run_sweep
+
+    prompt = torch.randint(3, vocab_size, (1, 8), generator=torch.Generator().manual_seed(0))
+    sizes: dict[int, int] = {}
+
+    def make(h: int):
+        teacher = small_llama(vocab_size=vocab_size, hidden_size=h,
+                              num_hidden_layers=num_hidden_layers).eval()
+        student = make_student(teacher, width_factor, depth_factor).eval()
+        sizes[h] = sum(p.numel() for p in teacher.parameters())
+
+        def run(m):
+            with torch.inference_mode():
+                m.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt),
+                           max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                           do_sample=False, pad_token_id=0)
+        return {"baseline": lambda: run(teacher), "recipe": lambda: run(student)}
+
+    def work(h: int) -> tuple[float, float]:
+        return 2.0 * sizes[h] * new_tokens, 4.0 * sizes[h] * new_tokens
+    return run_sweep("distillation", "teacher_hidden", hidden_sizes, make, work, "cpu",
+                     repeats=repeats, progress=False)

@@ -46,3 +46,36 @@ def sizing_table(sizes: list[int], tokens: int = 2048, dtype: torch.dtype = torc
     times = time_interleaved(fns, warmup=2, repeats=repeats, device=torch.device(device))
     return [{"size": n, "alignment": alignment(n), "seconds": t.median_s, "spread": t.spread,
              "gflops": 2 * tokens * n * n / t.median_s / 1e9} for n, t in times.items()]
+
+
+def dtype_sweep(sizes: list[int], tokens: int = 2048, dtype: torch.dtype = torch.bfloat16,
+                device: torch.device | str = "cpu", repeats: int = 5):
+    """Where a 16-bit matmul starts to beat fp32: ``(tokens x n) @ (n x n)`` over n, fp32 against
+    ``dtype``, timed in alternation (``sweep.run_sweep``). On a CPU without native bf16
+    (``device.supports_bf16``: no AVX512-BF16 / AMX) bf16 is emulated and loses at every size;
+    the sweep says so rather than hide it. Work per call: ``2 t n^2`` FLOPs; fp32 operands and
+    output in bytes.
+
+    Returns:
+        A ``sweep.Sweep`` (recipe "bf16" or "fp16", dimension "hidden").
+
+    Raises:
+        ValueError: for sizes a sweep cannot use, or a dtype that is not 16-bit.
+    """
+    from recipes_lib.sweep import run_sweep
+
+    if dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"dtype={dtype}: expected torch.bfloat16 or torch.float16")
+    device = torch.device(device)
+
+    def make(n: int):
+        g = torch.Generator().manual_seed(n)
+        a = torch.randn(tokens, n, generator=g).to(device)
+        b = torch.randn(n, n, generator=g).to(device)
+        a16, b16 = a.to(dtype), b.to(dtype)
+        return {"baseline": lambda: a @ b, "recipe": lambda: a16 @ b16}
+
+    def work(n: int) -> tuple[float, float]:
+        return 2.0 * tokens * n * n, 4.0 * (2 * tokens * n + n * n)
+    name = "bf16" if dtype == torch.bfloat16 else "fp16"
+    return run_sweep(name, "hidden", sizes, make, work, device, repeats=repeats, progress=False)

@@ -43,3 +43,41 @@ def measure_kv_cache(model: torch.nn.Module, input_ids: torch.Tensor) -> dict[st
     tokens = input_ids.shape[0] * input_ids.shape[1]
     return {"bytes": float(total), "bytes_per_token": total / tokens,
             "layers": float(len(cache.layers))}
+
+
+def length_sweep(model: torch.nn.Module, input_ids: torch.Tensor, new_tokens: list[int],
+                 repeats: int = 3):
+    """Greedy generation with and without the KV cache over the number of generated tokens,
+    timed in alternation (``sweep.run_sweep``). Without a cache token ``t`` re-runs the whole
+    prefix, so the cache's gain grows with the length; at a few tokens the cache's bookkeeping
+    is all there is. Work per call (the baseline's): ``2 N`` FLOPs per token of every prefix it
+    recomputes; bytes: the weights read once per generated token.
+
+    Returns:
+        A ``sweep.Sweep`` (recipe "kv_cache", dimension "new_tokens").
+
+    Raises:
+        ValueError: for sizes a sweep cannot use.
+    """
+    from recipes_lib.sweep import run_sweep
+
+    model.eval()
+    device = next(model.parameters()).device
+    ids = input_ids.to(device)
+    n_params = sum(p.numel() for p in model.parameters())
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    prompt = ids.shape[1]
+
+    def make(n: int):
+        def run(cache: bool):
+            with torch.inference_mode():
+                model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                               max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                               use_cache=cache, pad_token_id=model.config.pad_token_id)
+        return {"baseline": lambda: run(False), "recipe": lambda: run(True)}
+
+    def work(n: int) -> tuple[float, float]:
+        tokens = sum(prompt + t for t in range(n)) * ids.shape[0]
+        return 2.0 * n_params * tokens, float(weight_bytes * n)
+    return run_sweep("kv_cache", "new_tokens", new_tokens, make, work, device, repeats=repeats,
+                     progress=False)

@@ -96,3 +96,46 @@ def benchmark_norms(hidden_sizes: list[int], tokens: int = 2048, compile_rmsnorm
         rows.append({"hidden_size": h, "rmsnorm_compiled_s": float("nan"),
                      **{key: t.median_s for key, t in times.items()}})
     return rows
+
+
+def norm_sweep(hidden_sizes: list[int], tokens: int = 2048, compile_rmsnorm: bool = False,
+               dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+               repeats: int = 5):
+    """Where RMSNorm starts to beat LayerNorm, forward + backward over the hidden size at
+    ``tokens`` rows, timed in alternation (``sweep.run_sweep``); RMSNorm compiled beside it with
+    ``compile_rmsnorm`` (compiled before timing). Work per call: a few FLOPs per value; bytes:
+    the input read twice, the output and both gradients written or read once (``5 * t * h``
+    values), so memory-bound once the rows leave the caches.
+
+    Returns:
+        A ``sweep.Sweep`` (recipe "rmsnorm", dimension "hidden").
+
+    Raises:
+        ValueError: for sizes a sweep cannot use, or compilation where it cannot run.
+    """
+    from recipes_lib.sweep import run_sweep
+
+    device = torch.device(device)
+    if compile_rmsnorm:
+        from recipes_lib.compiling import require_compile
+
+        require_compile(device)
+    size = torch.empty((), dtype=dtype).element_size()
+
+    def make(h: int):
+        x = torch.randn(tokens, h, device=device, dtype=dtype, requires_grad=True)
+        grad = torch.randn(tokens, h, device=device, dtype=dtype)
+        norms = {"baseline": torch.nn.LayerNorm(h, device=device, dtype=dtype),
+                 "recipe": torch.nn.RMSNorm(h, eps=1e-5, device=device, dtype=dtype)}
+        if compile_rmsnorm:
+            norms["RMSNorm (compiled)"] = torch.compile(norms["recipe"], dynamic=False)
+
+        def step(fn):
+            fn(x).backward(grad)
+            x.grad = None
+        return {name: (lambda fn=fn: step(fn)) for name, fn in norms.items()}
+
+    def work(h: int) -> tuple[float, float]:
+        return 10.0 * tokens * h, 5.0 * tokens * h * size
+    return run_sweep("rmsnorm", "hidden", hidden_sizes, make, work, device, repeats=repeats,
+                     progress=False, dtype=dtype)

@@ -251,3 +251,104 @@ def activation_outliers(model: torch.nn.Module, batch: dict[str, torch.Tensor]
         for h in hooks:
             h.remove()
     return ratios
+
+
+def _mlp(hidden: int) -> torch.nn.Module:
+    """A Llama-shaped MLP without the gate (hidden -> 4 hidden -> hidden, no bias), eval mode."""
+    torch.manual_seed(hidden)
+    return torch.nn.Sequential(torch.nn.Linear(hidden, 4 * hidden, bias=False),
+                               torch.nn.Linear(4 * hidden, hidden, bias=False)).eval()
+
+
+def quantize_int8_weight_only(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``model`` with torchao's ``Int8WeightOnlyConfig``: int8 weights (one scale per
+    output channel) dequantized into the activations' dtype inside the matmul. Nothing is
+    quantized on the fly, so it is the decode recipe: at batch 1 a matmul reads each weight once,
+    and 1 byte instead of 4 is the saving, when a kernel fuses the dequantization (compiled)."""
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+    q = copy.deepcopy(model).eval()
+    quantize_(q, Int8WeightOnlyConfig())
+    return q
+
+
+def decode_sweep(hidden_sizes: list[int], repeats: int = 5, compile_weight_only: bool = True,
+                 device: torch.device | str = "cpu"):
+    """Batch-1 decode (one token through a ``hidden -> 4 hidden -> hidden`` MLP), fp32 against
+    torchao's weight-only int8 over the hidden size, timed in alternation (``sweep.run_sweep``).
+
+    The recipe is weight-only int8 compiled with ``torch.compile`` (Inductor fuses the
+    dequantization into the matmul; eager torchao dequantizes the whole weight first), with the
+    eager weight-only and ``torch.ao``'s dynamic int8 (the prefill recipe) timed beside it.
+    Compilation happens before timing; its seconds are not in the figures. Work per call: the
+    baseline's ``2 * 8 h^2`` FLOPs and ``4 * 8 h^2`` weight bytes (memory-bound once the weights
+    leave the caches).
+
+    Args:
+        hidden_sizes: at least three, growing.
+        compile_weight_only: compile the recipe (needs a C++ compiler on CPU, Triton on CUDA;
+            ``compiling.compile_available``); False times eager weight-only as the recipe.
+
+    Returns:
+        A ``sweep.Sweep`` (recipe "int8_weight_only", dimension "hidden").
+
+    Raises:
+        ValueError: for sizes a sweep cannot use, or compilation asked where it cannot run.
+    """
+    from recipes_lib.compiling import require_compile
+    from recipes_lib.sweep import run_sweep
+
+    device = torch.device(device)
+    if compile_weight_only:
+        require_compile(device)
+
+    def make(h: int):
+        fp32 = _mlp(h).to(device)
+        wo = quantize_int8_weight_only(fp32)
+        dyn = quantize_int8_dynamic(fp32) if device.type == "cpu" else None
+        x = torch.randn(1, h, device=device)
+        recipe = torch.compile(wo) if compile_weight_only else wo
+        with torch.inference_mode():
+            recipe(x)  # compile (or warm) outside the timing
+
+        def run(m):
+            with torch.inference_mode():
+                return m(x)
+        fns = {"baseline": lambda: run(fp32), "recipe": lambda: run(recipe)}
+        if compile_weight_only:
+            fns["weight-only int8 (eager)"] = lambda: run(wo)
+        if dyn is not None:
+            fns["dynamic int8"] = lambda: run(dyn)
+        return fns
+
+    def work(h: int) -> tuple[float, float]:
+        return 2 * 8 * h * h, 4 * 8 * h * h
+    return run_sweep("int8_weight_only", "hidden", hidden_sizes, make, work, device,
+                     repeats=repeats, progress=False)
+
+
+def prefill_sweep(rows: list[int], hidden: int = 1024, repeats: int = 5):
+    """Prefill through the same MLP, fp32 against ``torch.ao``'s dynamic int8 (this module's
+    prefill recipe), over the rows (batch x tokens) of the activation, on the CPU: where int8
+    matmuls start to pay. Work per call: ``2 * 8 h^2 * rows`` FLOPs, the fp32 weights and
+    activations in bytes.
+
+    Returns:
+        A ``sweep.Sweep`` (recipe "int8", dimension "rows").
+    """
+    from recipes_lib.sweep import run_sweep
+
+    fp32 = _mlp(hidden)
+    dyn = quantize_int8_dynamic(fp32)
+
+    def make(n: int):
+        x = torch.randn(n, hidden)
+
+        def run(m):
+            with torch.inference_mode():
+                return m(x)
+        return {"baseline": lambda: run(fp32), "recipe": lambda: run(dyn)}
+
+    def work(n: int) -> tuple[float, float]:
+        return 2 * 8 * hidden * hidden * n, 4 * (8 * hidden * hidden + 6 * hidden * n)
+    return run_sweep("int8", "rows", rows, make, work, "cpu", repeats=repeats, progress=False)

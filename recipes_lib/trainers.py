@@ -339,3 +339,31 @@ def fsdp_rank_state(model_path: str, steps: int = 2, micro_batch_size: int = 2,
             "state_bytes": local_state_bytes(wrapped, optimizer),
             "unsharded_parameter_bytes": unsharded,
             "distributed_type": str(run.trainer.accelerator.distributed_type.value)}
+
+
+def accelerate_config(model: torch.nn.Module, num_processes: int,
+                      mixed_precision: str = "bf16") -> str:
+    """An ``accelerate launch --config_file`` YAML for FSDP2 over ``num_processes`` GPUs of one
+    node, wrapping the model's own block class (the file ``accelerate config`` would write).
+
+    Raises:
+        ValueError: for fewer than 2 processes or an unknown mixed precision.
+
+    Example:
+        >>> print(accelerate_config(model, 8))  # doctest: +SKIP
+    """
+    import yaml
+
+    if not isinstance(num_processes, int) or num_processes < 2:
+        raise ValueError(f"num_processes={num_processes!r}: FSDP needs at least 2")
+    if mixed_precision not in ("no", "fp16", "bf16"):
+        raise ValueError(f"mixed_precision={mixed_precision!r}: expected 'no', 'fp16' or 'bf16'")
+    block = fsdp_settings(model)["fsdp_config"]["transformer_layer_cls_to_wrap"][0]
+    return yaml.safe_dump({
+        "compute_environment": "LOCAL_MACHINE", "distributed_type": "FSDP",
+        "mixed_precision": mixed_precision, "num_machines": 1, "num_processes": num_processes,
+        "fsdp_config": {"fsdp_version": 2, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+                        "fsdp_transformer_layer_cls_to_wrap": block,
+                        "fsdp_reshard_after_forward": True,
+                        "fsdp_state_dict_type": "SHARDED_STATE_DICT",
+                        "fsdp_cpu_ram_efficient_loading": True}}, sort_keys=False)

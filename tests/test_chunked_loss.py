@@ -2,6 +2,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from recipes_lib import chunked_loss
 from recipes_lib.chunked_loss import chunked_cross_entropy, chunked_linear_loss
 
 
@@ -96,3 +97,33 @@ def test_compare_with_full_reports_both_sides():
     out = compare_with_full(tokens=256, vocab_size=2000, hidden_size=32, chunk_size=32, repeats=1)
     assert out["peak_chunked"] < out["peak_full"] and out["max_grad_error"] <= 1e-5
     assert out["time_full"] > 0 and out["time_chunked"] > 0
+
+
+@pytest.mark.parametrize("cap", [None, 30.0])
+def test_compiled_chunks_equal_full_cross_entropy(cap):
+    from recipes_lib.compiling import compile_available
+
+    if not compile_available("cpu")[0]:
+        pytest.skip("no C++ compiler for torch.compile")
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(100, 32, generator=g, dtype=torch.float64, requires_grad=True)
+    w = (torch.randn(300, 32, generator=g, dtype=torch.float64) / 6).requires_grad_()
+    y = torch.randint(0, 300, (100,), generator=g)
+    y[:10] = chunked_loss.IGNORE_INDEX
+    ref = F.cross_entropy(chunked_loss.softcap(h @ w.T, cap), y)
+    got = chunked_loss.chunked_cross_entropy(h, w, y, 32, compiled=True, logit_softcap=cap)
+    torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
+    for a, b in zip(torch.autograd.grad(got, (h, w)), torch.autograd.grad(ref, (h, w))):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_compiled_and_cce_join_the_tokens_sweep_or_say_why_not(monkeypatch):
+    from recipes_lib import compiling
+
+    if compiling.compile_available("cpu")[0]:
+        s = chunked_loss.tokens_sweep([16, 32, 64], 128, 32, chunk_size=16, repeats=1,
+                                      include_compiled=True)
+        assert "chunked (compiled)" in s.extra
+    monkeypatch.setattr(chunked_loss, "cce_available", lambda: False)
+    with pytest.raises(ValueError, match="include_cce=True: cut-cross-entropy"):
+        chunked_loss.tokens_sweep([16, 32, 64], 128, 32, include_cce=True)

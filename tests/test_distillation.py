@@ -89,3 +89,8 @@ def test_bad_student_factors(small_llama):
         distillation.make_student(small_llama, width_factor=0)
     with pytest.raises(ValueError, match="width_factor"):
         distillation.make_student(small_llama, width_factor=0.1)  # no head left
+
+
+def test_latency_sweep_times_teacher_against_student_by_width():
+    s = distillation.latency_sweep([64, 128, 256], num_hidden_layers=3, new_tokens=4, repeats=1)
+    assert (s.recipe, s.dimension, s.sizes) == ("distillation", "teacher_hidden", [64, 128, 256])

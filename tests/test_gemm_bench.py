@@ -1,4 +1,5 @@
 import pytest
+import torch
 
 from recipes_lib import gemm_bench
 
@@ -13,3 +14,10 @@ def test_sizing_table_rows():
     assert [r["size"] for r in rows] == [63, 64] and all(r["gflops"] > 0 for r in rows)
     with pytest.raises(ValueError, match="sizes"):
         gemm_bench.sizing_table([])
+
+
+def test_dtype_sweep_times_16_bit_against_fp32():
+    s = gemm_bench.dtype_sweep([64, 128, 256], tokens=64, repeats=1)
+    assert (s.recipe, s.dimension) == ("bf16", "hidden") and len(s.speedups) == 3
+    with pytest.raises(ValueError, match="dtype=torch.float64"):
+        gemm_bench.dtype_sweep([64, 128, 256], dtype=torch.float64)

@@ -48,3 +48,9 @@ def test_interleaved_generation_and_prefill_timings(small_llama):
     assert p["a"].median_s > 0
     with pytest.raises(ValueError, match="new_tokens"):
         latency.generation_speeds({"a": small_llama}, ids, new_tokens=0)
+
+
+def test_length_sweep_times_generation_with_and_without_the_cache(small_llama):
+    s = kv_cache.length_sweep(small_llama, torch.tensor([[1, 5, 7, 9]]), [2, 4, 8], repeats=1)
+    assert (s.recipe, s.dimension, s.sizes) == ("kv_cache", "new_tokens", [2, 4, 8])
+    assert s.flops[2] > s.flops[0]  # the baseline recomputes longer prefixes

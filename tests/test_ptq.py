@@ -94,3 +94,24 @@ def test_compare_int8_backends_times_every_path(small_llama):
     assert set(out) == {"fp32", "torch.ao dynamic int8", "torchao int8 (eager)"}
     assert out["fp32"]["speedup_vs_fp32"] == 1.0 and out["fp32"]["max_abs_logit_diff"] == 0.0
     assert all(r["seconds"] > 0 and r["max_abs_logit_diff"] < 1.0 for r in out.values())
+
+
+def test_weight_only_int8_is_close_to_fp32_and_a_quarter_of_its_bytes():
+    from recipes_lib.memory import tensor_bytes
+
+    mlp = ptq._mlp(256)
+    wo = ptq.quantize_int8_weight_only(mlp)
+    x = torch.randn(1, 256)
+    with torch.inference_mode():
+        ref, out = mlp(x), wo(x)
+    assert float((out - ref).abs().max() / ref.abs().max()) < 0.02
+    assert tensor_bytes(wo.parameters()) / tensor_bytes(mlp.parameters()) < 0.27
+
+
+def test_int8_sweeps_time_each_size():
+    dec = ptq.decode_sweep([64, 128, 256], repeats=1, compile_weight_only=False)
+    assert dec.sizes == [64, 128, 256] and set(dec.extra) == {"dynamic int8"}
+    pre = ptq.prefill_sweep([1, 8, 64], hidden=128, repeats=1)
+    assert len(pre.speedups) == 3 and pre.recipe == "int8" and pre.dimension == "rows"
+    with pytest.raises(ValueError, match="at least three sizes"):
+        ptq.decode_sweep([64, 128], compile_weight_only=False)

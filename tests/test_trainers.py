@@ -107,3 +107,16 @@ def test_bad_inputs(small):
     with pytest.raises(ValueError, match="examples: 8 given, one step of 3 x 2 needs 6"):
         trainers.update_gap(lambda: models.load_model(path), examples, tok, 2, 3)
 
+
+
+def test_accelerate_config_is_one_accelerate_reads(small, tmp_path):
+    from accelerate.commands.config.config_args import ClusterConfig
+
+    text = trainers.accelerate_config(models.load_model(small[0]), 8)
+    (tmp_path / "fsdp.yaml").write_text(text)
+    cfg = ClusterConfig.from_yaml_file(str(tmp_path / "fsdp.yaml"))
+    assert str(cfg.distributed_type).endswith("FSDP")
+    assert cfg.fsdp_config["fsdp_version"] == 2 and cfg.num_processes == 8
+    assert cfg.fsdp_config["fsdp_transformer_layer_cls_to_wrap"] == "LlamaDecoderLayer"
+    with pytest.raises(ValueError, match="num_processes=1"):
+        trainers.accelerate_config(models.load_model(small[0]), 1)

@@ -1,0 +1,187 @@
+"""torch.compile as a recipe: what it fuses, what it costs to compile, and when it pays back.
+
+``torch.compile`` traces a model into a graph (Dynamo) and generates fused kernels for it
+(Inductor: C++/OpenMP on a CPU, Triton on a GPU). The gain is the launches and memory round
+trips it removes: every elementwise op between two matmuls (RMSNorm's square, mean, rsqrt and
+scale; SiLU times the up projection; rotary embeddings; residual adds) becomes one loop that
+reads its inputs once. So it pays most where those ops are a large share of the time: small
+widths, short sequences, batch-1 decode; and least where the time is in large matmuls that are
+already one library call. Its cost is the compilation, paid again for every new input shape
+(unless marked dynamic): the break-even point is ``compile_s / (eager_s - compiled_s)`` calls.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from recipes_lib.device import has_module
+from recipes_lib.timing import Timing, time_interleaved
+
+
+def compile_available(device: torch.device | str = "cpu") -> tuple[bool, str]:
+    """Whether ``torch.compile``'s default backend can generate code for ``device``, and why.
+
+    Inductor needs a C++ compiler for CPU kernels and Triton for CUDA ones.
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        if has_module("triton"):
+            return True, "Inductor generates Triton kernels"
+        return False, "Inductor needs Triton for CUDA kernels (pip install triton)"
+    if device.type == "cpu":
+        for cxx in ("g++", "c++", "clang++"):
+            if shutil.which(cxx):
+                return True, f"Inductor generates C++/OpenMP kernels ({cxx})"
+        return False, ("Inductor needs a C++ compiler for CPU kernels and none of g++, c++, "
+                       "clang++ is on PATH")
+    return False, f"device={device.type!r}: not tried by the course"
+
+
+def require_compile(device: torch.device | str = "cpu") -> None:
+    """Raise a clear error where ``torch.compile`` cannot run on ``device``.
+
+    Raises:
+        ValueError: naming the device and what is missing.
+    """
+    ok, why = compile_available(device)
+    if not ok:
+        raise ValueError(f"device={str(device)!r}: torch.compile is not available here: {why}")
+
+
+def break_even_calls(eager_s: float, compiled_s: float, compile_s: float) -> float:
+    """Calls after which compiling has paid for itself: ``compile_s / (eager_s - compiled_s)``;
+    ``inf`` when the compiled call is not faster.
+
+    Example:
+        >>> break_even_calls(0.010, 0.006, 2.0)
+        500.0
+    """
+    gain = eager_s - compiled_s
+    return compile_s / gain if gain > 0 else math.inf
+
+
+@dataclass
+class CompileComparison:
+    """Eager against compiled: the median seconds per call, the first compiled call's seconds
+    (tracing and code generation), the largest output difference."""
+
+    eager: Timing
+    compiled: Timing
+    compile_s: float
+    max_abs_diff: float
+
+    @property
+    def eager_s(self) -> float:
+        return self.eager.median_s
+
+    @property
+    def compiled_s(self) -> float:
+        return self.compiled.median_s
+
+    @property
+    def spread(self) -> float:
+        from recipes_lib.checks import spread_of
+
+        return spread_of(self.eager, self.compiled)
+
+    @property
+    def speedup(self) -> float:
+        return self.eager_s / self.compiled_s
+
+    @property
+    def break_even(self) -> float:
+        return break_even_calls(self.eager_s, self.compiled_s, self.compile_s)
+
+
+def compare(eager: Callable[[], torch.Tensor], compiled: Callable[[], torch.Tensor],
+            repeats: int = 5, device: torch.device | str = "cpu") -> CompileComparison:
+    """Time ``compiled``'s first call (the compilation), compare its output with ``eager``'s,
+    then time both in alternation (the one timer).
+
+    Both callables return a tensor (a loss, logits); it is compared after the first calls.
+    """
+    ref = eager()
+    t0 = time.perf_counter()
+    out = compiled()
+    compile_s = time.perf_counter() - t0
+    diff = float((out.detach().float() - ref.detach().float()).abs().max())
+    t = time_interleaved({"eager": eager, "compiled": compiled}, warmup=1, repeats=repeats,
+                         device=device)
+    return CompileComparison(t["eager"], t["compiled"], compile_s, diff)
+
+
+def training_step(make_model: Callable[[], torch.nn.Module], batch: dict[str, torch.Tensor],
+                  repeats: int = 5, mode: str | None = None) -> CompileComparison:
+    """One training step's forward and backward, eager against ``torch.compile``d, on two copies
+    of the same model (the optimizer step is left out: it is the same in both). The output
+    compared is the loss.
+
+    Args:
+        make_model: returns a fresh copy of the same model (called twice).
+        mode: ``torch.compile``'s mode (None, "max-autotune", "reduce-overhead" on CUDA).
+
+    Raises:
+        ValueError: where ``torch.compile`` cannot run on the model's device.
+    """
+    eager_model, compiled_model = make_model().train(), make_model().train()
+    device = next(eager_model.parameters()).device
+    require_compile(device)
+    compiled_fwd = torch.compile(compiled_model, mode=mode)
+
+    def step(m: Any) -> torch.Tensor:
+        loss = m(**batch).loss
+        loss.backward()
+        return loss
+
+    def eager() -> torch.Tensor:
+        eager_model.zero_grad(set_to_none=True)
+        return step(eager_model)
+
+    def compiled() -> torch.Tensor:
+        compiled_model.zero_grad(set_to_none=True)
+        return step(compiled_fwd)
+
+    return compare(eager, compiled, repeats, device)
+
+
+def width_sweep(hidden_sizes: list[int], seq_len: int = 256, batch_size: int = 4,
+                vocab_size: int = 512, repeats: int = 5) -> tuple[Any, list[CompileComparison]]:
+    """Where compiling a training step pays, over model width: a 2-layer Llama-shaped model
+    (``model.small_llama``) at each width, eager against compiled forward + backward, timed in
+    alternation after compilation.
+
+    Work per step (for the regime): ``6 N`` FLOPs per token; bytes: the fp32 weights read in
+    forward and backward and their gradients written, ``3 * 4 N``.
+
+    Returns:
+        A ``sweep.Sweep`` (recipe "torch_compile", dimension "hidden") and each width's
+        :class:`CompileComparison` (compile seconds, break-even steps, loss difference).
+
+    Raises:
+        ValueError: for sizes a sweep cannot use, or no compiler.
+    """
+    from recipes_lib.model import small_llama
+    from recipes_lib.sweep import Sweep, check_sizes, machine_peaks
+
+    sizes = check_sizes(hidden_sizes, "hidden_sizes")
+    require_compile("cpu")
+    runs, flops, nbytes = [], [], []
+    for h in sizes:
+        def make(h=h):
+            return small_llama(vocab_size=vocab_size, hidden_size=h, max_positions=seq_len)
+        g = torch.Generator().manual_seed(h)
+        ids = torch.randint(3, vocab_size, (batch_size, seq_len), generator=g)
+        runs.append(training_step(make, {"input_ids": ids, "labels": ids}, repeats=repeats))
+        n = sum(p.numel() for p in make().parameters())
+        flops.append(6.0 * n * batch_size * seq_len)
+        nbytes.append(3 * 4.0 * n)
+    sweep = Sweep("torch_compile", "hidden", sizes, [r.eager for r in runs],
+                  [r.compiled for r in runs], flops, nbytes, machine_peaks("cpu"))
+    return sweep, runs

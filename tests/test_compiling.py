@@ -1,0 +1,40 @@
+"""torch.compile as a recipe: the compiled step equals eager, its cost and break-even are
+counted, and a machine without a compiler gets a clear error."""
+
+import math
+
+import pytest
+import torch
+
+from recipes_lib import compiling
+from recipes_lib.model import small_llama
+
+
+def test_break_even_is_compile_time_over_the_gain():
+    assert compiling.break_even_calls(0.010, 0.006, 2.0) == pytest.approx(500.0)
+    assert compiling.break_even_calls(0.010, 0.012, 2.0) == math.inf
+
+
+def test_no_compiler_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(compiling.shutil, "which", lambda name: None)
+    ok, why = compiling.compile_available("cpu")
+    assert not ok and "C++ compiler" in why
+    with pytest.raises(ValueError, match="device='cpu': torch.compile is not available here"):
+        compiling.require_compile("cpu")
+    with pytest.raises(ValueError, match="torch.compile is not available"):
+        compiling.width_sweep([32, 64, 128])
+
+
+def test_sweep_sizes_are_checked_before_anything_compiles():
+    with pytest.raises(ValueError, match="hidden_sizes=\\[32, 64\\]: a sweep needs at least three"):
+        compiling.width_sweep([32, 64])
+
+
+@pytest.mark.skipif(not compiling.compile_available("cpu")[0], reason="no C++ compiler")
+def test_compiled_training_step_equals_eager():
+    ids = torch.randint(3, 128, (2, 16))
+    r = compiling.training_step(lambda: small_llama(vocab_size=128, hidden_size=32,
+                                                    num_hidden_layers=1, max_positions=16),
+                                {"input_ids": ids, "labels": ids}, repeats=1)
+    assert r.max_abs_diff <= 1e-5 and r.compile_s > 0
+    assert r.break_even == compiling.break_even_calls(r.eager_s, r.compiled_s, r.compile_s)

@@ -53,14 +53,20 @@ def training_step_peak(model: torch.nn.Module, seq_len: int, batch_size: int = 1
 
 
 def max_seq_len(peak_at: Callable[[int], float], budget_bytes: float, start: int = 256,
-                limit: int = 65536, multiple_of: int = 128) -> dict[str, Any]:
+                limit: int = 65536, multiple_of: int = 128,
+                probes: dict[int, float] | None = None) -> dict[str, Any]:
     """Largest multiple of ``multiple_of`` whose measured peak fits ``budget_bytes``.
 
-    Doubles from ``start`` until a length does not fit (or ``limit``), then bisects. Assumes the
-    peak grows with the length.
+    A step's memory grows almost linearly with its length, so the search interpolates: it
+    measures ``start``, then 8x that, extrapolates to the budget, and narrows the bracket between
+    the longest length that fit and the shortest that did not by linear interpolation (bisecting
+    when that stalls) until they are one ``multiple_of`` apart. Assumes the peak grows with the
+    length. Pass the same ``probes`` to several searches (other budgets) to share measurements.
 
     Returns:
-        ``{"seq_len": best (0 if even start does not fit), "probes": {length: peak}}``.
+        ``{"seq_len": best (0 if not even ``multiple_of`` tokens fit), "probes": {length:
+        peak}}``; ``seq_len`` was measured to fit and ``multiple_of`` more measured not to (or is
+        ``limit``).
 
     Raises:
         ValueError: for a non-positive budget, start, limit or multiple_of, or start > limit.
@@ -71,32 +77,39 @@ def max_seq_len(peak_at: Callable[[int], float], budget_bytes: float, start: int
             raise ValueError(f"{name}={v}: must be > 0")
     if start > limit:
         raise ValueError(f"start={start} > limit={limit}")
-    probes: dict[int, float] = {}
+    probes = {} if probes is None else probes
+    top = limit // multiple_of
 
-    def fits(n: int) -> bool:
-        probes[n] = float(peak_at(n))
-        return probes[n] <= budget_bytes
+    def measured() -> dict[int, float]:  # in units of multiple_of
+        return {n // multiple_of: v for n, v in probes.items()
+                if n % multiple_of == 0 and n <= top * multiple_of}
 
-    lo, hi = 0, None
-    n = start
+    stalls = 0
     while True:
-        if fits(n):
-            lo = n
-            if n >= limit:
-                return {"seq_len": lo, "probes": probes}
-            n = min(2 * n, limit)
-        else:
-            hi = n
-            break
-    while hi - lo > multiple_of:
-        mid = (lo + hi) // 2 // multiple_of * multiple_of
-        if mid <= lo:
-            break
-        if fits(mid):
-            lo = mid
-        else:
-            hi = mid
-    return {"seq_len": lo, "probes": probes}
+        need = measured()
+        lo = max((u for u, v in need.items() if v <= budget_bytes), default=0)
+        hi = min((u for u, v in need.items() if v > budget_bytes), default=top + 1)
+        if hi - lo <= 1 or lo >= top:
+            return {"seq_len": min(lo, top) * multiple_of, "probes": probes}
+        if not need:
+            guess = max(1, start // multiple_of)
+        elif len(need) == 1:
+            guess = 8 * next(iter(need))
+        else:  # the secant through the bracket's ends, or the two points nearest it
+            pts = sorted(need)
+            a, b = ((lo, hi) if lo and hi <= top else (pts[-2], pts[-1]) if hi > top
+                    else (pts[0], pts[1]))
+            slope = (need[b] - need[a]) / (b - a)
+            guess = (int(a + (budget_bytes - need[a]) / slope) if slope > 0
+                     else 2 * max(lo, 1))
+            if stalls >= 2:  # interpolation creeps along one side: halve the bracket
+                guess, stalls = (lo + hi) // 2, 0
+        guess = max(lo + 1, min(hi - 1, guess))
+        probes[guess * multiple_of] = float(peak_at(guess * multiple_of))
+        need = measured()
+        new_lo = max((u for u, v in need.items() if v <= budget_bytes), default=0)
+        new_hi = min((u for u, v in need.items() if v > budget_bytes), default=top + 1)
+        stalls = stalls + 1 if (new_hi - new_lo) * 2 > hi - lo else 0
 
 
 def load_with_rope_scaling(model_path, max_positions: int, rope_type: str = "linear",

@@ -174,6 +174,12 @@ def build_tiny_model(
     base_train = data.load_corpus("base", "train")
     tokenizer = train_tokenizer(list(base_train["text"]), spec.vocab_size,
                                 spec.max_position_embeddings)
+    # train and pretrain with the tokenizer AutoTokenizer will give back for this folder: for
+    # some model types transformers swaps in its own class (Qwen2: Qwen2Tokenizer, which adds a
+    # token and splits text its own way), so the saved tokenizer is read back first
+    model_config(spec, tokenizer).save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    tokenizer = load_tokenizer(tmp)
     torch.manual_seed(spec.seed)
     model = AutoModelForCausalLM.from_config(model_config(spec, tokenizer))
     examples = data.tokenize_examples(base_train, tokenizer, spec.pretrain_seq_len, "lm")

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import torch
 
-from recipes_lib.timing import time_interleaved
-
 
 def swap_layernorm_for_rmsnorm(model: torch.nn.Module) -> dict[str, float]:
     """Replace every ``torch.nn.LayerNorm`` in ``model`` by ``torch.nn.RMSNorm``, in place.
@@ -60,42 +58,6 @@ def count_norms(model: torch.nn.Module) -> dict[str, int]:
         elif type(m).__name__.endswith("RMSNorm"):
             out["RMSNorm"] += 1
     return out
-
-
-def benchmark_norms(hidden_sizes: list[int], tokens: int = 2048, compile_rmsnorm: bool = True,
-                    dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                    repeats: int = 5) -> list[dict[str, float]]:
-    """Forward+backward time of LayerNorm vs RMSNorm (eager, and compiled when asked).
-
-    Returns:
-        One row per hidden size: ``layernorm_s``, ``rmsnorm_eager_s``, ``rmsnorm_compiled_s``
-        (nan when not compiled).
-
-    Raises:
-        ValueError: for an empty list or sizes < 1.
-    """
-    if not hidden_sizes or min(hidden_sizes) < 1:
-        raise ValueError(f"hidden_sizes={hidden_sizes!r}: expected positive sizes")
-    device = torch.device(device)
-    rows = []
-    for h in hidden_sizes:
-        x = torch.randn(tokens, h, device=device, dtype=dtype, requires_grad=True)
-        grad = torch.randn(tokens, h, device=device, dtype=dtype)
-        ln = torch.nn.LayerNorm(h, device=device, dtype=dtype)
-        rms = torch.nn.RMSNorm(h, eps=1e-5, device=device, dtype=dtype)
-        fns = {"layernorm_s": ln, "rmsnorm_eager_s": rms}
-        if compile_rmsnorm:
-            fns["rmsnorm_compiled_s"] = torch.compile(rms, dynamic=False)
-        steps = {}
-        for key, fn in fns.items():
-            def step(fn=fn, x=x, grad=grad):
-                fn(x).backward(grad)
-                x.grad = None
-            steps[key] = step
-        times = time_interleaved(steps, warmup=2, repeats=repeats, device=device)  # runs alternate
-        rows.append({"hidden_size": h, "rmsnorm_compiled_s": float("nan"),
-                     **{key: t.median_s for key, t in times.items()}})
-    return rows
 
 
 def norm_sweep(hidden_sizes: list[int], tokens: int = 2048, compile_rmsnorm: bool = False,

@@ -32,7 +32,11 @@ REFERENCE_SIZE: dict[str, dict[str, Any]] = {
     "04_training_long_sequences": {"REAL_CONTEXT_MODEL": "Llama-3.1-8B",
                                    "REAL_CONTEXT_GPUS": ("24GiB", "80GiB")},
     "03_optimizing_inference_speed": {"LATENCY_REPEATS": 15, "COMPILE_RMSNORM": True,
-                                      "ATTN_SEQ_LENS": (256, 512, 1024, 2048, 4096)},
+                                      "ATTN_SEQ_LENS": (256, 512, 1024, 2048, 4096),
+                                      "INT8_DECODE_HIDDEN": (256, 1024, 2048, 4096),
+                                      "COMPILE_INT8": True, "KD_SWEEP_WIDTHS": (64, 256, 512, 1024),
+                                      "COMPILE_WIDTHS": (64, 256, 512, 1024),
+                                      "KV_SWEEP_TOKENS": (4, 16, 64, 128)},
 }
 
 

@@ -181,11 +181,9 @@ def max_context(model: str, gpu_mem: str | float | list, stack: Any = None, batc
     """The longest sequence whose training step fits ``gpu_mem``, by measurement: a search over
     fake-tensor steps (``fake_memory.measure_step``, each peak plus ``gpu_overhead``).
 
-    A step's memory grows almost linearly with its length (flash-style attention saves O(s)), so
-    the search interpolates: it measures two lengths, extrapolates to the budget, then narrows
-    the bracket between the longest length that fit and the shortest that did not by linear
-    interpolation (bisecting when that stalls) until they are one ``step`` apart. Several budgets
-    share their measurements. Every reported length was measured to fit and ``step`` more was
+    The search is ``max_context.max_seq_len`` (interpolating: a step's memory grows almost
+    linearly with its length), in multiples of ``step``; several budgets share their
+    measurements. Every reported length was measured to fit and ``step`` more was
     measured not to (or is the model's limit).
 
     Args:
@@ -205,50 +203,26 @@ def max_context(model: str, gpu_mem: str | float | list, stack: Any = None, batc
         >>> max_context("Llama-3.1-8B", "24GB")["max_seq_len"]  # doctest: +SKIP
     """
     from recipes_lib import fake_memory
+    from recipes_lib.max_context import max_seq_len
 
     stack = stack or fake_memory.Stack(method="lora", checkpointing=True)
     budgets = [parse_bytes(g) for g in (gpu_mem if isinstance(gpu_mem, (list, tuple))
                                         else [gpu_mem])]
     config = fake_memory.model_config(model)
     top = (limit or config.max_position_embeddings) // step
-    need: dict[int, float] = {}  # length in steps -> bytes on the GPU
+    probes: dict[int, float] = {}  # length -> bytes on the GPU, shared by every budget
 
-    def measure(n: int) -> None:
-        peak = fake_memory.measure_step(config, stack, n * step, batch_size).peak_bytes
-        need[n] = peak + gpu_overhead(peak)
-
-    def longest(budget: float) -> int:
-        stalls = 0
-        while True:
-            lo = max((n for n, v in need.items() if v <= budget), default=0)
-            hi = min((n for n, v in need.items() if v > budget), default=top + 1)
-            if hi - lo <= 1 or lo >= top:
-                return min(lo, top)
-            if not need:
-                guess = 1
-            elif len(need) == 1:
-                guess = min(top, 8 * next(iter(need)))
-            else:  # the secant through the bracket's ends, or the two points nearest it
-                pts = sorted(need)
-                a, b = ((lo, hi) if lo and hi <= top else (pts[-2], pts[-1]) if hi > top
-                        else (pts[0], pts[1]))
-                slope = (need[b] - need[a]) / (b - a)
-                guess = int(a + (budget - need[a]) / slope) if slope > 0 else 2 * max(lo, 1)
-                if stalls >= 2:  # interpolation creeps along one side: halve the bracket
-                    guess, stalls = (lo + hi) // 2, 0
-            guess = max(lo + 1, min(hi - 1, guess))
-            width = hi - lo
-            measure(guess)
-            new_lo = max((n for n, v in need.items() if v <= budget), default=0)
-            new_hi = min((n for n, v in need.items() if v > budget), default=top + 1)
-            stalls = stalls + 1 if (new_hi - new_lo) * 2 > width else 0
+    def need(n: int) -> float:
+        peak = fake_memory.measure_step(config, stack, n, batch_size).peak_bytes
+        return peak + gpu_overhead(peak)
 
     out = []
     for budget in budgets:
-        n = longest(budget)
-        out.append({"max_seq_len": n * step, "gpu_GiB": need.get(n, 0.0) / 2**30,
+        n = max_seq_len(need, budget, start=step, limit=top * step, multiple_of=step,
+                        probes=probes)["seq_len"]
+        out.append({"max_seq_len": n, "gpu_GiB": probes.get(n, 0.0) / 2**30,
                     "budget_GiB": budget / 2**30, "stack": stack.label,
-                    "tries": [(k * step, v / 2**30) for k, v in need.items()]})
+                    "tries": [(k, v / 2**30) for k, v in probes.items()]})
     return out if isinstance(gpu_mem, (list, tuple)) else out[0]
 
 

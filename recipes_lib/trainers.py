@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from recipes_lib import data, device
+from recipes_lib import calc, data, device
 from recipes_lib.memory import MemoryReport, measure_memory, tensor_bytes
 from recipes_lib.optim8bit import state_bytes
 
@@ -42,36 +42,12 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "padding_free": {"padding_free": True},  # SFTConfig (TRL)
     "chunked_ce": {"use_liger_kernel": True},  # Liger's fused linear CE: CUDA (Triton) only
 }
-# What the course does that these trainers do not do alone, and where it lives instead
-NO_TRAINER_SETTING = {
-    "cpu_offload": "Trainer has no optimizer offload of its own: DeepSpeed ZeRO-Offload "
-                   "(deepspeed config offload_optimizer) or FSDP's CPUOffloadPolicy",
-    "fp8": "accelerate's mixed_precision='fp8' (torchao backend) needs an H100-class GPU",
-    "fsdp_qlora": "bitsandbytes 4-bit under FSDP needs bnb_4bit_quant_storage equal to the "
-                  "compute dtype and CUDA (accelerate #1515)",
-}
-
-
-def precision_settings(where: torch.device | str) -> dict[str, bool]:
-    """``bf16`` / ``fp16`` for TrainingArguments on the device ``where``, said aloud when bf16 cannot run
-    (a T4: fp16 with a gradient scaler; a CPU without native bf16: fp32)."""
-    where = torch.device(where)
-    if device.supports_bf16(where):
-        return {"bf16": True}
-    if where.type == "cuda":
-        warnings.warn(f"{device.describe_device(where)} has no bf16: fp16=True (Trainer adds "
-                      "the gradient scaler)", stacklevel=2)
-        return {"fp16": True}
-    warnings.warn(f"{device.describe_device(where)} has no native bf16: training in fp32",
-                  stacklevel=2)
-    return {}
 
 
 def predicted_8bit_state_ratio(model: torch.nn.Module) -> float:
     """``optim="adamw_bnb_8bit"`` states over AdamW's, as ``Trainer`` builds them: 8-bit
     blockwise moments (``calc.adamw_8bit_state_bytes``) except for every ``nn.Embedding``,
     which ``Trainer`` keeps in 32 bits (a bitsandbytes ``GlobalOptimManager`` override)."""
-    from recipes_lib import calc
 
     embedding = {p.data_ptr() for m in model.modules() if isinstance(m, torch.nn.Embedding)
                  for p in m.parameters() if p.requires_grad}

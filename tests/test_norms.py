@@ -45,14 +45,9 @@ def test_model_without_layernorm_is_refused(small_llama):
         norms.swap_layernorm_for_rmsnorm(small_llama)
 
 
-def test_benchmark_rows():
-    rows = norms.benchmark_norms([64], tokens=32, compile_rmsnorm=False, repeats=1)
-    assert rows[0]["hidden_size"] == 64 and rows[0]["layernorm_s"] > 0
-    with pytest.raises(ValueError, match="hidden_sizes"):
-        norms.benchmark_norms([])
-
-
 def test_norm_sweep_times_layernorm_against_rmsnorm_at_each_width():
     s = norms.norm_sweep([64, 128, 256], tokens=64, repeats=1)
     assert (s.recipe, s.dimension, s.sizes) == ("rmsnorm", "hidden", [64, 128, 256])
     assert len(s.regimes()) == 3
+    with pytest.raises(ValueError, match="at least three sizes"):
+        norms.norm_sweep([64, 128])

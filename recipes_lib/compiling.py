@@ -55,6 +55,22 @@ def require_compile(device: torch.device | str = "cpu") -> None:
         raise ValueError(f"device={str(device)!r}: torch.compile is not available here: {why}")
 
 
+def cold_compile():
+    """A context in which ``torch.compile`` compiles from scratch: Inductor's and AOTAutograd's
+    on-disk caches off, so the compile time measured is a first run's (a second run of the same
+    graph on the same machine loads it from the cache in about a second)."""
+    import contextlib
+
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(inductor_config.patch(fx_graph_cache=False))
+    if hasattr(functorch_config, "enable_autograd_cache"):
+        stack.enter_context(functorch_config.patch(enable_autograd_cache=False))
+    return stack
+
+
 def break_even_calls(eager_s: float, compiled_s: float, compile_s: float) -> float:
     """Calls after which compiling has paid for itself: ``compile_s / (eager_s - compiled_s)``;
     ``inf`` when the compiled call is not faster.
@@ -102,14 +118,15 @@ class CompileComparison:
 
 def compare(eager: Callable[[], torch.Tensor], compiled: Callable[[], torch.Tensor],
             repeats: int = 5, device: torch.device | str = "cpu") -> CompileComparison:
-    """Time ``compiled``'s first call (the compilation), compare its output with ``eager``'s,
-    then time both in alternation (the one timer).
+    """Time ``compiled``'s first call (the compilation, from scratch: :func:`cold_compile`),
+    compare its output with ``eager``'s, then time both in alternation (the one timer).
 
     Both callables return a tensor (a loss, logits); it is compared after the first calls.
     """
     ref = eager()
     t0 = time.perf_counter()
-    out = compiled()
+    with cold_compile():
+        out = compiled()
     compile_s = time.perf_counter() - t0
     diff = float((out.detach().float() - ref.detach().float()).abs().max())
     t = time_interleaved({"eager": eager, "compiled": compiled}, warmup=1, repeats=repeats,

@@ -44,6 +44,21 @@ SETTINGS: dict[str, dict[str, Any]] = {
 }
 
 
+def precision_settings(where: torch.device | str) -> dict[str, bool]:
+    """``bf16`` / ``fp16`` for TrainingArguments on the device ``where``, said aloud when bf16
+    cannot run (a T4: fp16 with a gradient scaler; a CPU without native bf16: fp32)."""
+    where = torch.device(where)
+    if device.supports_bf16(where):
+        return {"bf16": True}
+    if where.type == "cuda":
+        warnings.warn(f"{device.describe_device(where)} has no bf16: fp16=True (Trainer adds "
+                      "the gradient scaler)", stacklevel=2)
+        return {"fp16": True}
+    warnings.warn(f"{device.describe_device(where)} has no native bf16: training in fp32",
+                  stacklevel=2)
+    return {}
+
+
 def predicted_8bit_state_ratio(model: torch.nn.Module) -> float:
     """``optim="adamw_bnb_8bit"`` states over AdamW's, as ``Trainer`` builds them: 8-bit
     blockwise moments (``calc.adamw_8bit_state_bytes``) except for every ``nn.Embedding``,

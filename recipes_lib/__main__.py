@@ -196,20 +196,29 @@ def _run(args, parser) -> int:
 
 
 def architectures_matrix(names: list[str] | None = None) -> bool:
-    """``archs``: the architecture x notebook matrix, its results file and README table;
-    return whether every notebook ran on every architecture."""
+    """``archs``: the architecture x notebook matrix, its results file and README table; return
+    whether every notebook ran on every architecture run now. With ``names``, only those
+    architectures run and the rest of the recorded matrix is kept (a rerun after a fix)."""
     import torch
 
     from recipes_lib import device, notebooks, results
 
     matrix = notebooks.architecture_matrix(tuple(names) if names else None)
+    recorded = results.load_results().get("architectures", {}).get("figures", []) if names else []
+    merged: dict[str, dict[str, str]] = {}
+    for f in recorded:
+        if f["recipe"] not in matrix:
+            merged.setdefault(f["recipe"], {})[f["metric"]] = (
+                "ok" if f["value"] == 1.0 else f["unit"].removeprefix("0: "))
+    merged.update(matrix)
     r = results.Results("architectures", device.describe_device(torch.device("cpu")))
-    for arch, row in matrix.items():
+    for arch, row in merged.items():
         for stem, state in row.items():
             print(f"  {arch:<9} {stem}: {state}")
-            r.add(arch, stem, float(state == "ok"), unit="1: ran top to bottom, 0: failed")
+            r.add(arch, stem, float(state == "ok"),
+                  unit="1: ran top to bottom" if state == "ok" else f"0: {state}")
     r.save()
-    table = notebooks.matrix_table(matrix)
+    table = notebooks.matrix_table(merged)
     results.write_readme_section("architectures", table)
     print(table)
     return all(s == "ok" for row in matrix.values() for s in row.values())

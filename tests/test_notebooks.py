@@ -148,3 +148,20 @@ def test_architecture_matrix_runs_each_notebook_on_each_folder(monkeypatch, tmp_
     assert table[3].startswith("| phi3 | failed: AssertionError: loss |")
     with pytest.raises(ValueError, match=r"architectures=\['bert'\]"):
         notebooks.architecture_matrix(("bert",))
+
+
+def test_archs_rerun_keeps_the_other_architectures_rows(monkeypatch, tmp_path):
+    from recipes_lib import __main__ as cli
+    from recipes_lib import results
+
+    monkeypatch.setenv(results.RESULTS_ENV, str(tmp_path))
+    runs = iter([{"qwen2": {"01_x": "failed: AssertionError: kd"}, "phi3": {"01_x": "ok"}},
+                 {"qwen2": {"01_x": "ok"}}])
+    monkeypatch.setattr(notebooks, "architecture_matrix", lambda names=None: next(runs))
+    assert not cli.architectures_matrix()
+    saved = results.load_results(tmp_path)["architectures"]["figures"]
+    assert [(f["recipe"], f["value"], f["unit"]) for f in saved] == [
+        ("qwen2", 0.0, "0: failed: AssertionError: kd"), ("phi3", 1.0, "1: ran top to bottom")]
+    assert cli.architectures_matrix(["qwen2"])
+    saved = results.load_results(tmp_path)["architectures"]["figures"]
+    assert sorted((f["recipe"], f["value"]) for f in saved) == [("phi3", 1.0), ("qwen2", 1.0)]

@@ -118,9 +118,9 @@ def test_qlora_adapts_every_block_linear_and_trains(arch_path):
     adapted = [n for n, _ in model.named_modules() if n.endswith(".lora_B")]
     assert len(adapted) == len(targets) * model.config.num_hidden_layers
     tok = models.load_tokenizer(path)
-    examples = data.tokenize_examples(data.load_corpus("topic", "train").select(range(8)), tok,
+    examples = data.tokenize_examples(data.load_corpus("topic", "train").select(range(2)), tok,
                                       96, "sft")
-    run = train(model, examples, tok.pad_token_id, TrainConfig(steps=3, micro_batch_size=4,
+    run = train(model, examples, tok.pad_token_id, TrainConfig(steps=1, micro_batch_size=2,
                                                                lr=1e-2, progress=False))
     assert all(torch.isfinite(torch.tensor(run.losses)))
     assert all(bool(m.weight.abs().sum() > 0) for n, m in model.named_modules()

@@ -195,32 +195,43 @@ def _run(args, parser) -> int:
     return 0 if all(s == "ok" for s in status.values()) else 1
 
 
-def architectures_matrix(names: list[str] | None = None) -> bool:
-    """``archs``: the architecture x notebook matrix, its results file and README table; return
-    whether every notebook ran on every architecture run now. With ``names``, only those
-    architectures run and the rest of the recorded matrix is kept (a rerun after a fix)."""
+def matrix_from_figures(figures: list[dict]) -> dict[str, dict[str, str]]:
+    """An ``architectures.json``'s figures back as architecture -> notebook -> status."""
+    out: dict[str, dict[str, str]] = {}
+    for f in figures:
+        out.setdefault(f["recipe"], {})[f["metric"]] = (
+            "ok" if f["value"] == 1.0 else f["unit"].removeprefix("0: "))
+    return out
+
+
+def record_matrix(matrix: dict[str, dict[str, str]]) -> str:
+    """Write the matrix as ``architectures.json`` and the README's table; return the table."""
     import torch
 
     from recipes_lib import device, notebooks, results
 
-    matrix = notebooks.architecture_matrix(tuple(names) if names else None)
-    recorded = results.load_results().get("architectures", {}).get("figures", []) if names else []
-    merged: dict[str, dict[str, str]] = {}
-    for f in recorded:
-        if f["recipe"] not in matrix:
-            merged.setdefault(f["recipe"], {})[f["metric"]] = (
-                "ok" if f["value"] == 1.0 else f["unit"].removeprefix("0: "))
-    merged.update(matrix)
     r = results.Results("architectures", device.describe_device(torch.device("cpu")))
-    for arch, row in merged.items():
+    for arch, row in matrix.items():
         for stem, state in row.items():
             print(f"  {arch:<9} {stem}: {state}")
             r.add(arch, stem, float(state == "ok"),
                   unit="1: ran top to bottom" if state == "ok" else f"0: {state}")
     r.save()
-    table = notebooks.matrix_table(merged)
+    table = notebooks.matrix_table(matrix)
     results.write_readme_section("architectures", table)
-    print(table)
+    return table
+
+
+def architectures_matrix(names: list[str] | None = None) -> bool:
+    """``archs``: the architecture x notebook matrix, its results file and README table; return
+    whether every notebook ran on every architecture run now. With ``names``, only those
+    architectures run and the rest of the recorded matrix is kept (a rerun after a fix)."""
+    from recipes_lib import notebooks, results
+
+    matrix = notebooks.architecture_matrix(tuple(names) if names else None)
+    recorded = results.load_results().get("architectures", {}).get("figures", []) if names else []
+    merged = {a: matrix.get(a, row) for a, row in matrix_from_figures(recorded).items()}
+    print(record_matrix({**merged, **matrix}))
     return all(s == "ok" for row in matrix.values() for s in row.values())
 
 

@@ -188,3 +188,20 @@ def matrix_table(matrix: dict[str, dict[str, str]]) -> str:
                  for s in stems]
         lines.append(f"| {arch} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def executed_status(path: Path | str) -> str:
+    """A papermill-executed notebook's outcome, read from the cells' papermill metadata: "ok",
+    "failed: <error>" (the first failed cell's), or "not finished" (stopped before the end)."""
+    import nbformat
+
+    nb = nbformat.read(str(path), as_version=4)
+    states = [c.metadata.get("papermill", {}).get("status") for c in nb.cells]
+    for cell, state in zip(nb.cells, states):
+        if state == "failed":
+            for out in cell.get("outputs", []):
+                if out.get("output_type") == "error":
+                    first = (str(out.get("evalue", "")).splitlines() or [""])[0][:200]
+                    return f"failed: {out.get('ename')}: {first}"
+            return "failed"
+    return "ok" if all(s == "completed" for s in states) else "not finished"

@@ -165,3 +165,23 @@ def test_archs_rerun_keeps_the_other_architectures_rows(monkeypatch, tmp_path):
     assert cli.architectures_matrix(["qwen2"])
     saved = results.load_results(tmp_path)["architectures"]["figures"]
     assert sorted((f["recipe"], f["value"]) for f in saved) == [("phi3", 1.0), ("qwen2", 1.0)]
+
+
+def test_executed_status_reads_papermills_cell_metadata(tmp_path):
+    def run(*states, error=None):
+        cells = []
+        for s in states:
+            c = nbformat.v4.new_code_cell("x")
+            c.metadata["papermill"] = {"status": s}
+            if s == "failed":
+                c.outputs = [nbformat.v4.new_output("error", ename="AssertionError",
+                                                    evalue=error, traceback=[])]
+            cells.append(c)
+        path = tmp_path / "nb.ipynb"
+        nbformat.write(nbformat.v4.new_notebook(cells=cells), path)
+        return notebooks.executed_status(path)
+
+    assert run("completed", "completed") == "ok"
+    assert run("completed", "failed", "pending", error="0.56\nmore") == \
+        "failed: AssertionError: 0.56"
+    assert run("completed", "running") == "not finished"

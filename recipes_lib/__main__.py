@@ -181,7 +181,8 @@ def _run(args, parser) -> int:
     params = {name: notebooks.parse_value(value) for name, value in args.parameters}
     try:
         results.check_writable(results.output_dir())
-        status = notebooks.execute(paths, notebooks.EXECUTED, params, reference_size=True)
+        # the reference size (recipes_lib.scale): what the README's figures are measured at
+        status = notebooks.execute(paths, notebooks.EXECUTED, {"SCALE": "reference", **params})
     except ValueError as err:
         parser.error(str(err))
     for name, state in status.items():

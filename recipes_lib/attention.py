@@ -279,27 +279,58 @@ def seq_len_sweep(seq_lens: list[int], impl: str = "sdpa", baseline: str = "eage
     Raises:
         ValueError: for sizes a sweep cannot use, or an implementation this device lacks.
     """
+    return _attention_sweep("attention", "seq_len", seq_lens, lambda s: (num_heads, s), impl,
+                            baseline, batch_size, head_dim, dtype, device, repeats)
+
+
+def heads_sweep(head_counts: list[int], seq_len: int = 1024, impl: str = "sdpa",
+                baseline: str = "eager", batch_size: int = 1, head_dim: int = 64,
+                dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                repeats: int = 5):
+    """:func:`seq_len_sweep`'s comparison over the number of heads at one length: more heads
+    is more of the same independent work (the s x s scores once per head), so the speed-up
+    should hold steady once the work fills the machine; a small head count at a short length is
+    where per-call overhead shows.
+
+    Returns:
+        A ``sweep.Sweep`` (recipe "flash_attention", as notebook 03 names it; dimension
+        "heads").
+
+    Raises:
+        ValueError: for sizes a sweep cannot use, or an implementation this device lacks.
+    """
+    return _attention_sweep("flash_attention", "heads", head_counts, lambda h: (h, seq_len),
+                            impl, baseline, batch_size, head_dim, dtype, device, repeats)
+
+
+def _attention_sweep(recipe: str, dimension: str, sizes: list[int],
+                     shape_at: Callable[[int], tuple[int, int]], impl: str, baseline: str, batch_size: int, head_dim: int,
+                     dtype: torch.dtype, device: torch.device | str, repeats: int):
+    """Forward + backward of ``impl`` against ``baseline`` at each size, whose (heads, length)
+    ``shape_at`` gives."""
     from recipes_lib.sweep import run_sweep
 
     device = torch.device(device)
     fns = {"baseline": attention_fn(baseline, device), "recipe": attention_fn(impl, device)}
     size = torch.empty((), dtype=dtype).element_size()
 
-    def make(s: int):
-        g = torch.Generator(device="cpu").manual_seed(s)
-        q, k, v = (torch.randn(batch_size, num_heads, s, head_dim, generator=g).to(device, dtype)
+    def make(n: int):
+        heads, s = shape_at(n)
+        g = torch.Generator(device="cpu").manual_seed(n)
+        q, k, v = (torch.randn(batch_size, heads, s, head_dim, generator=g).to(device, dtype)
                    .requires_grad_() for _ in range(3))
-        grad = torch.randn(batch_size, num_heads, s, head_dim, generator=g).to(device, dtype)
+        grad = torch.randn(batch_size, heads, s, head_dim, generator=g).to(device, dtype)
 
         def step(fn):
             fn(q, k, v, causal=True).backward(grad)
             q.grad = k.grad = v.grad = None
         return {name: (lambda fn=fn: step(fn)) for name, fn in fns.items()}
 
-    def work(s: int) -> tuple[float, float]:
-        bh = batch_size * num_heads
+    def work(n: int) -> tuple[float, float]:
+        heads, s = shape_at(n)
+        bh = batch_size * heads
         flops = 3.5 * 2 * bh * s * s * head_dim
         scores = 4 * bh * s * s * size * 2  # scores and probabilities, written and read
         return flops, scores + 4 * bh * s * head_dim * size
-    return run_sweep("attention", "seq_len", seq_lens, make, work, device, repeats=repeats,
+    return run_sweep(recipe, dimension, sizes, make, work, device, repeats=repeats,
                      progress=False, dtype=dtype)

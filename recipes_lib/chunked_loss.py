@@ -378,6 +378,33 @@ def tokens_sweep(tokens: list[int], vocab_size: int, hidden_size: int, chunk_siz
     Raises:
         ValueError: for a comparison asked where it cannot run, naming it.
     """
+    return _ce_sweep("tokens", tokens, lambda n: (n, vocab_size), hidden_size, chunk_size,
+                     device, dtype, repeats, include_liger, include_compiled, include_cce)
+
+
+def vocab_sweep(vocab_sizes: list[int], tokens: int, hidden_size: int, chunk_size: int = 1024,
+                device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                repeats: int = 5, include_liger: bool = False, include_compiled: bool = False,
+                include_cce: bool = False):
+    """:func:`tokens_sweep`'s comparison over the vocabulary at one token count: the logits,
+    ``tokens x vocab``, grow with both, and with the vocabulary each chunk's matmul also grows
+    (more work per chunk against the same per-chunk overhead).
+
+    Returns:
+        A ``sweep.Sweep`` (recipe "chunked_ce", dimension "vocab").
+
+    Raises:
+        ValueError: for sizes a sweep cannot use, or a comparison asked where it cannot run.
+    """
+    return _ce_sweep("vocab", vocab_sizes, lambda v: (tokens, v), hidden_size, chunk_size,
+                     device, dtype, repeats, include_liger, include_compiled, include_cce)
+
+
+def _ce_sweep(dimension: str, sizes: list[int], shape_at: Callable[[int], tuple[int, int]],
+              hidden_size: int, chunk_size: int, device: torch.device | str, dtype: torch.dtype,
+              repeats: int, include_liger: bool, include_compiled: bool, include_cce: bool):
+    """The loss step (forward + backward) of each comparison at each size, whose (tokens,
+    vocabulary) ``shape_at`` gives."""
     from recipes_lib.sweep import run_sweep
 
     if include_liger and not liger_available(device):
@@ -391,10 +418,11 @@ def tokens_sweep(tokens: list[int], vocab_size: int, hidden_size: int, chunk_siz
 
         require_compile(device)
     device = torch.device(device)
-    size = torch.empty((), dtype=dtype).element_size()
+    elem = torch.empty((), dtype=dtype).element_size()
 
-    def make(n: int):
-        g = torch.Generator().manual_seed(n)
+    def make(x: int):
+        n, vocab_size = shape_at(x)
+        g = torch.Generator().manual_seed(x)
         h = torch.randn(n, hidden_size, generator=g).to(device, dtype).requires_grad_()
         w = (torch.randn(vocab_size, hidden_size, generator=g) / hidden_size**0.5
              ).to(device, dtype).requires_grad_()
@@ -421,9 +449,10 @@ def tokens_sweep(tokens: list[int], vocab_size: int, hidden_size: int, chunk_siz
             h.grad = w.grad = None
         return {name: (lambda f=f: step(f)) for name, f in losses.items()}
 
-    def work(n: int) -> tuple[float, float]:
+    def work(x: int) -> tuple[float, float]:
+        n, vocab_size = shape_at(x)
         # three tokens x hidden x vocab matmuls; the logits written, read by softmax, the
         # fp32 copy and its gradient
-        return 6.0 * n * hidden_size * vocab_size, n * vocab_size * (2 * size + 3 * 4)
-    return run_sweep("chunked_ce", "tokens", tokens, make, work, device, repeats=repeats,
+        return 6.0 * n * hidden_size * vocab_size, n * vocab_size * (2 * elem + 3 * 4)
+    return run_sweep("chunked_ce", dimension, sizes, make, work, device, repeats=repeats,
                      progress=False, dtype=dtype)

@@ -202,3 +202,80 @@ def width_sweep(hidden_sizes: list[int], seq_len: int = 256, batch_size: int = 4
     sweep = Sweep("torch_compile", "hidden", sizes, [r.eager for r in runs],
                   [r.compiled for r in runs], flops, nbytes, machine_peaks("cpu"))
     return sweep, runs
+
+
+def generation(model: torch.nn.Module, input_ids: torch.Tensor, new_tokens: int = 32,
+               repeats: int = 5) -> CompileComparison:
+    """Greedy generation with a static KV cache, eager against the decode step compiled.
+
+    The compiled path is transformers' own: ``generate`` with ``cache_implementation="static"``
+    and a ``CompileConfig`` compiles the one-token decode step (fixed shapes: the static cache is
+    preallocated to prompt + ``new_tokens``) and runs the prefill eagerly. transformers does this
+    by itself on CUDA; on a CPU it has to be asked (``CompileConfig._compile_all_devices``,
+    a private switch, set here and said aloud). The output compared is every step's logits, so
+    ``max_abs_diff`` also covers the tokens chosen. Break-even is in calls of ``new_tokens``.
+
+    Raises:
+        ValueError: for ``new_tokens`` < 1, or where ``torch.compile`` cannot run.
+    """
+    from transformers import CompileConfig
+
+    if new_tokens < 1:
+        raise ValueError(f"new_tokens={new_tokens}: must be >= 1")
+    device = next(model.parameters()).device
+    require_compile(device)
+    ids = input_ids.to(device)
+    config = CompileConfig(fullgraph=True, dynamic=False)
+    config._compile_all_devices = device.type not in ("cuda", "xpu")
+    model.eval()
+
+    def run(**extra: Any) -> Callable[[], torch.Tensor]:
+        def call() -> torch.Tensor:
+            with torch.inference_mode():
+                out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                     max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                     do_sample=False, pad_token_id=model.config.pad_token_id,
+                                     cache_implementation="static", output_logits=True,
+                                     return_dict_in_generate=True, **extra)
+            return torch.stack(out.logits)
+        return call
+
+    return compare(run(), run(compile_config=config), repeats, device)
+
+
+def generation_sweep(hidden_sizes: list[int], new_tokens: int = 32, prompt_len: int = 16,
+                     vocab_size: int = 512, repeats: int = 5
+                     ) -> tuple[Any, list[CompileComparison]]:
+    """Where compiling batch-1 decode pays, over model width: a 2-layer Llama-shaped model
+    (``model.small_llama``) at each width, :func:`generation` eager against compiled.
+
+    Work per generated token (for the regime): ``2 N`` FLOPs, and the fp32 weights read once,
+    ``4 N`` bytes: decode is memory-bound at any width, so what compiling removes is the
+    per-op overhead, large at small widths.
+
+    Returns:
+        A ``sweep.Sweep`` (recipe "compiled_generation", dimension "hidden") and each width's
+        :class:`CompileComparison`.
+
+    Raises:
+        ValueError: for sizes a sweep cannot use, or no compiler.
+    """
+    from recipes_lib.model import small_llama
+    from recipes_lib.sweep import Sweep, check_sizes, machine_peaks
+
+    sizes = check_sizes(hidden_sizes, "hidden_sizes")
+    require_compile("cpu")
+    runs, flops, nbytes = [], [], []
+    for h in sizes:
+        model = small_llama(vocab_size=vocab_size, hidden_size=h,
+                            max_positions=prompt_len + new_tokens)
+        g = torch.Generator().manual_seed(h)
+        ids = torch.randint(3, vocab_size, (1, prompt_len), generator=g)
+        runs.append(generation(model, ids, new_tokens, repeats))
+        n = sum(p.numel() for p in model.parameters())
+        flops.append(2.0 * n * new_tokens)
+        nbytes.append(4.0 * n * new_tokens)
+        torch._dynamo.reset()  # each width is a new graph: stay under dynamo's recompile limit
+    sweep = Sweep("compiled_generation", "hidden", sizes, [r.eager for r in runs],
+                  [r.compiled for r in runs], flops, nbytes, machine_peaks("cpu"))
+    return sweep, runs

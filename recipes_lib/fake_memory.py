@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -392,6 +393,22 @@ def _create_optimizer_states(model: torch.nn.Module, optimizer: Any) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
+def _check_sizes(seq_len: int, batch_size: int, stack: Stack) -> int:
+    """The batch each rank takes, or a ValueError naming the bad size."""
+    for name, v, low in (("seq_len", seq_len, 2), ("batch_size", batch_size, 1)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < low:
+            raise ValueError(f"{name}={v!r}: must be an integer >= {low}")
+    if batch_size % stack.fsdp_ranks:
+        raise ValueError(f"fsdp_ranks={stack.fsdp_ranks}: does not divide "
+                         f"batch_size={batch_size} (each rank takes a whole share)")
+    per_rank = batch_size // stack.fsdp_ranks
+    if per_rank % stack.grad_accum_steps:
+        raise ValueError(f"grad_accum_steps={stack.grad_accum_steps}: does not divide "
+                         f"{'batch_size' if stack.fsdp_ranks == 1 else 'the per-rank batch'}"
+                         f"={per_rank}")
+    return per_rank
+
+
 def measure_step(model: Any, stack: Stack = Stack(), seq_len: int = 2048, batch_size: int = 1,
                  device: torch.device | str = "cpu", fake: bool = True) -> MemoryReport:
     """Peak memory of one training step, optimizer states already created (as after a first
@@ -421,17 +438,7 @@ def measure_step(model: Any, stack: Stack = Stack(), seq_len: int = 2048, batch_
         >>> r.by_category["parameters"] / 2**30  # doctest: +SKIP
         14.96
     """
-    for name, v, low in (("seq_len", seq_len, 2), ("batch_size", batch_size, 1)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < low:
-            raise ValueError(f"{name}={v!r}: must be an integer >= {low}")
-    if batch_size % stack.fsdp_ranks:
-        raise ValueError(f"fsdp_ranks={stack.fsdp_ranks}: does not divide "
-                         f"batch_size={batch_size} (each rank takes a whole share)")
-    per_rank = batch_size // stack.fsdp_ranks
-    if per_rank % stack.grad_accum_steps:
-        raise ValueError(f"grad_accum_steps={stack.grad_accum_steps}: does not divide "
-                         f"{'batch_size' if stack.fsdp_ranks == 1 else 'the per-rank batch'}"
-                         f"={per_rank}")
+    per_rank = _check_sizes(seq_len, batch_size, stack)
     config = model_config(model)
     _check_seq_len(config, seq_len)
     device = torch.device(device)
@@ -444,42 +451,87 @@ def measure_step(model: Any, stack: Stack = Stack(), seq_len: int = 2048, batch_
         return _measure(config, stack, seq_len, per_rank, device, fake, before)
 
 
+class _Prepared:
+    """A stack's model and optimizer, built once, in the state every step after the first starts
+    from (weights and optimizer states, no gradients): each :meth:`measure` is one step at a
+    length. A step ends with its gradients freed, so measuring again starts from the same state,
+    and searches over lengths reuse one build (about a third of a fresh measurement's time)."""
+
+    def __init__(self, config, stack: Stack, device: torch.device, fake: bool):
+        self.config, self.stack, self.device, self.fake = config, stack, device, fake
+        self.net, self.mode = build_model(config, stack, device, fake)
+        # offloaded states go to the host: on fake tensors a CPU device's host is "meta", so its
+        # bytes are counted apart (``MemoryReport.host_by_category``); the copies need fake mode
+        self.host = "meta" if fake and device.type == "cpu" else "cpu"
+        with (self.mode if stack.offload_optimizer and self.mode else contextlib.nullcontext()):
+            self.opt = _optimizer(self.net, stack, self.host)
+        self.loss_fn = ChunkedCausalLMLoss(stack.chunked_loss) if stack.chunked_loss else None
+        self.stepped = False
+
+    def measure(self, seq_len: int, per_rank: int,
+                before: tuple[int, int] = (0, 0)) -> MemoryReport:
+        stack, device, net, opt = self.stack, self.device, self.net, self.opt
+        targets = per_rank * (seq_len - 1)  # the global count / the ranks, as forward_backward asks
+        # FSDP's mixed-precision policy casts the weights; elsewhere bf16-mixed is autocast's
+        autocast = "fp32" if stack.fsdp_ranks > 1 else _AUTOCAST.get(stack.precision, "fp32")
+        with self.mode or contextlib.nullcontext(), _unpacked_rows():
+            ids = torch.randint(0, self.config.vocab_size, (per_rank, seq_len), device=device)
+            batch = {"input_ids": ids, "labels": ids}
+
+            def step() -> None:
+                with (_saved_on(self.host) if stack.offload_activations
+                      else contextlib.nullcontext()):
+                    forward_backward(net, batch, stack.grad_accum_steps, autocast,
+                                     num_target_tokens=targets, loss_fn=self.loss_fn)
+                optimizer_step(net, opt, max_grad_norm=None)
+
+            if not self.stepped:
+                if stack.fsdp_ranks > 1:  # FSDP2's first iteration records its prefetch order
+                    step()
+                else:  # the optimizer states, as they exist in every step after the first
+                    _create_optimizer_states(net, opt)
+                self.stepped = True
+            allocated = reserved = None
+            if not self.fake and device.type == "cuda":
+                # the allocator read first, on a step with no tracker: the tracker's hooks form
+                # reference cycles that keep a step's tensors alive until the garbage collector
+                gc.collect()
+                allocated, reserved = allocator_peak(step, device)
+                allocated, reserved = allocated - before[0], reserved - before[1]
+            report = measure_memory(step, net, opt, device)
+        report.allocator_peak_bytes, report.allocator_reserved_bytes = allocated, reserved
+        return report
+
+
 def _measure(config, stack: Stack, seq_len: int, per_rank: int, device: torch.device,
              fake: bool, before: tuple[int, int]) -> MemoryReport:
-    net, mode = build_model(config, stack, device, fake)
-    # offloaded states go to the host: on fake tensors a CPU device's host is "meta", so its
-    # bytes are counted apart (``MemoryReport.host_by_category``); the copies need fake mode
-    host = "meta" if fake and device.type == "cpu" else "cpu"
-    with (mode if stack.offload_optimizer and mode else contextlib.nullcontext()):
-        opt = _optimizer(net, stack, host)
-    loss_fn = ChunkedCausalLMLoss(stack.chunked_loss) if stack.chunked_loss else None
-    targets = per_rank * (seq_len - 1)  # the global count / the ranks, as forward_backward asks
-    # FSDP's mixed-precision policy casts the weights; elsewhere bf16-mixed is autocast's
-    autocast = "fp32" if stack.fsdp_ranks > 1 else _AUTOCAST.get(stack.precision, "fp32")
-    with mode or contextlib.nullcontext(), _unpacked_rows():
-        ids = torch.randint(0, config.vocab_size, (per_rank, seq_len), device=device)
-        batch = {"input_ids": ids, "labels": ids}
+    return _Prepared(config, stack, device, fake).measure(seq_len, per_rank, before)
 
-        def step() -> None:
-            with _saved_on(host) if stack.offload_activations else contextlib.nullcontext():
-                forward_backward(net, batch, stack.grad_accum_steps, autocast,
-                                 num_target_tokens=targets, loss_fn=loss_fn)
-            optimizer_step(net, opt, max_grad_norm=None)
 
-        if stack.fsdp_ranks > 1:  # FSDP2's first iteration records the order it prefetches by
-            step()
-        else:  # the optimizer states, as they exist in every step after the first
-            _create_optimizer_states(net, opt)
-        allocated = reserved = None
-        if not fake and device.type == "cuda":
-            # the allocator read first, on a step with no tracker: the tracker's hooks form
-            # reference cycles that keep a step's tensors alive until the garbage collector runs
-            gc.collect()
-            allocated, reserved = allocator_peak(step, device)
-            allocated, reserved = allocated - before[0], reserved - before[1]
-        report = measure_memory(step, net, opt, device)
-    report.allocator_peak_bytes, report.allocator_reserved_bytes = allocated, reserved
-    return report
+def step_meter(model: Any, stack: Stack = Stack(), batch_size: int = 1,
+               device: torch.device | str = "cpu") -> Callable[[int], MemoryReport]:
+    """``seq_len -> measure_step(model, stack, seq_len, batch_size, device)`` on fake tensors,
+    with one model built for every length asked (a search over lengths: the planner's
+    ``max_context``). FSDP stacks build afresh for each length (their fake process group lives
+    for one measurement).
+
+    Raises:
+        ValueError: as :func:`measure_step`, for the batch now and for each length when asked.
+    """
+    if stack.fsdp_ranks > 1:
+        return lambda seq_len: measure_step(model, stack, seq_len, batch_size, device)
+    config = model_config(model)
+    prepared: list[_Prepared] = []
+
+    def at(seq_len: int) -> MemoryReport:
+        _check_sizes(seq_len, batch_size, stack)
+        _check_seq_len(config, seq_len)
+        if not prepared:
+            prepared.append(_Prepared(config, stack, torch.device(device), True))
+        return prepared[0].measure(seq_len, batch_size)
+
+    _check_sizes(2, batch_size, stack)
+    return at
 
 
 def real_rank_step(model: dict, stack: dict, seq_len: int, batch_size: int) -> dict[str, int]:

@@ -137,6 +137,7 @@ def build_tiny_model(
     out_dir: Path | str | None = None,
     spec: TinyModelSpec = TinyModelSpec(),
     progress: bool = True,
+    device: str | torch.device = "cpu",
 ) -> Path:
     """Build, pretrain and save the tiny base model; return its folder (cached by ``spec``).
 
@@ -147,6 +148,8 @@ def build_tiny_model(
         out_dir: target folder; default ``.cache/<name>`` in the repository (or $RECIPES_CACHE).
         spec: model sizes and pretraining budget.
         progress: show a progress bar while pretraining.
+        device: where to pretrain (the GPU scale's 0.4 B model needs an accelerator; the saved
+            folder is the same wherever it was built, up to rounding).
 
     Returns:
         Path to a folder loadable with ``AutoModelForCausalLM.from_pretrained``.
@@ -181,7 +184,7 @@ def build_tiny_model(
     tokenizer.save_pretrained(tmp)
     tokenizer = load_tokenizer(tmp)
     torch.manual_seed(spec.seed)
-    model = AutoModelForCausalLM.from_config(model_config(spec, tokenizer))
+    model = AutoModelForCausalLM.from_config(model_config(spec, tokenizer)).to(device)
     examples = data.tokenize_examples(base_train, tokenizer, spec.pretrain_seq_len, "lm")
     test = data.tokenize_examples(data.load_corpus("base", "test"), tokenizer,
                                   spec.pretrain_seq_len, "lm")

@@ -17,29 +17,6 @@ from recipes_lib.results import ROOT
 
 NOTEBOOKS = ROOT / "notebooks"
 EXECUTED = NOTEBOOKS / "executed"
-# The parameters cells' defaults are the test size: every claim checked, within the suite's
-# time budget. `make run` and `make bench` scale up only what a speed figure needs to be
-# reliable or complete (more timed repeats, one more point in a sweep, the compiled kernel) and
-# the real-size models measured on fake tensors (seconds each, minutes in all); correctness and
-# memory claims are the same at both sizes. A `-p NAME VALUE` wins over these.
-REFERENCE_SIZE: dict[str, dict[str, Any]] = {
-    "01_large_models_limited_hardware": {"TIME_REPEATS": 5,
-                                         "CKPT_SWEEP_WIDTHS": (64, 256, 512, 1024),
-                                         "REAL_ESCALATION": True},
-    "02_multi_gpu_training": {"LOADER_STEPS": 6, "LATENCY_SWEEP_MS": (50,), "PACK_REPEATS": 3,
-                              "FSDP_FAKE_MODELS": ("Llama-3.1-8B", "Llama-3.1-70B"),
-                              "FSDP_FAKE_SEQ": 4096},
-    "04_training_long_sequences": {"REAL_CONTEXT_MODEL": "Llama-3.1-8B",
-                                   "REAL_CONTEXT_GPUS": ("24GiB", "80GiB")},
-    "03_optimizing_inference_speed": {"LATENCY_REPEATS": 15, "COMPILE_RMSNORM": True,
-                                      "ATTN_SEQ_LENS": (256, 512, 1024, 2048, 4096),
-                                      "INT8_DECODE_HIDDEN": (256, 1024, 2048, 4096),
-                                      "COMPILE_INT8": True, "KD_SWEEP_WIDTHS": (64, 256, 512, 1024),
-                                      "COMPILE_WIDTHS": (64, 256, 512, 1024),
-                                      "KV_SWEEP_TOKENS": (4, 16, 64, 128)},
-}
-
-
 def course_notebooks() -> list[Path]:
     """The four course notebooks, in order."""
     return sorted(NOTEBOOKS.glob("*.ipynb"))
@@ -63,7 +40,7 @@ def parse_value(text: str) -> Any:
 
 
 def execute(paths: list[Path], out_dir: Path = EXECUTED, parameters: dict[str, Any] | None = None,
-            timeout: int = 1800, reference_size: bool = False) -> dict[str, str]:
+            timeout: int = 1800) -> dict[str, str]:
     """Execute notebooks with papermill (a cell progress bar each); return stem -> status.
 
     Args:
@@ -72,8 +49,6 @@ def execute(paths: list[Path], out_dir: Path = EXECUTED, parameters: dict[str, A
         parameters: injected after each notebook's ``parameters`` cell, as ``papermill -p``
             does; only the names a notebook declares are passed to it.
         timeout: seconds per cell.
-        reference_size: apply :data:`REFERENCE_SIZE` first (what ``make run`` and ``make bench``
-            do), then ``parameters``.
 
     Returns:
         stem -> ``"ok"`` or ``"failed: <error>"``: a failing notebook does not stop the others.
@@ -95,8 +70,7 @@ def execute(paths: list[Path], out_dir: Path = EXECUTED, parameters: dict[str, A
     out_dir.mkdir(parents=True, exist_ok=True)
     status = {}
     for path in paths:
-        mine = dict(REFERENCE_SIZE.get(path.stem, {})) if reference_size else {}
-        mine.update({k: v for k, v in parameters.items() if k in declared[path]})
+        mine = {k: v for k, v in parameters.items() if k in declared[path]}
         # papermill writes a tuple as the string "(1, 2)"; a list stays a list
         mine = {k: list(v) if isinstance(v, tuple) else v for k, v in mine.items()}
         try:

@@ -212,8 +212,10 @@ def max_context(model: str, gpu_mem: str | float | list, stack: Any = None, batc
     top = (limit or config.max_position_embeddings) // step
     probes: dict[int, float] = {}  # length -> bytes on the GPU, shared by every budget
 
+    meter = fake_memory.step_meter(config, stack, batch_size)  # one build for every length
+
     def need(n: int) -> float:
-        peak = fake_memory.measure_step(config, stack, n, batch_size).peak_bytes
+        peak = meter(n).peak_bytes
         return peak + gpu_overhead(peak)
 
     out = []

@@ -38,3 +38,22 @@ def test_compiled_training_step_equals_eager():
                                 {"input_ids": ids, "labels": ids}, repeats=1)
     assert r.max_abs_diff <= 1e-5 and r.compile_s > 0
     assert r.break_even == compiling.break_even_calls(r.eager_s, r.compiled_s, r.compile_s)
+
+
+@pytest.mark.skipif(not compiling.compile_available("cpu")[0], reason="no C++ compiler")
+def test_compiled_generation_equals_eager_static_cache():
+    model = small_llama(vocab_size=128, hidden_size=32, num_hidden_layers=1, max_positions=32)
+    ids = torch.randint(3, 128, (1, 8))
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    r = compiling.generation(model, ids, new_tokens=4, repeats=1)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # it did compile
+    # every step's logits: the same tokens chosen, the same scores to fp32 rounding
+    assert r.max_abs_diff <= 1e-5 and r.compile_s > 0
+    with pytest.raises(ValueError, match="new_tokens=0"):
+        compiling.generation(model, ids, new_tokens=0)
+
+
+def test_generation_sweep_sizes_are_checked_first():
+    with pytest.raises(ValueError, match="hidden_sizes=\\[64, 32, 128\\]"):
+        compiling.generation_sweep([64, 32, 128])

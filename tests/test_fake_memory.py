@@ -160,3 +160,24 @@ def test_bad_inputs_name_the_parameter(config, tmp_path):
     with pytest.raises(ValueError, match="batch_size=0"):
         fake_memory.measure_step(config, Stack(), 64, 0)
     assert torch.get_default_dtype() == torch.float32
+
+
+@pytest.mark.parametrize("stack", [
+    Stack(method="lora", checkpointing=True),
+    Stack(method="qlora", precision="bf16-mixed", optimizer="adamw-8bit", checkpointing=True,
+          chunked_loss=32),
+    Stack(precision="bf16", offload_optimizer=True)], ids=lambda s: s.label)
+def test_a_reused_build_measures_what_fresh_builds_do(config, stack):
+    """The planner's searches measure many lengths on one build (``step_meter``)."""
+    meter = fake_memory.step_meter(config, stack, batch_size=2)
+    for n in (128, 32, 128):
+        fresh = fake_memory.measure_step(config, stack, n, batch_size=2)
+        reused = meter(n)
+        assert reused.by_category == fresh.by_category, n
+        assert reused.host_by_category == fresh.host_by_category, n
+    with pytest.raises(ValueError, match="seq_len=1"):
+        meter(1)
+    with pytest.raises(ValueError, match="seq_len=4096"):
+        meter(4096)
+    with pytest.raises(ValueError, match="grad_accum_steps=2"):
+        fake_memory.step_meter(config, Stack(grad_accum_steps=2), batch_size=3)

@@ -112,12 +112,6 @@ def test_papermill_runs_a_course_notebook_to_the_end_on_a_local_model(tiny_model
     assert {c["recipe"] for c in saved["claims"]} == {"sliding_window", "chunked_ce"}
 
 
-def test_reference_sizes_name_declared_parameters_of_existing_notebooks():
-    for stem, params in notebooks.REFERENCE_SIZE.items():
-        declared = notebooks.notebook_parameters(notebooks.NOTEBOOKS / f"{stem}.ipynb")
-        assert set(params) <= set(declared), (stem, set(params) - set(declared))
-
-
 def test_tuple_parameters_reach_the_notebook_as_sequences(tmp_path):
     nb = nbformat.v4.new_notebook(cells=[
         nbformat.v4.new_code_cell("SIZES: tuple = (1, 2)\nNAME = None"),

@@ -71,5 +71,12 @@ def test_recipe_sweeps_run_at_tiny_sizes_on_cpu():
         assert len(s.rows()) == 3 and all(x > 0 for x in s.speedups)
         assert set(s.regimes()) <= {"overhead", "memory", "compute"}
     assert (a.dimension, c.dimension, k.dimension) == ("seq_len", "tokens", "hidden")
+    heads = attention.heads_sweep([1, 2, 4], seq_len=32, head_dim=16, repeats=1)
+    vocab = chunked_loss.vocab_sweep([32, 64, 128], tokens=32, hidden_size=16, chunk_size=8,
+                                     repeats=1)
+    assert (heads.recipe, heads.dimension, heads.sizes) == ("flash_attention", "heads", [1, 2, 4])
+    assert (vocab.recipe, vocab.dimension) == ("chunked_ce", "vocab")
+    # the work each point counts grows with the swept dimension alone
+    assert heads.flops[1] == 2 * heads.flops[0] and vocab.flops[2] == 4 * vocab.flops[0]
     with pytest.raises(ValueError, match="sizes="):
         attention.seq_len_sweep([64, 32, 16])

@@ -1,0 +1,143 @@
+"""One setting for every notebook's sizes: ``SCALE = "ci"``, ``"reference"`` or ``"gpu"``.
+
+Each notebook's ``parameters`` cell holds the CI size (every claim checked, within the test
+suite's budget) and a ``SCALE`` setting; the cell after it calls :func:`apply`, which sets the
+sizes the chosen scale needs:
+
+- ``"ci"``: the parameters cell as written (``make test``; any laptop).
+- ``"reference"``: what ``make run`` and ``make bench`` use on the reference CPU: more timed
+  repeats, one more point in each sweep, the compiled kernels, and the real-size models measured
+  on fake tensors (seconds each). Correctness and memory claims are the same as at ``"ci"``.
+- ``"gpu"``: the sizes at which the speed recipes are meant to pay on a GPU (a base model of
+  about 0.4 B parameters built from a config and pretrained on the accelerator, sweeps out to
+  16k tokens and 8k-wide layers). Minutes on one GPU; hours on a CPU.
+
+A name the user set to something other than its CI default (``papermill -p``, or an edit in the
+cell) is kept, whatever the scale: :func:`apply` says which.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from recipes_lib.model import TinyModelSpec
+
+SCALES = ("ci", "reference", "gpu")
+
+# The base model each scale builds when MODEL_ID is None. "gpu": ~0.4 B parameters (16 layers of
+# 1536, grouped-query attention), the size the issue names for speed claims; pretrained on the
+# notebook's device.
+MODEL_SPECS: dict[str, TinyModelSpec] = {
+    "ci": TinyModelSpec(),
+    "reference": TinyModelSpec(),
+    "gpu": TinyModelSpec(hidden_size=1536, intermediate_size=4096, num_hidden_layers=16,
+                         num_attention_heads=12, num_key_value_heads=4,
+                         max_position_embeddings=2048, pretrain_steps=300, pretrain_lr=1e-3),
+}
+
+# notebook -> parameter -> scale -> value. The "ci" value is the parameters cell's default
+# (a test keeps them equal); a scale a parameter does not list keeps the CI value.
+SIZES: dict[str, dict[str, dict[str, Any]]] = {
+    "01_large_models_limited_hardware": {
+        "TIME_REPEATS": {"ci": 3, "reference": 5, "gpu": 5},
+        "CKPT_SWEEP_WIDTHS": {"ci": (64, 256, 512), "reference": (64, 256, 512, 1024),
+                              "gpu": (512, 1024, 2048, 4096)},
+        "REAL_ESCALATION": {"ci": False, "reference": True, "gpu": True},
+        "REAL_MODEL": {"ci": "Llama-3.2-1B", "gpu": "Llama-3.1-8B"},
+    },
+    "02_multi_gpu_training": {
+        "LOADER_STEPS": {"ci": 4, "reference": 6, "gpu": 6},
+        "LATENCY_SWEEP_MS": {"ci": (), "reference": (50,), "gpu": (50,)},
+        "PACK_REPEATS": {"ci": 2, "reference": 3, "gpu": 3},
+        "BF16_SWEEP": {"ci": (256, 512, 1024), "gpu": (1024, 2048, 4096, 8192)},
+        "FSDP_FAKE_MODELS": {"ci": (), "reference": ("Llama-3.1-8B", "Llama-3.1-70B"),
+                             "gpu": ("Llama-3.1-8B", "Llama-3.1-70B")},
+        "FSDP_FAKE_SEQ": {"ci": 128, "reference": 4096, "gpu": 4096},
+    },
+    "03_optimizing_inference_speed": {
+        "LATENCY_REPEATS": {"ci": 5, "reference": 15, "gpu": 15},
+        "COMPILE_RMSNORM": {"ci": False, "reference": True, "gpu": True},
+        "ATTN_SEQ_LENS": {"ci": (256, 512, 1024, 2048), "reference": (256, 512, 1024, 2048, 4096),
+                          "gpu": (512, 1024, 2048, 4096, 8192, 16384)},
+        "ATTN_HEADS": {"ci": (2, 4, 8, 16), "reference": (2, 4, 8, 16, 32), "gpu": (8, 16, 32, 64)},
+        "INT8_DECODE_HIDDEN": {"ci": (256, 1024, 2048), "reference": (256, 1024, 2048, 4096),
+                               "gpu": (1024, 2048, 4096, 8192)},
+        "COMPILE_INT8": {"ci": False, "reference": True, "gpu": True},
+        "INT8_PREFILL_ROWS": {"ci": (1, 16, 256, 2048), "gpu": (16, 256, 2048, 16384)},
+        "KD_SWEEP_WIDTHS": {"ci": (64, 256, 512), "reference": (64, 256, 512, 1024),
+                            "gpu": (256, 512, 1024, 2048)},
+        "NORM_HIDDEN_SIZES": {"ci": (256, 1024, 4096), "gpu": (1024, 4096, 8192)},
+        "NORM_TOKENS": {"ci": 2048, "gpu": 16384},
+        "KV_SWEEP_TOKENS": {"ci": (4, 16, 64), "reference": (4, 16, 64, 128),
+                            "gpu": (16, 64, 256, 1024)},
+        "COMPILE_WIDTHS": {"ci": (64, 256, 512), "reference": (64, 256, 512, 1024),
+                           "gpu": (256, 1024, 2048)},
+        "GEN_COMPILE_WIDTHS": {"ci": (), "reference": (64, 256, 512, 1024),
+                               "gpu": (64, 256, 512, 1024)},
+    },
+    "04_training_long_sequences": {
+        "TIME_SEQ_LENS": {"ci": (1024, 2048, 4096, 8192), "gpu": (2048, 4096, 8192, 16384, 32768)},
+        "CE_SWEEP_TOKENS": {"ci": (256, 1024, 2048), "reference": (256, 1024, 2048, 8192),
+                            "gpu": (1024, 4096, 16384)},
+        "CE_SWEEP_COMPILED": {"ci": False, "reference": True, "gpu": True},
+        "CE_SWEEP_VOCAB": {"ci": (2048, 8192, 32768), "reference": (2048, 8192, 32768, 131072),
+                           "gpu": (8192, 32768, 131072, 262144)},
+        "REAL_CONTEXT_MODEL": {"ci": None, "reference": "Llama-3.1-8B", "gpu": "Llama-3.1-8B"},
+        "REAL_CONTEXT_GPUS": {"ci": ("0.75GiB", "1GiB"), "reference": ("24GiB", "80GiB"),
+                              "gpu": ("24GiB", "80GiB")},
+    },
+}
+
+
+def check_scale(scale: str) -> str:
+    """``scale`` itself, or a ValueError naming ``SCALE`` and the choices."""
+    if scale not in SCALES:
+        raise ValueError(f"SCALE={scale!r}: expected one of {', '.join(map(repr, SCALES))}")
+    return scale
+
+
+def sizes(notebook: str, scale: str) -> dict[str, Any]:
+    """The parameters ``scale`` sets in ``notebook`` (a notebook's file stem), name -> value."""
+    check_scale(scale)
+    if notebook not in SIZES:
+        raise ValueError(f"notebook={notebook!r}: expected one of {', '.join(SIZES)}")
+    return {name: by_scale.get(scale, by_scale["ci"])
+            for name, by_scale in SIZES[notebook].items()}
+
+
+def _same(a: Any, b: Any) -> bool:
+    # papermill hands a tuple parameter to the notebook as a list
+    norm = (lambda v: list(v) if isinstance(v, (tuple, list)) else v)
+    return norm(a) == norm(b)
+
+
+def apply(notebook: str, scale: str, namespace: dict[str, Any]) -> dict[str, Any]:
+    """Set ``scale``'s sizes for ``notebook`` in ``namespace`` (the notebook's ``globals()``).
+
+    A parameter whose value is no longer its CI default was set on purpose and is kept (and
+    reported as kept). Returns name -> value for every scaled parameter, as it now stands.
+
+    Raises:
+        ValueError: an unknown scale (naming ``SCALE``) or notebook.
+    """
+    chosen = sizes(notebook, scale)
+    kept = []
+    for name, value in chosen.items():
+        if name not in namespace:
+            raise ValueError(f"SCALE={scale!r}: parameter {name} of {notebook} is not defined; "
+                             "run the parameters cell first")
+        if _same(namespace[name], SIZES[notebook][name]["ci"]):
+            namespace[name] = value
+        elif not _same(namespace[name], value):
+            kept.append(name)
+    if scale != "ci":
+        print(f"SCALE={scale!r} sets " + ", ".join(f"{k}={v}" for k, v in chosen.items()
+                                                   if k not in kept))
+    if kept:
+        print(f"SCALE={scale!r}: kept the values you set for {', '.join(kept)}")
+    return {name: namespace[name] for name in chosen}
+
+
+def model_spec(scale: str) -> TinyModelSpec:
+    """The base model ``scale`` builds when the notebook is given no ``MODEL_ID``."""
+    return MODEL_SPECS[check_scale(scale)]

@@ -116,6 +116,23 @@ def softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
     return logits if cap is None else torch.tanh(logits / cap) * cap
 
 
+def supports_sdpa(config: Any) -> bool:
+    """Whether transformers has an SDPA attention path for ``config``'s causal LM (Gemma-2, for
+    one, has not: its attention soft-capping needs the scores written out)."""
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        return bool(MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]._supports_sdpa)
+    except KeyError as err:
+        raise ValueError(f"config: {type(config).__name__} is not a causal LM's config") from err
+
+
+def default_attention(config: Any) -> str:
+    """``"sdpa"`` where the architecture has it, else ``"eager"``: what ``load_model``'s "auto"
+    ends up with, for models built from a config."""
+    return "sdpa" if supports_sdpa(config) else "eager"
+
+
 def describe(model: nn.Module) -> dict[str, Any]:
     """What the recipes will use in ``model``: its block class, adapter targets, head, attention.
 

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from recipes_lib import calc
+from recipes_lib.architectures import default_attention
 from recipes_lib.checkpointing import enable_activation_checkpointing
 from recipes_lib.chunked_loss import ChunkedCausalLMLoss
 from recipes_lib.fsdp import shard_model
@@ -186,8 +187,11 @@ def _check_seq_len(config, seq_len: int) -> None:
 
 
 def build_model(config, stack: Stack, device: torch.device | str, fake: bool = True,
-                attn_implementation: str = "sdpa") -> tuple[torch.nn.Module, Any]:
+                attn_implementation: str | None = None) -> tuple[torch.nn.Module, Any]:
     """Build ``config``'s model with ``stack`` applied, its weights fake (or real) on ``device``.
+
+    ``attn_implementation`` None: SDPA where transformers has it for the architecture, else
+    eager (Gemma-2), whose s x s scores the measurement then counts, as a GPU would hold them.
 
     Returns:
         ``(model, mode)``: ``mode`` is the ``FakeTensorMode`` to run the step in (None if real).
@@ -199,6 +203,7 @@ def build_model(config, stack: Stack, device: torch.device | str, fake: bool = T
     # a QLoRA base loads in its compute dtype (peft's k-bit preparation then casts what stays
     # unquantized to fp32 under bf16-mixed); other stacks load in their weights' dtype
     dtype = _compute_dtype(stack) if stack.method == "qlora" else _DTYPES[stack.precision]
+    attn_implementation = attn_implementation or default_attention(config)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype,
                                                  attn_implementation=attn_implementation)

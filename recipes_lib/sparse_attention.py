@@ -16,8 +16,6 @@ available, so it is an option on GPUs only (``flex_available``).
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 
@@ -69,16 +67,24 @@ def attention_mask(seq_len: int, window: int | None = None, n_global: int = 0,
     return _allowed(pos, pos, window, n_global)
 
 
-def dense_masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
+def dense_masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                           softcap: float | None = None, scale: float | None = None
                            ) -> torch.Tensor:
-    """softmax(q k^T / sqrt(d) masked) v, materialised: the reference for every pattern."""
-    scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+    """softmax(q k^T / sqrt(d) masked) v, materialised: the reference for every pattern.
+
+    ``scale`` replaces 1/sqrt(d); ``softcap`` caps the scores as Gemma-2 does,
+    ``softcap * tanh(scores / softcap)``, before the mask.
+    """
+    scores = (q @ k.transpose(-2, -1)) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     scores = scores.masked_fill(~mask, float("-inf"))
     return torch.softmax(scores, dim=-1) @ v
 
 
 def blockwise_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                        window: int | None = None, n_global: int = 0) -> torch.Tensor:
+                        window: int | None = None, n_global: int = 0,
+                        softcap: float | None = None, scale: float | None = None) -> torch.Tensor:
     """Causal attention restricted to a sliding window (+ a global prefix), in blocks of W.
 
     The sequence is cut into blocks of ``W`` queries; block ``i`` attends to key blocks ``i - 1``
@@ -91,18 +97,28 @@ def blockwise_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         q, k, v: (batch, heads, seq, head_dim); k and v may have fewer heads (GQA).
         window: local window W (None: full causal attention through SDPA).
         n_global: leading tokens visible to every query.
+        softcap: Gemma-2's attention soft-capping, ``softcap * tanh(scores / softcap)``. SDPA
+            cannot cap scores, so with it each block's scores are written out (the same
+            ``O(s (2W + G))`` memory; ``O(s^2)`` without a window, as transformers' eager path).
+        scale: the scores' scale (None: 1/sqrt(head_dim)).
 
     Raises:
         ValueError: for a bad window or n_global.
     """
     s = q.shape[-2]
     _check(s, window, n_global)
+    if softcap is not None and (not isinstance(softcap, (int, float)) or softcap <= 0):
+        raise ValueError(f"softcap={softcap!r}: must be a number > 0 (or None)")
     gqa = k.shape[1] != q.shape[1]
-    if window is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    if window is None and softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa,
+                                              scale=scale)
     if gqa:  # grouped-query attention: share each kv head
         k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
         v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    if window is None:  # soft-capped full causal attention: the scores written out
+        causal = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
+        return dense_masked_attention(q, k, v, causal, softcap, scale)
     w = window
     n = -(-s // w)  # blocks
     pad = n * w - s  # padded queries are dropped; padded keys lie after every real query
@@ -135,8 +151,9 @@ def blockwise_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     # 4-D inputs (blocks folded into the batch) let SDPA pick its flash kernel, CPU included
     mask = torch.cat(masks, -1)
     mask = mask.expand(b, *mask.shape).reshape(b * n, 1, w, mask.shape[-1])
-    out = F.scaled_dot_product_attention(as_batch(blocks(q)), as_batch(torch.cat(keys, 3)),
-                                         as_batch(torch.cat(values, 3)), attn_mask=mask)
+    qs, ks, vs = as_batch(blocks(q)), as_batch(torch.cat(keys, 3)), as_batch(torch.cat(values, 3))
+    out = (F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale)
+           if softcap is None else dense_masked_attention(qs, ks, vs, mask, softcap, scale))
     return out.reshape(b, n, h, w, d).transpose(1, 2).reshape(b, h, n * w, d)[:, :, :s]
 
 
@@ -194,18 +211,15 @@ def register_with_transformers(window: int | None, n_global: int = 0) -> str:
                 bool((attention_mask[:, 0] == 0).any()):
             raise ValueError("attention_mask: left padding is not supported by blockwise "
                              "attention; pad on the right")
-        if scaling is not None and not math.isclose(scaling, query.shape[-1] ** -0.5):
-            raise ValueError(f"scaling={scaling}: blockwise attention uses 1/sqrt(head_dim)")
-        if kwargs.get("softcap") is not None:
-            raise ValueError(f"softcap={kwargs['softcap']}: this architecture soft-caps its "
-                             "attention scores (Gemma-2), which blockwise attention does not")
         # a layer with its own sliding window (Mistral, Qwen2, Gemma-2's local layers) sees the
         # narrower of the two windows; the global tokens stay global
         own = kwargs.get("sliding_window")
         s = query.shape[-2]
         w = window if own is None else own if window is None else min(window, own)
         w = None if w is None or w >= s else w
-        out = blockwise_attention(query, key, value, w, min(n_global, s))
+        # Gemma-2's soft-capping and its own scale pass through
+        out = blockwise_attention(query, key, value, w, min(n_global, s),
+                                  softcap=kwargs.get("softcap"), scale=scaling)
         return out.transpose(1, 2).contiguous(), None
 
     AttentionInterface.register(name, attention_forward)

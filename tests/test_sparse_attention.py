@@ -22,6 +22,27 @@ def test_blockwise_equals_dense_masked_reference_forward_and_backward(seq_len, w
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("window, n_global", [(16, 0), (16, 4), (None, 0)])
+def test_soft_capped_and_scaled_scores_equal_the_reference(window, n_global):
+    """Gemma-2's soft-capping (scores written out: SDPA cannot cap) and its own scale."""
+    q = torch.randn(2, 4, 70, 16, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(2, 2, 70, 16, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    mask = sa.attention_mask(70, window, n_global)
+    kw = {"softcap": 0.5, "scale": 0.3}  # a cap the scores reach, so tanh changes them
+    ref = sa.dense_masked_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
+                                    mask, **kw)
+    uncapped = sa.dense_masked_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
+                                         mask, scale=0.3)
+    assert float((ref - uncapped).detach().abs().max()) > 1e-2
+    out = sa.blockwise_attention(q, k, v, window, n_global, **kw)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+    g_out, g_ref = (torch.autograd.grad(x.sum(), (q, k, v)) for x in (out, ref))
+    for a, b in zip(g_out, g_ref):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match="softcap=0"):
+        sa.blockwise_attention(q, k, v, window, n_global, softcap=0)
+
+
 def test_fp32_within_1e5():
     q, k, v = (torch.randn(1, 2, 300, 32, requires_grad=True) for _ in range(3))
     ref = sa.dense_masked_attention(q, k, v, sa.attention_mask(300, 64, 8))

@@ -216,7 +216,8 @@ def generation(model: torch.nn.Module, input_ids: torch.Tensor, new_tokens: int 
     ``max_abs_diff`` also covers the tokens chosen. Break-even is in calls of ``new_tokens``.
 
     Raises:
-        ValueError: for ``new_tokens`` < 1, or where ``torch.compile`` cannot run.
+        ValueError: for ``new_tokens`` < 1, where ``torch.compile`` cannot run, or where the
+            decode step recompiles at every token (Gemma-2's sliding-window cache layers).
     """
     from transformers import CompileConfig
 
@@ -240,7 +241,16 @@ def generation(model: torch.nn.Module, input_ids: torch.Tensor, new_tokens: int 
             return torch.stack(out.logits)
         return call
 
-    return compare(run(), run(compile_config=config), repeats, device)
+    try:
+        return compare(run(), run(compile_config=config), repeats, device)
+    except torch._dynamo.exc.FailOnRecompileLimitHit as err:
+        torch._dynamo.reset()
+        kinds = sorted(set(getattr(model.config, "layer_types", None) or ()))
+        raise ValueError(
+            f"model: {type(model).__name__}'s decode step recompiles at every generated token "
+            f"(layer types {kinds}: the static cache's sliding-window layers guard on how full "
+            "they are), so it never settles into one compiled graph in this transformers "
+            "version") from err
 
 
 def generation_sweep(hidden_sizes: list[int], new_tokens: int = 32, prompt_len: int = 16,

@@ -57,3 +57,16 @@ def test_compiled_generation_equals_eager_static_cache():
 def test_generation_sweep_sizes_are_checked_first():
     with pytest.raises(ValueError, match="hidden_sizes=\\[64, 32, 128\\]"):
         compiling.generation_sweep([64, 32, 128])
+
+
+@pytest.mark.skipif(not compiling.compile_available("cpu")[0], reason="no C++ compiler")
+def test_a_decode_step_that_recompiles_every_token_is_named():
+    from recipes_lib import model as models
+
+    path = models.build_tiny_model(spec=models.TinyModelSpec.smallest("gemma2"), progress=False)
+    with pytest.warns(UserWarning, match="no SDPA"):
+        gemma = models.load_model(path)
+    # dynamo gives up after its recompile limit (8); 2 reaches it sooner, the same way
+    with torch._dynamo.config.patch(recompile_limit=2), pytest.raises(
+            ValueError, match="recompiles at every generated token.*sliding_attention"):
+        compiling.generation(gemma, torch.randint(5, 300, (1, 8)), new_tokens=6, repeats=1)

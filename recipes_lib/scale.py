@@ -82,6 +82,7 @@ SIZES: dict[str, dict[str, dict[str, Any]]] = {
         "CE_SWEEP_COMPILED": {"ci": False, "reference": True, "gpu": True},
         "CE_SWEEP_VOCAB": {"ci": (2048, 8192, 32768), "reference": (2048, 8192, 32768, 131072),
                            "gpu": (8192, 32768, 131072, 262144)},
+        "CE_VOCAB_TOKENS": {"ci": 512, "reference": 2048, "gpu": 8192},
         "REAL_CONTEXT_MODEL": {"ci": None, "reference": "Llama-3.1-8B", "gpu": "Llama-3.1-8B"},
         "REAL_CONTEXT_GPUS": {"ci": ("0.75GiB", "1GiB"), "reference": ("24GiB", "80GiB"),
                               "gpu": ("24GiB", "80GiB")},

@@ -163,7 +163,6 @@ def test_bad_inputs_name_the_parameter(config, tmp_path):
 
 
 @pytest.mark.parametrize("stack", [
-    Stack(method="lora", checkpointing=True),
     Stack(method="qlora", precision="bf16-mixed", optimizer="adamw-8bit", checkpointing=True,
           chunked_loss=32),
     Stack(precision="bf16", offload_optimizer=True)], ids=lambda s: s.label)

@@ -185,23 +185,16 @@ def width_sweep(hidden_sizes: list[int], seq_len: int = 256, batch_size: int = 4
         ValueError: for sizes a sweep cannot use, or no compiler.
     """
     from recipes_lib.model import small_llama
-    from recipes_lib.sweep import Sweep, check_sizes, machine_peaks
 
-    sizes = check_sizes(hidden_sizes, "hidden_sizes")
-    require_compile("cpu")
-    runs, flops, nbytes = [], [], []
-    for h in sizes:
-        def make(h=h):
+    def measure(h: int) -> tuple[CompileComparison, float, float]:
+        def make():
             return small_llama(vocab_size=vocab_size, hidden_size=h, max_positions=seq_len)
         g = torch.Generator().manual_seed(h)
         ids = torch.randint(3, vocab_size, (batch_size, seq_len), generator=g)
-        runs.append(training_step(make, {"input_ids": ids, "labels": ids}, repeats=repeats))
+        run = training_step(make, {"input_ids": ids, "labels": ids}, repeats=repeats)
         n = sum(p.numel() for p in make().parameters())
-        flops.append(6.0 * n * batch_size * seq_len)
-        nbytes.append(3 * 4.0 * n)
-    sweep = Sweep("torch_compile", "hidden", sizes, [r.eager for r in runs],
-                  [r.compiled for r in runs], flops, nbytes, machine_peaks("cpu"))
-    return sweep, runs
+        return run, 6.0 * n * batch_size * seq_len, 3 * 4.0 * n
+    return _over_widths("torch_compile", hidden_sizes, measure)
 
 
 def generation(model: torch.nn.Module, input_ids: torch.Tensor, new_tokens: int = 32,
@@ -271,21 +264,34 @@ def generation_sweep(hidden_sizes: list[int], new_tokens: int = 32, prompt_len: 
         ValueError: for sizes a sweep cannot use, or no compiler.
     """
     from recipes_lib.model import small_llama
+
+    def measure(h: int) -> tuple[CompileComparison, float, float]:
+        model = small_llama(vocab_size=vocab_size, hidden_size=h,
+                            max_positions=prompt_len + new_tokens)
+        g = torch.Generator().manual_seed(h)
+        ids = torch.randint(3, vocab_size, (1, prompt_len), generator=g)
+        run = generation(model, ids, new_tokens, repeats)
+        torch._dynamo.reset()  # each width is a new graph: stay under dynamo's recompile limit
+        n = sum(p.numel() for p in model.parameters())
+        return run, 2.0 * n * new_tokens, 4.0 * n * new_tokens
+    return _over_widths("compiled_generation", hidden_sizes, measure)
+
+
+def _over_widths(recipe: str, hidden_sizes: list[int],
+                 measure: Callable[[int], tuple[CompileComparison, float, float]]
+                 ) -> tuple[Any, list[CompileComparison]]:
+    """The width sweeps' common part: sizes and compiler checked first, then ``measure(h)``
+    (the comparison and the baseline's FLOPs and bytes) at each width, as a ``sweep.Sweep``."""
     from recipes_lib.sweep import Sweep, check_sizes, machine_peaks
 
     sizes = check_sizes(hidden_sizes, "hidden_sizes")
     require_compile("cpu")
     runs, flops, nbytes = [], [], []
     for h in sizes:
-        model = small_llama(vocab_size=vocab_size, hidden_size=h,
-                            max_positions=prompt_len + new_tokens)
-        g = torch.Generator().manual_seed(h)
-        ids = torch.randint(3, vocab_size, (1, prompt_len), generator=g)
-        runs.append(generation(model, ids, new_tokens, repeats))
-        n = sum(p.numel() for p in model.parameters())
-        flops.append(2.0 * n * new_tokens)
-        nbytes.append(4.0 * n * new_tokens)
-        torch._dynamo.reset()  # each width is a new graph: stay under dynamo's recompile limit
-    sweep = Sweep("compiled_generation", "hidden", sizes, [r.eager for r in runs],
-                  [r.compiled for r in runs], flops, nbytes, machine_peaks("cpu"))
+        run, f, b = measure(h)
+        runs.append(run)
+        flops.append(f)
+        nbytes.append(b)
+    sweep = Sweep(recipe, "hidden", sizes, [r.eager for r in runs], [r.compiled for r in runs],
+                  flops, nbytes, machine_peaks("cpu"))
     return sweep, runs

@@ -122,15 +122,20 @@ def compare(eager: Callable[[], torch.Tensor], compiled: Callable[[], torch.Tens
     compare its output with ``eager``'s, then time both in alternation (the one timer).
 
     Both callables return a tensor (a loss, logits); it is compared after the first calls.
+    Dynamo's in-process state is reset first (``torch._dynamo.reset()``): dynamo keys what it
+    has seen on the code object, so an earlier compilation of the same model class at other
+    shapes (another width, a compiled ``generate``) would otherwise make this one compile with
+    dynamic shapes, several times slower here and with different kernels.
     """
     ref = eager()
+    torch._dynamo.reset()
     t0 = time.perf_counter()
     with cold_compile():
         out = compiled()
     compile_s = time.perf_counter() - t0
     diff = float((out.detach().float() - ref.detach().float()).abs().max())
     t = time_interleaved({"eager": eager, "compiled": compiled}, warmup=1, repeats=repeats,
-                         device=device)
+                         device=torch.device(device))
     return CompileComparison(t["eager"], t["compiled"], compile_s, diff)
 
 
@@ -271,7 +276,6 @@ def generation_sweep(hidden_sizes: list[int], new_tokens: int = 32, prompt_len: 
         g = torch.Generator().manual_seed(h)
         ids = torch.randint(3, vocab_size, (1, prompt_len), generator=g)
         run = generation(model, ids, new_tokens, repeats)
-        torch._dynamo.reset()  # each width is a new graph: stay under dynamo's recompile limit
         n = sum(p.numel() for p in model.parameters())
         return run, 2.0 * n * new_tokens, 4.0 * n * new_tokens
     return _over_widths("compiled_generation", hidden_sizes, measure)

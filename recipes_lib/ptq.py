@@ -307,6 +307,8 @@ def decode_sweep(hidden_sizes: list[int], repeats: int = 5, compile_weight_only:
         wo = quantize_int8_weight_only(fp32)
         dyn = quantize_int8_dynamic(fp32) if device.type == "cpu" else None
         x = torch.randn(1, h, device=device)
+        if compile_weight_only:  # a fresh dynamo per size: a recompile would go dynamic-shaped
+            torch._dynamo.reset()
         recipe = torch.compile(wo) if compile_weight_only else wo
         with torch.inference_mode():
             recipe(x)  # compile (or warm) outside the timing

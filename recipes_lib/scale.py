@@ -39,6 +39,7 @@ MODEL_SPECS: dict[str, TinyModelSpec] = {
 # (a test keeps them equal); a scale a parameter does not list keeps the CI value.
 SIZES: dict[str, dict[str, dict[str, Any]]] = {
     "01_large_models_limited_hardware": {
+        "QLORA_STEPS": {"ci": 25, "reference": 40, "gpu": 40},
         "TIME_REPEATS": {"ci": 3, "reference": 5, "gpu": 5},
         "CKPT_SWEEP_WIDTHS": {"ci": (64, 256, 512), "reference": (64, 256, 512, 1024),
                               "gpu": (512, 1024, 2048, 4096)},
@@ -56,6 +57,7 @@ SIZES: dict[str, dict[str, dict[str, Any]]] = {
     },
     "03_optimizing_inference_speed": {
         "LATENCY_REPEATS": {"ci": 5, "reference": 15, "gpu": 15},
+        "KD_STEPS": {"ci": 60, "reference": 100, "gpu": 100},
         "COMPILE_RMSNORM": {"ci": False, "reference": True, "gpu": True},
         "ATTN_SEQ_LENS": {"ci": (256, 512, 1024, 2048), "reference": (256, 512, 1024, 2048, 4096),
                           "gpu": (512, 1024, 2048, 4096, 8192, 16384)},
@@ -76,13 +78,16 @@ SIZES: dict[str, dict[str, dict[str, Any]]] = {
                                "gpu": (64, 256, 512, 1024)},
     },
     "04_training_long_sequences": {
-        "TIME_SEQ_LENS": {"ci": (1024, 2048, 4096, 8192), "gpu": (2048, 4096, 8192, 16384, 32768)},
-        "CE_SWEEP_TOKENS": {"ci": (256, 1024, 2048), "reference": (256, 1024, 2048, 8192),
+        "TIME_SEQ_LENS": {"ci": (512, 1024, 2048, 4096), "reference": (1024, 2048, 4096, 8192),
+                          "gpu": (2048, 4096, 8192, 16384, 32768)},
+        "CURRICULUM_TOKENS": {"ci": 300_000, "reference": 400_000, "gpu": 400_000},
+        "CE_SWEEP_TOKENS": {"ci": (256, 512, 1024), "reference": (256, 1024, 2048, 8192),
                             "gpu": (1024, 4096, 16384)},
         "CE_SWEEP_COMPILED": {"ci": False, "reference": True, "gpu": True},
         "CE_SWEEP_VOCAB": {"ci": (2048, 8192, 32768), "reference": (2048, 8192, 32768, 131072),
                            "gpu": (8192, 32768, 131072, 262144)},
         "CE_VOCAB_TOKENS": {"ci": 512, "reference": 2048, "gpu": 8192},
+        "CONTEXT_LIMIT": {"ci": 4096, "reference": 8192, "gpu": 8192},
         "REAL_CONTEXT_MODEL": {"ci": None, "reference": "Llama-3.1-8B", "gpu": "Llama-3.1-8B"},
         "REAL_CONTEXT_GPUS": {"ci": ("0.75GiB", "1GiB"), "reference": ("24GiB", "80GiB"),
                               "gpu": ("24GiB", "80GiB")},

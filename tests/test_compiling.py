@@ -40,6 +40,21 @@ def test_compiled_training_step_equals_eager():
     assert r.break_even == compiling.break_even_calls(r.eager_s, r.compiled_s, r.compile_s)
 
 
+
+@pytest.mark.skipif(not compiling.compile_available("cpu")[0], reason="no C++ compiler")
+def test_each_measured_compile_is_a_first_compile_not_a_recompile():
+    """Dynamo keys what it has seen on the code object: without the reset in ``compare``, the
+    second size of a sweep recompiles with dynamic shapes (several times slower to compile)."""
+    def f(x):
+        return torch.nn.functional.silu(x) * 2
+
+    compiled = torch.compile(f)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for n in (4, 8):  # the same code object at a second shape
+            x = torch.randn(n)
+            r = compiling.compare(lambda x=x: f(x), lambda x=x: compiled(x), repeats=1)
+            assert r.max_abs_diff <= 1e-6
+
 @pytest.mark.skipif(not compiling.compile_available("cpu")[0], reason="no C++ compiler")
 def test_compiled_generation_equals_eager_static_cache():
     model = small_llama(vocab_size=128, hidden_size=32, num_hidden_layers=1, max_positions=32)

@@ -115,6 +115,29 @@ class CompileComparison:
     def break_even(self) -> float:
         return break_even_calls(self.eager_s, self.compiled_s, self.compile_s)
 
+    def record(self, results: Any, recipe: str, per: str = "steps", calls: float = 1.0,
+               suffix: str = "", speedup_unit: str | None = None) -> None:
+        """Add the figures to ``results`` (a ``results.Results``) under ``recipe``:
+        ``compile_s{suffix}``, ``break_even_{per}{suffix}`` (``calls`` of ``per`` per compared
+        call; -1 when the compiled call is not faster, so it never repays) and, given
+        ``speedup_unit``, ``speedup{suffix}``."""
+        if speedup_unit is not None:
+            results.add(recipe, f"speedup{suffix}", self.speedup, baseline=1.0, unit=speedup_unit)
+        results.add(recipe, f"compile_s{suffix}", self.compile_s, unit="s, first call")
+        even = self.break_even * calls
+        results.add(recipe, f"break_even_{per}{suffix}", even if even < math.inf else -1.0,
+                    unit=f"{per} to repay the compilation (-1: never, the compiled call is "
+                         "not faster)")
+
+    def summary(self, per: str = "steps", calls: float = 1.0) -> str:
+        """One line: throughput in ``per`` per second (``calls`` of them per compared call),
+        speed-up, compile time, break-even and the largest output difference."""
+        even = self.break_even * calls
+        repaid = f"repaid after {even:,.0f} {per}" if even < math.inf else "never repaid"
+        return (f"eager {calls / self.eager_s:,.0f} {per}/s, compiled {calls / self.compiled_s:,.0f}"
+                f" {per}/s ({self.speedup:.2f}x); compile {self.compile_s:.1f} s, {repaid}; "
+                f"largest output difference {self.max_abs_diff:.1e}")
+
 
 def compare(eager: Callable[[], torch.Tensor], compiled: Callable[[], torch.Tensor],
             repeats: int = 5, device: torch.device | str = "cpu") -> CompileComparison:

@@ -85,3 +85,20 @@ def test_a_decode_step_that_recompiles_every_token_is_named():
     with torch._dynamo.config.patch(recompile_limit=1), pytest.raises(
             ValueError, match="recompiles at every generated token.*sliding_attention"):
         compiling.generation(gemma, torch.randint(5, 300, (1, 8)), new_tokens=4, repeats=1)
+
+
+def test_a_comparison_records_its_figures_and_never_repaid_as_minus_one():
+    from recipes_lib.results import Results
+    from recipes_lib.timing import Timing
+
+    faster = compiling.CompileComparison(Timing(0.010, [0.010]), Timing(0.006, [0.006]), 2.0, 0.0)
+    slower = compiling.CompileComparison(Timing(0.010, [0.010]), Timing(0.012, [0.012]), 2.0, 0.0)
+    res = Results("test", "cpu")
+    faster.record(res, "compiled_generation", per="tokens", calls=32, speedup_unit="x eager")
+    slower.record(res, "torch_compile", suffix="_hidden_64")
+    assert res.get("compiled_generation", "speedup").value == pytest.approx(10 / 6)
+    assert res.get("compiled_generation", "compile_s").value == 2.0
+    assert res.get("compiled_generation", "break_even_tokens").value == pytest.approx(500 * 32)
+    assert res.get("torch_compile", "break_even_steps_hidden_64").value == -1.0
+    assert "repaid after 16,000 tokens" in faster.summary("tokens", 32)
+    assert "never repaid" in slower.summary()

@@ -8,7 +8,7 @@ sizes the chosen scale needs:
 - ``"reference"``: what ``make run`` and ``make bench`` use on the reference CPU: more timed
   repeats, one more (or a longer) point in each sweep, the compiled kernels, the real-size
   models measured on fake tensors (seconds each), and the longer training runs the results
-  table was established on (QLoRA, distillation, curriculum). Correctness and memory claims are
+  table was established on (distillation, curriculum). Correctness and memory claims are
   the same as at ``"ci"``, which runs those trainings shorter under the same asserts.
 - ``"gpu"``: the sizes at which the speed recipes are meant to pay on a GPU (a base model of
   about 0.4 B parameters built from a config and pretrained on the accelerator, sweeps out to
@@ -41,7 +41,6 @@ MODEL_SPECS: dict[str, TinyModelSpec] = {
 # (a test keeps them equal); a scale a parameter does not list keeps the CI value.
 SIZES: dict[str, dict[str, dict[str, Any]]] = {
     "01_large_models_limited_hardware": {
-        "QLORA_STEPS": {"ci": 25, "reference": 40, "gpu": 40},
         "TIME_REPEATS": {"ci": 3, "reference": 5, "gpu": 5},
         "CKPT_SWEEP_WIDTHS": {"ci": (64, 256, 512), "reference": (64, 256, 512, 1024),
                               "gpu": (512, 1024, 2048, 4096)},

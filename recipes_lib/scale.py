@@ -7,9 +7,9 @@ sizes the chosen scale needs:
 - ``"ci"``: the parameters cell as written (``make test``; any laptop).
 - ``"reference"``: what ``make run`` and ``make bench`` use on the reference CPU: more timed
   repeats, one more (or a longer) point in each sweep, the compiled kernels, the real-size
-  models measured on fake tensors (seconds each), and the longer training runs the results
-  table was established on (distillation, curriculum). Correctness and memory claims are
-  the same as at ``"ci"``, which runs those trainings shorter under the same asserts.
+  models measured on fake tensors (seconds each), and the longer training run the results
+  table was established on (the curriculum). Correctness and memory claims are
+  the same as at ``"ci"``, which runs that training shorter under the same asserts.
 - ``"gpu"``: the sizes at which the speed recipes are meant to pay on a GPU (a base model of
   about 0.4 B parameters built from a config and pretrained on the accelerator, sweeps out to
   16k tokens and 8k-wide layers). Minutes on one GPU; hours on a CPU.
@@ -58,7 +58,6 @@ SIZES: dict[str, dict[str, dict[str, Any]]] = {
     },
     "03_optimizing_inference_speed": {
         "LATENCY_REPEATS": {"ci": 5, "reference": 15, "gpu": 15},
-        "KD_STEPS": {"ci": 60, "reference": 100, "gpu": 100},
         "COMPILE_RMSNORM": {"ci": False, "reference": True, "gpu": True},
         "ATTN_SEQ_LENS": {"ci": (256, 512, 1024, 2048), "reference": (256, 512, 1024, 2048, 4096),
                           "gpu": (512, 1024, 2048, 4096, 8192, 16384)},

@@ -139,13 +139,14 @@ def real_scale_benchmark() -> None:
                   f"worst category {worst:.2e}")
             r.add("fake_vs_real", f"{name}: {stack.label}", out["peak_ratio"], baseline=1.0,
                   unit="fake / real peak, 2 x 256 tokens, CPU")
-    # FSDP: rank 0 of a fake process group against both ranks of a real 2-rank gloo job
+    # FSDP: rank 0 of a fake process group against both ranks of a real 2-rank gloo job (the fake
+    # rank holds gloo's copy of each reduce-scatter input: comm_backend="gloo")
     jobs = [(name, cfg.to_dict(), stack) for name, cfg in configs.items() for stack in sharded]
     reals = distributed.launch([("recipes_lib.fake_memory:real_rank_step", {
         "model": cfg, "stack": asdict(stack), "seq_len": 256, "batch_size": 2})
         for _, cfg, stack in jobs], verbose=False)
     for (name, cfg, stack), ranks in zip(jobs, reals):
-        fake = fake_memory.measure_step(cfg, stack, 256, 2)
+        fake = fake_memory.measure_step(cfg, stack, 256, 2, comm_backend="gloo")
         ratio = max((sum(fake.by_category.values()) / sum(rank.values()) for rank in ranks),
                     key=lambda x: abs(x - 1))  # the rank farthest from the fake one
         print(f"  fake vs real, {name}, {stack.label}: peak {ratio:.4f} (worst rank)")

@@ -186,12 +186,40 @@ def _check_seq_len(config, seq_len: int) -> None:
                          "scaling (config.rope_scaling, e.g. YaRN) extends them")
 
 
+COMM_BACKENDS = ("nccl", "gloo")
+
+
+def _gloo_reduce_scatter():
+    """FSDP2's reduce-scatter as gloo runs it on CPU ranks: on a full-size copy of its input.
+
+    Seen on 2 gloo ranks: after ``c10d._reduce_scatter_base_`` the trace shows ``aten.split`` of
+    a storage the input's size that is not the input. NCCL reduces in place, so a fake rank
+    counts this copy only when it stands in for a gloo rank (``comm_backend="gloo"``); at
+    110 M parameters it is the root group's 187.5 MiB, the whole gap between a fake rank's
+    peak and a real gloo rank's before it was modelled.
+    """
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
+
+    class GlooReduceScatter(DefaultReduceScatter):
+        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+            # the collective first, as the trace shows it: the meter labels its input as the
+            # reduce-scatter buffer there; then gloo's working copy, alive beside that input
+            work = super().__call__(output_tensor, input_tensor, group, op, async_op)
+            input_tensor.clone()
+            return work
+
+    return GlooReduceScatter()
+
+
 def build_model(config, stack: Stack, device: torch.device | str, fake: bool = True,
-                attn_implementation: str | None = None) -> tuple[torch.nn.Module, Any]:
+                attn_implementation: str | None = None,
+                comm_backend: str = "nccl") -> tuple[torch.nn.Module, Any]:
     """Build ``config``'s model with ``stack`` applied, its weights fake (or real) on ``device``.
 
     ``attn_implementation`` None: SDPA where transformers has it for the architecture, else
     eager (Gemma-2), whose s x s scores the measurement then counts, as a GPU would hold them.
+    ``comm_backend`` (FSDP on fake tensors): the collective library the ranks would use,
+    ``"nccl"`` (GPUs) or ``"gloo"`` (CPU ranks, whose reduce-scatter copies its input).
 
     Returns:
         ``(model, mode)``: ``mode`` is the ``FakeTensorMode`` to run the step in (None if real).
@@ -222,6 +250,12 @@ def build_model(config, stack: Stack, device: torch.device | str, fake: bool = T
     if stack.fsdp_ranks > 1:  # sharded on meta; to_empty then gives each rank its shards only
         shard_model(model, "bf16" if stack.precision == "bf16-mixed" else "fp32",
                     device_type=device.type)
+        if fake and comm_backend == "gloo":
+            from torch.distributed.fsdp import FSDPModule
+
+            for module in model.modules():
+                if isinstance(module, FSDPModule):
+                    module.set_custom_reduce_scatter(_gloo_reduce_scatter())
     mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else None
     with mode or contextlib.nullcontext():
         model.to_empty(device=device)
@@ -415,7 +449,8 @@ def _check_sizes(seq_len: int, batch_size: int, stack: Stack) -> int:
 
 
 def measure_step(model: Any, stack: Stack = Stack(), seq_len: int = 2048, batch_size: int = 1,
-                 device: torch.device | str = "cpu", fake: bool = True) -> MemoryReport:
+                 device: torch.device | str = "cpu", fake: bool = True,
+                 comm_backend: str = "nccl") -> MemoryReport:
     """Peak memory of one training step, optimizer states already created (as after a first
     step).
 
@@ -428,6 +463,9 @@ def measure_step(model: Any, stack: Stack = Stack(), seq_len: int = 2048, batch_
             matmuls, but run CUDA attention kernels only on a CUDA build).
         fake: measure on fake tensors (no memory used); False runs it for real (with FSDP,
             on every rank of a process group of ``stack.fsdp_ranks`` ranks).
+        comm_backend: with FSDP on fake tensors, the collectives' library: ``"nccl"`` (GPU
+            ranks) or ``"gloo"`` (CPU ranks, whose reduce-scatter holds a full-size copy of its
+            input: what a fake rank needs to equal a real gloo rank). A real run uses its own.
 
     Returns:
         The step's ``MemoryReport`` on ``device`` (one rank's, with FSDP: on fake tensors the
@@ -444,6 +482,8 @@ def measure_step(model: Any, stack: Stack = Stack(), seq_len: int = 2048, batch_
         14.96
     """
     per_rank = _check_sizes(seq_len, batch_size, stack)
+    if comm_backend not in COMM_BACKENDS:
+        raise ValueError(f"comm_backend={comm_backend!r}: one of {', '.join(COMM_BACKENDS)}")
     config = model_config(model)
     _check_seq_len(config, seq_len)
     device = torch.device(device)
@@ -453,7 +493,8 @@ def measure_step(model: Any, stack: Stack = Stack(), seq_len: int = 2048, batch_
         torch.cuda.empty_cache()
         before = (torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device))
     with _process_group(stack.fsdp_ranks, fake):
-        return _measure(config, stack, seq_len, per_rank, device, fake, before)
+        return _Prepared(config, stack, device, fake, comm_backend).measure(seq_len, per_rank,
+                                                                              before)
 
 
 class _Prepared:
@@ -462,9 +503,10 @@ class _Prepared:
     length. A step ends with its gradients freed, so measuring again starts from the same state,
     and searches over lengths reuse one build (about a third of a fresh measurement's time)."""
 
-    def __init__(self, config, stack: Stack, device: torch.device, fake: bool):
+    def __init__(self, config, stack: Stack, device: torch.device, fake: bool,
+                 comm_backend: str = "nccl"):
         self.config, self.stack, self.device, self.fake = config, stack, device, fake
-        self.net, self.mode = build_model(config, stack, device, fake)
+        self.net, self.mode = build_model(config, stack, device, fake, comm_backend=comm_backend)
         # offloaded states go to the host: on fake tensors a CPU device's host is "meta", so its
         # bytes are counted apart (``MemoryReport.host_by_category``); the copies need fake mode
         self.host = "meta" if fake and device.type == "cpu" else "cpu"
@@ -506,11 +548,6 @@ class _Prepared:
             report = measure_memory(step, net, opt, device)
         report.allocator_peak_bytes, report.allocator_reserved_bytes = allocated, reserved
         return report
-
-
-def _measure(config, stack: Stack, seq_len: int, per_rank: int, device: torch.device,
-             fake: bool, before: tuple[int, int]) -> MemoryReport:
-    return _Prepared(config, stack, device, fake).measure(seq_len, per_rank, before)
 
 
 def step_meter(model: Any, stack: Stack = Stack(), batch_size: int = 1,

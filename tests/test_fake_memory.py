@@ -33,18 +33,19 @@ def test_fake_step_equals_the_real_step_in_every_category(config, stack):
 
 
 def test_a_fake_fsdp_rank_matches_each_real_rank(sharded_runs):
-    """The sharded state is equal to the byte on every rank. The peak is equal, or up to 2 %
-    above on a rank at this size: gloo runs collectives on their own threads, so whether a
-    rank's reduce-scatter buffers are still in flight at its peak depends on timing (seen: one
-    of two fp32 ranks 1.4 % above, either one); a fake rank's collectives complete at once, so
-    its peak is a lower bound (at 110 M parameters 0.87-0.91x the real one: make bench)."""
+    """Every category equal to the byte on every rank, once the fake rank stands in for a gloo
+    rank (``comm_backend="gloo"``: gloo's reduce-scatter works on a full-size copy of its input,
+    NCCL's in place); as a GPU rank (the default) it holds less by that copy, which at
+    110 M parameters is the real rank's peak (0.87-0.91x before the copy was modelled)."""
     from conftest import FSDP_FAKE_CONFIG, FSDP_FAKE_STACKS
 
     for i, stack in enumerate(FSDP_FAKE_STACKS):
-        fake = fake_memory.measure_step(FSDP_FAKE_CONFIG, Stack(**stack), 64, 4).by_category
+        fake = fake_memory.measure_step(FSDP_FAKE_CONFIG, Stack(**stack), 64, 4,
+                                        comm_backend="gloo").by_category
+        nccl = fake_memory.measure_step(FSDP_FAKE_CONFIG, Stack(**stack), 64, 4).by_category
         for rank in sharded_runs[f"fake_memory_{i}"]:
-            assert rank["optimizer"] == fake["optimizer"] > 0, stack
-            assert 0 <= sum(rank.values()) / sum(fake.values()) - 1 <= 0.02, (stack, rank, fake)
+            assert rank == fake and rank["optimizer"] > 0, (stack, rank, fake)
+            assert sum(nccl.values()) <= sum(rank.values()), (stack, rank, nccl)
 
 
 def test_fsdp_shards_the_state_over_the_ranks(config):
@@ -147,6 +148,8 @@ def test_bad_inputs_name_the_parameter(config, tmp_path):
                      ({"chunked_loss": -1}, "chunked_loss")):
         with pytest.raises(ValueError, match=name):
             Stack(**kw)
+    with pytest.raises(ValueError, match="comm_backend='mpi': one of nccl, gloo"):
+        fake_memory.measure_step(config, Stack(fsdp_ranks=2), 64, 2, comm_backend="mpi")
     with pytest.raises(ValueError, match="fsdp_ranks=4: does not divide batch_size=6"):
         fake_memory.measure_step(config, Stack(fsdp_ranks=4), 64, 6)
     with pytest.raises(ValueError, match="fsdp_ranks=2: a real run needs a process group"):

@@ -253,9 +253,10 @@ def build_model(config, stack: Stack, device: torch.device | str, fake: bool = T
         if fake and comm_backend == "gloo":
             from torch.distributed.fsdp import FSDPModule
 
+            comm = _gloo_reduce_scatter()  # stateless: one for every sharded module
             for module in model.modules():
                 if isinstance(module, FSDPModule):
-                    module.set_custom_reduce_scatter(_gloo_reduce_scatter())
+                    module.set_custom_reduce_scatter(comm)
     mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else None
     with mode or contextlib.nullcontext():
         model.to_empty(device=device)

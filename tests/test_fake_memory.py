@@ -37,9 +37,10 @@ def test_a_fake_fsdp_rank_matches_each_real_rank(sharded_runs):
     (``comm_backend="gloo"``: gloo's reduce-scatter works on a full-size copy of its input,
     NCCL's in place) the fake peak is equal, or up to 2 % under a rank's at this size: gloo runs
     collectives on its own threads, so whether a prefetched all-gather buffer is still in flight
-    at a rank's peak depends on timing (seen: one fp32 rank 1.4 % above, by one such buffer, in
-    one full-suite run of five). At 110 M parameters every category is equal on both ranks
-    (``make bench``); without the copy the fake peak was 0.87-0.91x the real one there."""
+    at a rank's peak depends on timing (seen once, in a full-suite run: one fp32 rank 1.4 %
+    above, by one such buffer). At 110 M parameters every category is equal on both ranks
+    (``make bench``, ``fake_vs_real``); without the copy the fake peak is 0.87-0.91x the real
+    one there (``fake_vs_real_nccl``)."""
     from conftest import FSDP_FAKE_CONFIG, FSDP_FAKE_STACKS
 
     for i, stack in enumerate(FSDP_FAKE_STACKS):
@@ -48,7 +49,6 @@ def test_a_fake_fsdp_rank_matches_each_real_rank(sharded_runs):
         nccl = fake_memory.measure_step(FSDP_FAKE_CONFIG, Stack(**stack), 64, 4).by_category
         for rank in sharded_runs[f"fake_memory_{i}"]:
             assert rank["optimizer"] == fake["optimizer"] > 0, stack
-            assert rank["gradients"] == fake["gradients"], (stack, rank, fake)
             assert 0 <= sum(rank.values()) / sum(fake.values()) - 1 <= 0.02, (stack, rank, fake)
             assert sum(nccl.values()) <= sum(fake.values()), (stack, nccl, fake)
 

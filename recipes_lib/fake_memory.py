@@ -67,8 +67,9 @@ class Stack:
     ``method="qlora"`` is QLoRA as the course and the QLoRA paper run it: every linear layer but
     the head in NF4 with double quantization (bitsandbytes' own quantize and 4-bit matmul ops),
     LoRA adapters on all of them; with "bf16-mixed" peft's ``prepare_model_for_kbit_training``
-    first casts the remaining weights (norms, embeddings, head) to fp32, as a ``Trainer`` run
-    does. ``optimizer="adamw-8bit"`` is bitsandbytes' blockwise 8-bit AdamW. ``chunked_loss`` is
+    first casts the remaining weights (norms, embeddings, head) to fp32, as the course's
+    ``quantization.add_lora`` does (and TRL's ``SFTTrainer`` did until trl #4577; it now keeps
+    them in the load dtype, which ``precision="bf16"`` measures). ``optimizer="adamw-8bit"`` is bitsandbytes' blockwise 8-bit AdamW. ``chunked_loss`` is
     the chunk size of the chunked cross-entropy (0: the full logits).
     """
 
@@ -285,7 +286,7 @@ def _to_nf4(model: torch.nn.Module, stack: Stack) -> None:
 
     replace_with_bnb_linear(model, modules_to_not_convert=["lm_head"],
                             quantization_config=nf4_config(compute_dtype=_compute_dtype(stack)))
-    if stack.precision == "bf16-mixed":  # what a Trainer run with bf16=True gets from peft
+    if stack.precision == "bf16-mixed":  # peft's k-bit preparation, as add_lora runs it
         from peft import prepare_model_for_kbit_training
 
         model.is_loaded_in_4bit = True

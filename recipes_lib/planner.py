@@ -37,7 +37,7 @@ def _measured_stack(step: str, grad_accum_steps: int, gpus: int = 1) -> Any:
     is not measured."""
     from recipes_lib.fake_memory import Stack
 
-    qlora = Stack(method="qlora", precision="bf16-mixed")  # the course's QLoRA, as under Trainer
+    qlora = Stack(method="qlora", precision="bf16-mixed")  # the course's QLoRA (k-bit prep.)
     stacks = {"full fine-tune (bf16 + AdamW)": Stack(precision="bf16-mixed"),
               "full fine-tune, 8-bit AdamW states": Stack(precision="bf16-mixed",
                                                           optimizer="adamw-8bit"),

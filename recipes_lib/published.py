@@ -35,10 +35,12 @@ TORCHTITAN = ("https://github.com/pytorch/torchtitan/blob/main/benchmarks/"
 # Unsloth: "4bit QLoRA on all linear layers (Q, K, V, O, gate, up and down) with rank = 32 with
 # a batch size of 1 ... padded all sequences to a certain maximum sequence length"; its
 # "Hugging Face + FA2" column is transformers + peft + bitsandbytes with gradient checkpointing:
-# the course's QLoRA under Trainer (bf16=True, peft's k-bit preparation).
+# the course's QLoRA under Trainer (bf16=True, peft's k-bit preparation, which TRL's SFTTrainer
+# also ran until trl #4577, November 2025, after these tables were measured in 2024).
 HF_QLORA = Stack(method="qlora", precision="bf16-mixed", checkpointing=True, lora_rank=32)
 # The same words also fit a base kept in bf16 without peft's k-bit preparation (no fp32
-# embeddings and head); the source does not say which, so both are measured.
+# embeddings and head: TRL's SFTTrainer since trl #4577); the source does not say which, so both
+# are measured.
 BF16_QLORA = Stack(method="qlora", precision="bf16", checkpointing=True, lora_rank=32)
 # litgpt (October 2023): --precision bf16-true, LoRA r=8 on the query and value projections
 # (4,194,304 trainable parameters for Llama 2 7B), dropout 0.05, no activation checkpointing;
@@ -117,9 +119,11 @@ FIGURES = [
 REASONS = {
     UNSLOTH_README: (
         "The source's words fit two stacks and do not say which. With peft's k-bit preparation "
-        "(what TRL's SFTTrainer and the course run: embeddings and head cast to fp32, plus "
-        "autocast's bf16 copy of the head during the step) our prediction falls below the "
-        "published length; with a bf16 base (the 'other stack' column) it falls above. On "
+        "(what the course's add_lora runs, and TRL's SFTTrainer ran until trl #4577 in November "
+        "2025, after the table was measured: embeddings and head cast to fp32, plus autocast's "
+        "bf16 copy of the head during the step) our prediction falls below the published "
+        "length; with a bf16 base (the 'other stack' column, TRL's SFTTrainer since) it falls "
+        "above. On "
         "12-16 GB cards the fixed part decides the row and the two stacks differ by ~3 GiB of "
         "it; from 24 GB up the per-token slope decides and the rows agree within 12 %."),
     UNSLOTH_LLAMA33: (

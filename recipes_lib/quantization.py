@@ -151,6 +151,50 @@ def trainable_fraction(model: torch.nn.Module) -> tuple[int, int]:
     return trainable, total
 
 
+HELD_KINDS = ("4-bit layers", "unquantized base", "adapters")
+
+
+def held_bytes_by_kind(model: torch.nn.Module) -> dict[str, dict[str, object]]:
+    """What a QLoRA model's weights hold, by kind, and in which dtypes.
+
+    Two QLoRA setups with the same 4-bit layers and the same adapters can still differ in what
+    they keep beside them: peft's ``prepare_model_for_kbit_training`` (the course's ``add_lora``)
+    casts the unquantized rest of the base (embeddings, norms, head) to fp32, while TRL's
+    ``SFTTrainer`` (since trl #4577) leaves it in the dtype the model was loaded in and casts the
+    adapters to bf16.
+
+    Returns:
+        ``{kind: {"bytes": int, "dtypes": [dtype names]}}`` for the kinds in
+        :data:`HELD_KINDS`: the 4-bit layers (packed weights, scales, code tables; what
+        :func:`quantized_linear_stats` counts), the rest of the frozen base, and the trainable
+        parameters.
+
+    Raises:
+        ValueError: if the model has no 4-bit linear layers.
+
+    Example:
+        >>> held = held_bytes_by_kind(add_lora(model_4bit))  # doctest: +SKIP
+        >>> held["unquantized base"]["dtypes"]  # doctest: +SKIP
+        ['float32']
+    """
+    import bitsandbytes as bnb
+
+    quantized = [t for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)
+                 for t in _quant_tensors(m) if t is not None]
+    if not quantized:
+        raise ValueError("model: has no bitsandbytes 4-bit linear layers")
+    seen = {id(t) for t in quantized}
+    kinds: dict[str, list[torch.Tensor]] = {"4-bit layers": quantized, "unquantized base": [],
+                                            "adapters": []}
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))  # a tied head is the embedding: counted once
+            kinds["adapters" if p.requires_grad else "unquantized base"].append(p)
+    return {kind: {"bytes": tensor_bytes(ts),
+                   "dtypes": sorted({str(t.dtype).removeprefix("torch.") for t in ts})}
+            for kind, ts in kinds.items()}
+
+
 def reload_adapter(base_path: str | Path, adapter_dir: str | Path, quantization_config=None,
                    dtype: torch.dtype = torch.bfloat16, merge: bool = False,
                    device: torch.device | str | None = None):

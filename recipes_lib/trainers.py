@@ -174,8 +174,9 @@ def run_trainer(
         sft: run TRL's ``SFTTrainer`` with an ``SFTConfig`` instead.
         measure_step: the micro-step (1-based) measured by the course's meter; 0: none.
         seed: the trainer's seed.
-        peft_config: a ``LoraConfig`` for ``SFTTrainer`` to apply (with k-bit preparation for a
-            quantized model), as TRL users pass it.
+        peft_config: a ``LoraConfig`` for ``SFTTrainer`` to apply, as TRL users pass it (for a
+            quantized model TRL casts the adapters to bf16 and, since trl #4577, runs no k-bit
+            preparation: see ``quantization.held_bytes_by_kind``).
 
     Raises:
         ValueError: for steps < 1, no examples, or settings :func:`check_settings` refuses.

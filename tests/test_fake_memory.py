@@ -118,7 +118,7 @@ def test_fake_nf4_weights_hold_the_bytes_the_calculator_counts(config):
         assert sum(t.numel() * t.element_size() for t in held) == calc.nf4_tensor_bytes(
             layer.out_features, layer.in_features)
     head = model.get_base_model().lm_head
-    assert head.weight.dtype == torch.float32  # peft's kbit preparation, as under Trainer
+    assert head.weight.dtype == torch.float32  # peft's k-bit preparation, as add_lora runs it
 
 
 def test_a_preset_is_built_on_fake_tensors_without_its_memory():

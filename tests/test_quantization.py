@@ -73,6 +73,35 @@ def test_lora_adapter_roundtrip_is_bit_identical(tiny_model_path, tokenizer, tmp
         assert torch.equal(plain_merged(**args).logits, merged(**args).logits)
 
 
+def test_held_bytes_split_4bit_layers_rest_of_base_and_adapters(tiny_model_path):
+    from peft import LoraConfig, get_peft_model
+
+    dense = load_model(tiny_model_path)  # the reference: fp32 weights, no 4-bit layers
+    cfg = quantization.nf4_config(compute_dtype=torch.bfloat16)
+    prepared = quantization.add_lora(
+        load_model(tiny_model_path, dtype=torch.bfloat16, quantization_config=cfg), r=4)
+    held = quantization.held_bytes_by_kind(prepared)
+    assert set(held) == set(quantization.HELD_KINDS)
+    stats = quantization.quantized_linear_stats(prepared)
+    assert held["4-bit layers"]["bytes"] == sum(calc.nf4_tensor_bytes(o, i)
+                                                for o, i in stats["shapes"])
+    rest = sum(p.numel() for p in dense.parameters()) - stats["params"]
+    assert held["unquantized base"] == {"bytes": 4 * rest, "dtypes": ["float32"]}  # k-bit prep
+    assert held["adapters"] == {"bytes": 4 * quantization.trainable_fraction(prepared)[0],
+                                "dtypes": ["float32"]}
+    # TRL's SFTTrainer path: no k-bit preparation, adapters cast to bf16
+    trl_like = get_peft_model(
+        load_model(tiny_model_path, dtype=torch.bfloat16, quantization_config=cfg),
+        LoraConfig(r=4, target_modules="all-linear", task_type="CAUSAL_LM"))
+    for p in trl_like.parameters():
+        if p.requires_grad:
+            p.data = p.data.to(torch.bfloat16)
+    trl_held = quantization.held_bytes_by_kind(trl_like)
+    assert trl_held["4-bit layers"] == held["4-bit layers"]
+    assert trl_held["unquantized base"] == {"bytes": 2 * rest, "dtypes": ["bfloat16"]}
+    assert trl_held["adapters"]["bytes"] * 2 == held["adapters"]["bytes"]
+
+
 def test_bad_inputs(nf4_model, monkeypatch):
     with pytest.raises(ValueError, match="r=0"):
         quantization.add_lora(nf4_model, r=0)
@@ -82,6 +111,8 @@ def test_bad_inputs(nf4_model, monkeypatch):
         quantization.nf4_config(compute_dtype=torch.int8)
     with pytest.raises(ValueError, match="no bitsandbytes 4-bit"):
         quantization.quantized_linear_stats(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="model: has no bitsandbytes 4-bit"):
+        quantization.held_bytes_by_kind(torch.nn.Linear(2, 2))
     monkeypatch.setattr(quantization, "has_module", lambda name: False)
     with pytest.raises(ImportError, match="needs bitsandbytes"):
         quantization.nf4_config()

@@ -56,6 +56,37 @@ def test_padding_free_sft_keeps_the_loss_and_drops_the_padding(small):
     assert free.step.activation_bytes < padded.step.activation_bytes
 
 
+def test_sft_qlora_keeps_the_base_in_its_load_dtype_and_adapters_in_bf16(small):
+    """What notebook 01 says of TRL's SFTTrainer on a 4-bit model (trl #4577 dropped peft's k-bit
+    preparation): the same 4-bit layers and adapter count as the course's ``add_lora``, but the
+    embeddings, norms and head stay in the dtype the model was loaded in and the adapters are
+    bf16, where the course keeps both in fp32."""
+    pytest.importorskip("trl")
+    pytest.importorskip("bitsandbytes")
+    import torch
+    from peft import LoraConfig
+
+    from recipes_lib import quantization
+
+    path, tok, examples = small
+    cfg = quantization.nf4_config(compute_dtype=torch.bfloat16)
+
+    def fresh():
+        return models.load_model(path, dtype=torch.bfloat16, quantization_config=cfg)
+
+    course = quantization.held_bytes_by_kind(quantization.add_lora(fresh(), r=4))
+    run = trainers.run_trainer(fresh(), examples, tok, steps=1, sft=True, measure_step=0,
+                               peft_config=LoraConfig(r=4, target_modules="all-linear",
+                                                      task_type="CAUSAL_LM"))
+    trl = quantization.held_bytes_by_kind(run.trainer.model)
+    assert trl["4-bit layers"] == course["4-bit layers"]
+    assert trl["unquantized base"]["dtypes"] == ["bfloat16"]
+    assert course["unquantized base"]["dtypes"] == ["float32"]
+    assert 2 * trl["unquantized base"]["bytes"] == course["unquantized base"]["bytes"]
+    assert (trl["adapters"]["dtypes"], 2 * trl["adapters"]["bytes"]) == (
+        ["bfloat16"], course["adapters"]["bytes"])
+
+
 def test_fsdp_settings_name_the_architectures_block(small):
     settings = trainers.fsdp_settings(models.load_model(small[0]))
     assert settings["fsdp_config"]["transformer_layer_cls_to_wrap"] == ["LlamaDecoderLayer"]

@@ -68,9 +68,13 @@ class Stack:
     the head in NF4 with double quantization (bitsandbytes' own quantize and 4-bit matmul ops),
     LoRA adapters on all of them; with "bf16-mixed" peft's ``prepare_model_for_kbit_training``
     first casts the remaining weights (norms, embeddings, head) to fp32, as the course's
-    ``quantization.add_lora`` does (and TRL's ``SFTTrainer`` did until trl #4577; it now keeps
-    them in the load dtype, which ``precision="bf16"`` measures). ``optimizer="adamw-8bit"`` is bitsandbytes' blockwise 8-bit AdamW. ``chunked_loss`` is
-    the chunk size of the chunked cross-entropy (0: the full logits).
+    ``quantization.add_lora`` does. ``bf16_embeddings=True`` then casts the embeddings and the
+    head back to bf16 (norms stay fp32, adapters fp32): what TRL's ``SFTTrainer`` ran with
+    ``bf16=True`` on a 4-bit model until trl #4577 (November 2025; its
+    ``peft_module_casting_to_bf16`` after ``get_peft_model``). Since then it runs no k-bit
+    preparation and keeps them in the load dtype, which ``precision="bf16"`` measures.
+    ``optimizer="adamw-8bit"`` is bitsandbytes' blockwise 8-bit AdamW. ``chunked_loss`` is the
+    chunk size of the chunked cross-entropy (0: the full logits).
     """
 
     method: str = "full"
@@ -85,6 +89,7 @@ class Stack:
     lora_dropout: float = 0.0
     offload_optimizer: bool = False
     offload_activations: bool = False
+    bf16_embeddings: bool = False
 
     def __post_init__(self) -> None:
         if "qlora" in str(self.method) and "full" in str(self.method):
@@ -114,6 +119,10 @@ class Stack:
         if self.offload_activations and self.fsdp_ranks > 1:
             raise ValueError("offload_activations=True with fsdp_ranks > 1: not measured here "
                              "(one device's saved tensors go to its host)")
+        if self.bf16_embeddings and (self.method, self.precision) != ("qlora", "bf16-mixed"):
+            raise ValueError(f"bf16_embeddings=True with method={self.method!r}, precision="
+                             f"{self.precision!r}: it undoes part of peft's k-bit preparation, "
+                             "which only method='qlora' with precision='bf16-mixed' runs")
         if self.fsdp_ranks > 1 and self.method == "qlora":
             raise ValueError("method='qlora' with fsdp_ranks > 1: bitsandbytes' packed weights "
                              "do not shard under FSDP2; the course's FSDP + QLoRA uses torchao's "
@@ -137,6 +146,8 @@ class Stack:
             parts.append("optimizer offloaded")
         if self.offload_activations:
             parts.append("activations offloaded")
+        if self.bf16_embeddings:
+            parts.append("bf16 embeddings and head")
         return ", ".join(parts)
 
 
@@ -247,6 +258,9 @@ def build_model(config, stack: Stack, device: torch.device | str, fake: bool = T
                                                  target_modules=targets,
                                                  lora_dropout=stack.lora_dropout,
                                                  task_type="CAUSAL_LM"))
+    if stack.bf16_embeddings:  # TRL's peft_module_casting_to_bf16, after get_peft_model
+        for module in (model.get_input_embeddings(), model.get_output_embeddings()):
+            module.to(torch.bfloat16)
     nf4_shapes = _packed_placeholders(model)
     if stack.fsdp_ranks > 1:  # sharded on meta; to_empty then gives each rank its shards only
         shard_model(model, "bf16" if stack.precision == "bf16-mixed" else "fp32",

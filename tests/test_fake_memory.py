@@ -20,6 +20,7 @@ def config():
     Stack(optimizer="sgd", precision="fp32"), Stack(precision="bf16-mixed"),
     Stack(method="qlora", precision="bf16-mixed"),
     Stack(method="qlora", precision="bf16", checkpointing=True),
+    Stack(method="qlora", precision="bf16-mixed", checkpointing=True, bf16_embeddings=True),
     Stack(optimizer="adamw-8bit", precision="bf16-mixed"),
     Stack(chunked_loss=64, precision="fp32"),
     Stack(method="qlora", precision="bf16-mixed", optimizer="adamw-8bit", checkpointing=True,
@@ -121,6 +122,37 @@ def test_fake_nf4_weights_hold_the_bytes_the_calculator_counts(config):
     assert head.weight.dtype == torch.float32  # peft's k-bit preparation, as add_lora runs it
 
 
+def test_bf16_embeddings_is_trls_2024_cast_after_kbit_preparation(config):
+    """The stack's weights have the dtypes TRL's SFTTrainer gave a 4-bit model with bf16=True
+    until trl #4577: peft's k-bit preparation, get_peft_model, then its
+    ``peft_module_casting_to_bf16`` (norms to fp32, ``lm_head`` / ``embed_tokens`` to bf16),
+    written out here by name as TRL wrote it."""
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+    from transformers import AutoModelForCausalLM
+
+    stack = Stack(method="qlora", precision="bf16-mixed", bf16_embeddings=True)
+    model, _ = fake_memory.build_model(config, stack, "cpu")
+    with torch.device("meta"):
+        ref = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    fake_memory._to_nf4(ref, Stack(method="qlora", precision="bf16"))  # NF4, no preparation
+    ref.is_loaded_in_4bit = True
+    ref = get_peft_model(prepare_model_for_kbit_training(ref, use_gradient_checkpointing=False),
+                         LoraConfig(r=stack.lora_rank, target_modules="all-linear",
+                                    task_type="CAUSAL_LM"))
+    for name, module in ref.named_modules():
+        if "norm" in name:
+            module.to(torch.float32)
+        elif any(x in name for x in ("lm_head", "embed_tokens")) and hasattr(module, "weight"):
+            module.to(torch.bfloat16)
+    def dtypes_beside_4bit(m):  # the 4-bit layers' own weights are packed, not cast
+        return {n: p.dtype for n, p in m.named_parameters() if ".base_layer." not in n}
+
+    dtypes = dtypes_beside_4bit(model)
+    assert dtypes == dtypes_beside_4bit(ref)
+    assert dtypes["base_model.model.lm_head.weight"] == torch.bfloat16
+    assert {d for n, d in dtypes.items() if "norm" in n} == {torch.float32}
+
+
 def test_a_preset_is_built_on_fake_tensors_without_its_memory():
     cfg = fake_memory.model_config("Llama-3.2-1B")
     assert cfg.hidden_size == 2048 and cfg.tie_word_embeddings
@@ -165,6 +197,8 @@ def test_bad_inputs_name_the_parameter(config, tmp_path):
         Stack(offload_optimizer=True, fsdp_ranks=2)
     with pytest.raises(ValueError, match="method='qlora' with fsdp_ranks"):
         Stack(method="qlora", fsdp_ranks=2)
+    with pytest.raises(ValueError, match="bf16_embeddings=True with method='lora'"):
+        Stack(method="lora", precision="bf16-mixed", bf16_embeddings=True)
     with pytest.raises(ValueError, match="batch_size=0"):
         fake_memory.measure_step(config, Stack(), 64, 0)
     assert torch.get_default_dtype() == torch.float32

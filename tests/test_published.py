@@ -45,6 +45,13 @@ def test_longest_context_rows_of_one_stack_share_one_search(tmp_path, small_llam
     assert "MISSED" in published.format_table(out) or all(r["met"] for r in out)
 
 
+def test_a_longest_context_figure_is_found_for_each_stack_its_source_fits():
+    for stack in (published.TRL_2024_QLORA, published.HF_QLORA, published.BF16_QLORA):
+        assert published.figure_for("Llama-3.1-8B", stack, "24GiB").published == 5789
+    assert published.figure_for("Llama-3.1-8B", Stack(method="lora"), "24GiB") is None
+    assert published.figure_for("Llama-3.1-8B", published.HF_QLORA, "20GiB") is None
+
+
 def test_bad_figures_name_the_field():
     with pytest.raises(ValueError, match="kind='oom'"):
         published.Figure("https://x", "r", "Llama-2-7B", Stack(), "oom", 1, config="c")
@@ -58,12 +65,13 @@ def test_bad_figures_name_the_field():
 def test_the_readme_table_shows_each_miss_with_its_reason():
     rows = [{"source": published.UNSLOTH_README, "row": "r1", "kind": "max_context",
              "config": "c", "unit": "tokens", "published": 932, "predicted": 320,
-             "error": 320 / 932 - 1, "met": False, "stack": "s", "alternative": 1920.0,
-             "alternative_stack": "t", "reason": published.REASONS[published.UNSLOTH_README]},
+             "error": 320 / 932 - 1, "met": False, "stack": "s",
+             "alternatives": {"bf16 base": 1920.0},
+             "reason": published.REASONS[published.UNSLOTH_README]},
             {"source": published.LITGPT, "row": "r2", "kind": "peak", "config": "c",
              "unit": "GB (allocated)", "published": 21.3, "predicted": 22.3, "error": 0.047,
-             "met": True, "stack": "s", "alternative": None, "alternative_stack": None}]
+             "met": True, "stack": "s", "alternatives": {}}]
     table = published.markdown_table(rows)
-    assert "| 932 tokens | 320 | 1,920 | -65.7% | MISSED: The source's words" in table
+    assert "| 932 tokens | 320 | 1,920 (bf16 base) | -65.7% | MISSED: The source's" in table
     assert "| 21.30 GB (allocated) | 22.30 |  | +4.7% | met |" in table
     assert published.REASONS.keys() <= {f.source for f in published.FIGURES}

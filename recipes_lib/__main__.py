@@ -121,7 +121,9 @@ def real_scale_benchmark() -> None:
              S(optimizer="adamw-8bit", precision="fp32"), S(precision="fp32", chunked_loss=128)]
     sixteen = [S(), S(precision="fp16"), S(precision="bf16-mixed"),
                S(method="lora", checkpointing=True),
-               S(method="qlora", precision="bf16-mixed", checkpointing=True)]
+               S(method="qlora", precision="bf16-mixed", checkpointing=True),
+               S(method="qlora", precision="bf16-mixed", checkpointing=True,
+                 bf16_embeddings=True)]
     sharded = [S(precision="fp32", fsdp_ranks=2), S(precision="bf16-mixed", fsdp_ranks=2),
                S(method="lora", precision="bf16-mixed", checkpointing=True, fsdp_ranks=2)]
     configs = {"tiny": LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=176,

@@ -65,6 +65,20 @@ def _quant_tensors(module) -> list[torch.Tensor]:
     return out
 
 
+def _linear4bit_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """(name, layer) for every bitsandbytes 4-bit linear layer.
+
+    Raises:
+        ValueError: if the model has none.
+    """
+    import bitsandbytes as bnb
+
+    layers = [(n, m) for n, m in model.named_modules() if isinstance(m, bnb.nn.Linear4bit)]
+    if not layers:
+        raise ValueError("model: has no bitsandbytes 4-bit linear layers")
+    return layers
+
+
 def quantized_linear_stats(model: torch.nn.Module) -> dict[str, object]:
     """Measured bytes of the model's 4-bit linear layers, and what they are.
 
@@ -75,18 +89,13 @@ def quantized_linear_stats(model: torch.nn.Module) -> dict[str, object]:
     Raises:
         ValueError: if the model has no 4-bit linear layers.
     """
-    import bitsandbytes as bnb
-
     names, shapes, tensors, params = [], [], [], 0
-    for name, mod in model.named_modules():
-        if isinstance(mod, bnb.nn.Linear4bit):
-            names.append(name)
-            shape = tuple(mod.weight.quant_state.shape)
-            shapes.append(shape)
-            params += shape[0] * shape[1]
-            tensors += _quant_tensors(mod)
-    if not names:
-        raise ValueError("model: has no bitsandbytes 4-bit linear layers")
+    for name, mod in _linear4bit_layers(model):
+        names.append(name)
+        shape = tuple(mod.weight.quant_state.shape)
+        shapes.append(shape)
+        params += shape[0] * shape[1]
+        tensors += _quant_tensors(mod)
     return {"bytes": tensor_bytes(tensors), "params": params, "names": names, "shapes": shapes}
 
 
@@ -177,12 +186,8 @@ def held_bytes_by_kind(model: torch.nn.Module) -> dict[str, dict[str, object]]:
         >>> held["unquantized base"]["dtypes"]  # doctest: +SKIP
         ['float32']
     """
-    import bitsandbytes as bnb
-
-    quantized = [t for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)
-                 for t in _quant_tensors(m) if t is not None]
-    if not quantized:
-        raise ValueError("model: has no bitsandbytes 4-bit linear layers")
+    quantized = [t for _, m in _linear4bit_layers(model) for t in _quant_tensors(m)
+                 if t is not None]
     seen = {id(t) for t in quantized}
     kinds: dict[str, list[torch.Tensor]] = {"4-bit layers": quantized, "unquantized base": [],
                                             "adapters": []}
@@ -193,6 +198,18 @@ def held_bytes_by_kind(model: torch.nn.Module) -> dict[str, dict[str, object]]:
     return {kind: {"bytes": tensor_bytes(ts),
                    "dtypes": sorted({str(t.dtype).removeprefix("torch.") for t in ts})}
             for kind, ts in kinds.items()}
+
+
+def held_bytes_table(held: dict[str, dict[str, dict[str, object]]]):
+    """:func:`held_bytes_by_kind` of several models as one table: a column per model, a row per
+    kind's bytes and, beside the 4-bit layers (whose tensors mix dtypes), its dtypes."""
+    import pandas as pd
+
+    return pd.DataFrame({
+        who: {**{f"{k} (bytes)": v["bytes"] for k, v in h.items()},
+              **{f"{k} (dtype)": ", ".join(v["dtypes"]) for k, v in h.items()
+                 if k != "4-bit layers"}}
+        for who, h in held.items()})
 
 
 def reload_adapter(base_path: str | Path, adapter_dir: str | Path, quantization_config=None,

@@ -144,6 +144,7 @@ def test_bf16_embeddings_is_trls_2024_cast_after_kbit_preparation(config):
             module.to(torch.float32)
         elif any(x in name for x in ("lm_head", "embed_tokens")) and hasattr(module, "weight"):
             module.to(torch.bfloat16)
+
     def dtypes_beside_4bit(m):  # the 4-bit layers' own weights are packed, not cast
         return {n: p.dtype for n, p in m.named_parameters() if ".base_layer." not in n}
 

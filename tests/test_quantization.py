@@ -100,6 +100,9 @@ def test_held_bytes_split_4bit_layers_rest_of_base_and_adapters(tiny_model_path)
     assert trl_held["4-bit layers"] == held["4-bit layers"]
     assert trl_held["unquantized base"] == {"bytes": 2 * rest, "dtypes": ["bfloat16"]}
     assert trl_held["adapters"]["bytes"] * 2 == held["adapters"]["bytes"]
+    table = quantization.held_bytes_table({"course": held, "TRL": trl_held})
+    assert table.loc["unquantized base (dtype)"].tolist() == ["float32", "bfloat16"]
+    assert table.loc["4-bit layers (bytes)", "TRL"] == held["4-bit layers"]["bytes"]
 
 
 def test_bad_inputs(nf4_model, monkeypatch):

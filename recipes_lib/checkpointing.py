@@ -7,6 +7,8 @@ bytes) stays, at the cost of one extra forward per layer (training FLOPs 6N -> 8
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 
@@ -19,11 +21,16 @@ def enable_activation_checkpointing(model: torch.nn.Module, every_n_layers: int 
 
     Args:
         model: a transformers model, or a peft model wrapping one.
-        every_n_layers: checkpoint every n-th decoder layer only (transformers >= 5), trading
+        every_n_layers: checkpoint every n-th decoder layer only (transformers >= 5.16), trading
             memory back for speed; 1 checkpoints every layer.
 
+    transformers 5.23 renamed ``gradient_checkpointing_enable`` to
+    ``activation_checkpointing_enable`` (the old name stays, deprecated, until v6); 5.16 added
+    ``every_n_layers`` to it. Whichever the installed version has is called.
+
     Raises:
-        ValueError: if the model does not support gradient checkpointing, or every_n_layers < 1.
+        ValueError: if the model does not support gradient checkpointing, every_n_layers < 1, or
+            every_n_layers > 1 before transformers 5.16.
     """
     if not isinstance(every_n_layers, int) or every_n_layers < 1:
         raise ValueError(f"every_n_layers={every_n_layers!r}: must be an integer >= 1")
@@ -31,13 +38,16 @@ def enable_activation_checkpointing(model: torch.nn.Module, every_n_layers: int 
     if not getattr(base, "supports_gradient_checkpointing", False):
         raise ValueError(f"model: {type(base).__name__} does not support gradient checkpointing")
     kwargs = {"use_reentrant": False}
-    if hasattr(base, "activation_checkpointing_enable"):  # transformers >= 5
+    if hasattr(base, "activation_checkpointing_enable"):  # transformers >= 5.23
         base.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs,
                                              every_n_layers=every_n_layers)
+    elif "every_n_layers" in inspect.signature(base.gradient_checkpointing_enable).parameters:
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs,  # 5.16 to 5.22
+                                           every_n_layers=every_n_layers)
     elif every_n_layers == 1:
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     else:
-        raise ValueError("every_n_layers: needs transformers >= 5")
+        raise ValueError(f"every_n_layers={every_n_layers}: needs transformers >= 5.16")
     base.config.use_cache = False
     return model
 

@@ -23,19 +23,38 @@ from __future__ import annotations
 import tempfile
 import warnings
 from dataclasses import dataclass, field
+from importlib.metadata import version as installed_version
 from typing import Any
 
 import torch
+from packaging.version import Version
 
 from recipes_lib import calc, data, device
 from recipes_lib.memory import MemoryReport, measure_memory, tensor_bytes
 from recipes_lib.optim8bit import state_bytes
 
-# recipe -> the TrainingArguments / SFTConfig settings that apply it (transformers >= 5 names;
-# 4.x calls activation_checkpointing "gradient_checkpointing")
+
+def checkpointing_settings(use_reentrant: bool = False, version: str | None = None
+                           ) -> dict[str, Any]:
+    """Activation checkpointing as ``TrainingArguments`` / ``SFTConfig`` settings, in the names
+    of transformers ``version`` (default: the installed one): ``activation_checkpointing`` and
+    ``activation_checkpointing_kwargs`` from 5.23, which renamed them; ``gradient_checkpointing``
+    and ``gradient_checkpointing_kwargs`` before (accepted, deprecated, until v6). The kwargs
+    also take ``every_n_layers`` from 5.16 and ``offload`` from 5.17.
+
+    Example:
+        >>> checkpointing_settings(version="5.22.2")
+        {'gradient_checkpointing': True, 'gradient_checkpointing_kwargs': {'use_reentrant': False}}
+    """
+    renamed = Version(version or installed_version("transformers")) >= Version("5.23")
+    name = "activation_checkpointing" if renamed else "gradient_checkpointing"
+    return {name: True, f"{name}_kwargs": {"use_reentrant": use_reentrant}}
+
+
+# recipe -> the TrainingArguments / SFTConfig settings that apply it, in the installed
+# transformers' names
 SETTINGS: dict[str, dict[str, Any]] = {
-    "activation_checkpointing": {"activation_checkpointing": True,
-                                 "activation_checkpointing_kwargs": {"use_reentrant": False}},
+    "activation_checkpointing": checkpointing_settings(),
     "grad_accumulation": {"gradient_accumulation_steps": 4},
     "optim8bit": {"optim": "adamw_bnb_8bit"},
     "bf16": {"bf16": True},
@@ -202,7 +221,7 @@ def run_trainer(
                   use_cpu=not on_gpu, train_sampling_strategy="sequential",
                   dataloader_num_workers=0,
                   # explicit: TRL's SFTConfig turns checkpointing on by default, Trainer off
-                  **{"activation_checkpointing": False, **settings})
+                  **{next(iter(checkpointing_settings())): False, **settings})
     dataset = Dataset.from_list([{"input_ids": e["input_ids"], "labels": e["labels"]}
                                  for e in examples])
     if sft:

@@ -18,6 +18,49 @@ def test_checkpointing_gives_identical_gradients_and_less_activation_memory(smal
     assert ckpt.activation_bytes < plain.activation_bytes
 
 
+def test_every_other_layer_keeps_the_gradients_and_half_the_saved_layers(small_llama,
+                                                                        varlen_batch):
+    ref = batch_gradients(small_llama, varlen_batch)
+    plain = measure_training_step(small_llama, varlen_batch, repeats=1).memory
+    checkpointing.enable_activation_checkpointing(small_llama, every_n_layers=2)
+    got = batch_gradients(small_llama, varlen_batch)
+    half = measure_training_step(small_llama, varlen_batch, repeats=1).memory
+    checkpointing.enable_activation_checkpointing(small_llama)
+    full = measure_training_step(small_llama, varlen_batch, repeats=1).memory
+    assert max_abs_diff(got, ref) <= 1e-6
+    assert full.activation_bytes < half.activation_bytes < plain.activation_bytes
+
+
+class _OlderModel(torch.nn.Module):
+    """A model as transformers 5.0-5.22 exposes it: gradient_checkpointing_enable only (5.16
+    added every_n_layers to it); records the calls."""
+
+    supports_gradient_checkpointing = True
+
+    def __init__(self, every_n: bool):
+        super().__init__()
+        self.config, self.calls = type("Config", (), {})(), []
+        if every_n:
+            self.gradient_checkpointing_enable = self._with_every_n
+
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None):
+        self.calls.append(gradient_checkpointing_kwargs)
+
+    def _with_every_n(self, gradient_checkpointing_kwargs=None, every_n_layers=1):
+        self.calls.append((gradient_checkpointing_kwargs, every_n_layers))
+
+
+def test_older_transformers_get_the_call_their_version_has():
+    between = _OlderModel(every_n=True)  # 5.16 to 5.22
+    checkpointing.enable_activation_checkpointing(between, every_n_layers=3)
+    assert between.calls == [({"use_reentrant": False}, 3)]
+    before = _OlderModel(every_n=False)  # 5.0 to 5.15
+    checkpointing.enable_activation_checkpointing(before)
+    assert before.calls == [{"use_reentrant": False}] and before.config.use_cache is False
+    with pytest.raises(ValueError, match="every_n_layers=2: needs transformers >= 5.16"):
+        checkpointing.enable_activation_checkpointing(_OlderModel(every_n=False), every_n_layers=2)
+
+
 def test_unsupported_model_is_a_clear_error():
     with pytest.raises(ValueError, match="does not support gradient checkpointing"):
         checkpointing.enable_activation_checkpointing(torch.nn.Linear(2, 2))

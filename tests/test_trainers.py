@@ -105,10 +105,26 @@ def test_reentrant_checkpointing_with_frozen_inputs_is_said_aloud(small):
     from recipes_lib import quantization
 
     model = quantization.add_lora(models.load_model(small[0]), r=4)
-    reentrant = {"activation_checkpointing": True,
-                 "activation_checkpointing_kwargs": {"use_reentrant": True}}
+    reentrant = trainers.checkpointing_settings(use_reentrant=True)
     with pytest.warns(UserWarning, match="use_reentrant=True with frozen input embeddings"):
         assert trainers.check_settings(model, reentrant) == reentrant
+
+
+@pytest.mark.parametrize("version, name", [("5.0.0", "gradient_checkpointing"),
+                                           ("5.22.2", "gradient_checkpointing"),
+                                           ("5.23.0", "activation_checkpointing")])
+def test_checkpointing_settings_use_the_names_transformers_takes(version, name):
+    assert trainers.checkpointing_settings(version=version) == {
+        name: True, f"{name}_kwargs": {"use_reentrant": False}}
+
+
+def test_the_installed_trainingarguments_take_the_checkpointing_settings(tmp_path):
+    from transformers import TrainingArguments
+
+    args = TrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True,
+                             **trainers.SETTINGS["activation_checkpointing"])
+    assert args.gradient_checkpointing is True
+    assert args.gradient_checkpointing_kwargs == {"use_reentrant": False}
 
 
 def test_8bit_optimizer_without_bitsandbytes_is_an_error(small, monkeypatch):

@@ -1,3 +1,4 @@
+import re
 import shutil
 import subprocess
 import sys
@@ -44,3 +45,12 @@ def test_bad_repo_or_ref(repo, ref, match):
 def test_missing_notebook(tmp_path):
     with pytest.raises(FileNotFoundError, match="no such notebook"):
         colab.stamp_notebook(tmp_path / "nope.ipynb", "a/b")
+
+
+def test_colab_installs_every_requirement_it_does_not_ship_as_requirements_txt_pins_it():
+    lines = [line.split("#")[0].strip() for line in
+             (colab.ROOT / "requirements.txt").read_text().splitlines()]
+    wanted = {re.split(r"[<>=!~\[]", line)[0]: line for line in lines if line}
+    installed = {re.split(r"[<>=!~\[]", p)[0]: p for p in colab.COLAB_PACKAGES}
+    assert set(wanted) == set(installed) | set(colab.COLAB_SHIPS) | set(colab.NOT_ON_COLAB)
+    assert all(wanted[name] == spec for name, spec in installed.items()), installed

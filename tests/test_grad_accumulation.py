@@ -50,4 +50,4 @@ def test_the_loss_stays_on_the_device_until_read(small_llama, varlen_batch):
     ref = ga.causal_lm_loss_sum(small_llama(input_ids=varlen_batch["input_ids"],
                                             attention_mask=varlen_batch["attention_mask"]).logits,
                                 varlen_batch["labels"]) / ga.count_target_tokens(varlen_batch["labels"])
-    assert abs(float(loss) - float(ref)) <= 1e-5
+    assert abs(float(loss) - ref.item()) <= 1e-5

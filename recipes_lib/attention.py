@@ -197,7 +197,8 @@ def benchmark_attention(
     Returns:
         One row per (impl, seq_len): ``forward_s``, ``forward_backward_s`` (and its
         ``forward_backward_spread``, (max - min) / median), ``peak_bytes``, ``backend`` (which
-        kernel ran).
+        kernel ran). A length that runs out of device memory (eager's s x s scores on a GPU)
+        ends the benchmark there, with a warning; the rows are the lengths that fit.
 
     Raises:
         ValueError: for an empty or non-positive seq_lens, or an implementation this device lacks.
@@ -205,15 +206,15 @@ def benchmark_attention(
     from tqdm.auto import tqdm
 
     from recipes_lib.memory import measure_memory
+    from recipes_lib.sweep import until_out_of_memory
     from recipes_lib.timing import time_interleaved
 
     if not seq_lens or min(seq_lens) < 1:
         raise ValueError(f"seq_lens={seq_lens!r}: expected positive lengths")
     device = torch.device(device)
     fns = {impl: attention_fn(impl, device) for impl in impls}
-    rows = []
-    bar = tqdm(total=len(seq_lens), desc="attention benchmark", disable=not progress, leave=False)
-    for s in seq_lens:
+
+    def measure(s: int) -> list[dict[str, float | str | int]]:
         g = torch.Generator(device="cpu").manual_seed(s)
         q, k, v = (torch.randn(batch_size, num_heads, s, head_dim, generator=g).to(device, dtype)
                    .requires_grad_() for _ in range(3))
@@ -232,15 +233,15 @@ def benchmark_attention(
         # land on one of them
         t_f = time_interleaved(fwd, warmup=1, repeats=repeats, device=device)
         t_fb = time_interleaved(fwd_bwd, warmup=1, repeats=repeats, device=device)
-        for impl in fns:
-            rows.append({"impl": impl, "seq_len": s, "forward_s": t_f[impl].median_s,
-                         "forward_backward_s": t_fb[impl].median_s,
-                         "forward_backward_spread": t_fb[impl].spread,
-                         "peak_bytes": measure_memory(fwd_bwd[impl], device=device).peak_bytes,
-                         "backend": sdpa_backend_used(fwd[impl])})
-        bar.update()
-    bar.close()
-    return rows
+        return [{"impl": impl, "seq_len": s, "forward_s": t_f[impl].median_s,
+                 "forward_backward_s": t_fb[impl].median_s,
+                 "forward_backward_spread": t_fb[impl].spread,
+                 "peak_bytes": measure_memory(fwd_bwd[impl], device=device).peak_bytes,
+                 "backend": sdpa_backend_used(fwd[impl])} for impl in fns]
+
+    lengths = tqdm(seq_lens, desc="attention benchmark", disable=not progress, leave=False)
+    done, _ = until_out_of_memory(lengths, measure, device, "attention benchmark over seq_len")
+    return [row for rows in done for row in rows]
 
 
 def max_abs_error(impl: str, reference: str = "eager", seq_len: int = 256, num_heads: int = 4,

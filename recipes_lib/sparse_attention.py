@@ -242,16 +242,18 @@ def benchmark(seq_lens: list[int], window: int, n_global: int = 0, num_heads: in
     """Forward+backward time of full causal SDPA, sliding-window and local+global attention.
 
     Returns:
-        One row per (pattern, seq_len) with ``forward_backward_s`` and its ``spread``.
+        One row per (pattern, seq_len) with ``forward_backward_s`` and its ``spread``; a length
+        that runs out of device memory ends the benchmark there, with a warning.
     """
     from tqdm.auto import tqdm
 
+    from recipes_lib.sweep import until_out_of_memory
     from recipes_lib.timing import time_interleaved
 
     if not seq_lens or min(seq_lens) <= window:
         raise ValueError(f"seq_lens={seq_lens!r}: expected lengths larger than window={window}")
-    rows = []
-    for s in tqdm(seq_lens, desc="attention patterns", disable=not progress, leave=False):
+
+    def measure(s: int) -> list[dict[str, float | int | str]]:
         g = torch.Generator().manual_seed(s)
         q, k, v = (torch.randn(1, num_heads, s, head_dim, generator=g).to(device).requires_grad_()
                    for _ in range(3))
@@ -263,7 +265,9 @@ def benchmark(seq_lens: list[int], window: int, n_global: int = 0, num_heads: in
             q.grad = k.grad = v.grad = None
         fns = {name: (lambda w=w, g_=g_: step(w, g_)) for name, (w, g_) in patterns.items()}
         times = time_interleaved(fns, warmup=1, repeats=repeats, device=torch.device(device))
-        rows += [{"pattern": name, "seq_len": s, "forward_backward_s": t.median_s,
-                  "spread": t.spread}
-                 for name, t in times.items()]
-    return rows
+        return [{"pattern": name, "seq_len": s, "forward_backward_s": t.median_s,
+                 "spread": t.spread} for name, t in times.items()]
+
+    lengths = tqdm(seq_lens, desc="attention patterns", disable=not progress, leave=False)
+    done, _ = until_out_of_memory(lengths, measure, device, "attention patterns over seq_len")
+    return [row for rows in done for row in rows]

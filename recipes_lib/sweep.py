@@ -7,15 +7,21 @@ claim is a curve, not a point: ``run_sweep`` times the two variants in alternati
 timer, ``timing.time_interleaved``) at each size, ``Sweep.crossover`` interpolates where the
 speed-up crosses 1, and ``Sweep.regimes`` names each size's regime from the baseline's achieved
 FLOP/s and bytes/s against the machine's measured peaks (``machine_peaks``).
+
+Sizes grow, so on an accelerator the last ones may not fit (eager attention's s x s scores at
+16k tokens need tens of GiB): ``until_out_of_memory`` stops a sweep at the first size that runs
+out of device memory, says so, and keeps the sizes that fit, instead of losing the whole run.
 """
 
 from __future__ import annotations
 
+import gc
 import itertools
 import math
-from collections.abc import Callable, Sequence
+import warnings
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -24,6 +30,65 @@ from recipes_lib.timing import Timing, time_fn, time_interleaved
 
 # Below this fraction of both peaks a workload is bound by launches and Python, not the hardware.
 OVERHEAD_FRACTION = 0.10
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class OutOfMemory:
+    """Where a sweep stopped: the first size that ran out of device memory, and the error's
+    first line (e.g. "CUDA out of memory. Tried to allocate 8.00 GiB ...")."""
+
+    size: int
+    message: str
+
+
+def until_out_of_memory(sizes: Iterable[int], measure: Callable[[int], T],
+                        device: torch.device | str = "cpu", what: str = "sweep"
+                        ) -> tuple[list[T], OutOfMemory | None]:
+    """``measure(size)`` for each size in order, stopping at the first that raises
+    ``torch.OutOfMemoryError`` (an accelerator's; a CPU that runs out is killed by the OS, not
+    told). The larger sizes would not fit either, so they are not tried. The stop is said aloud
+    (a warning) and returned, and the device's cache is emptied for what runs next.
+
+    Returns:
+        The measurements of the sizes that fit, and where it stopped (None: every size ran).
+
+    Raises:
+        torch.OutOfMemoryError: when even the first size does not fit (naming ``sizes``).
+
+    Example:
+        >>> def f(n):
+        ...     if n > 2:
+        ...         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 8 GiB")
+        ...     return n
+        >>> import warnings
+        >>> with warnings.catch_warnings():
+        ...     warnings.simplefilter("ignore")
+        ...     until_out_of_memory([1, 2, 4], f)
+        ([1, 2], OutOfMemory(size=4, message='CUDA out of memory. Tried to allocate 8 GiB'))
+    """
+    done: list[T] = []
+    stop = None
+    for size in sizes:
+        try:
+            done.append(measure(size))
+        except torch.OutOfMemoryError as err:
+            lines = str(err).strip().splitlines()
+            stop = OutOfMemory(int(size), lines[0] if lines else "out of memory")
+            break  # leaving the handler drops the traceback's frames and their tensors
+    if stop is None:
+        return done, None
+    gc.collect()
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    if not done:
+        raise torch.OutOfMemoryError(
+            f"sizes: {what} ran out of {device} memory at its smallest size, {stop.size} "
+            f"({stop.message}); choose smaller sizes")
+    warnings.warn(f"{what}: out of {device} memory at {stop.size} ({stop.message}); "
+                  f"stopped there, keeping the {len(done)} sizes that fit", stacklevel=2)
+    return done, stop
 
 
 @dataclass
@@ -79,6 +144,7 @@ class Sweep:
     bytes: list[float] | None = None
     peaks: Peaks | None = None
     extra: dict[str, list[Timing]] = field(default_factory=dict)
+    out_of_memory: OutOfMemory | None = None  # where it stopped, if a size did not fit
 
     @property
     def speedups(self) -> list[float]:
@@ -97,16 +163,22 @@ class Sweep:
         return math.exp(x0 + (x1 - x0) * (0 - y0) / (y1 - y0))
 
     def verdict(self) -> str:
-        """One sentence: where the recipe wins, per the sizes swept."""
+        """One sentence: where the recipe wins, per the sizes swept (and where the sweep ran out
+        of memory, if it did)."""
         s, cross = self.speedups, self.crossover()
         lo, hi = self.sizes[0], self.sizes[-1]
         if all(x >= 1 for x in s):
-            return f"wins at every {self.dimension} swept ({lo}..{hi}), {min(s):.2f}x..{max(s):.2f}x"
-        if cross is None:
-            return (f"wins at no {self.dimension} swept ({lo}..{hi}): best {max(s):.2f}x, "
+            text = (f"wins at every {self.dimension} swept ({lo}..{hi}), "
+                    f"{min(s):.2f}x..{max(s):.2f}x")
+        elif cross is None:
+            text = (f"wins at no {self.dimension} swept ({lo}..{hi}): best {max(s):.2f}x, "
                     f"at the largest {s[-1]:.2f}x")
-        return (f"pays above {self.dimension} ~ {cross:.0f} "
-                f"({s[0]:.2f}x at {lo}, {s[-1]:.2f}x at {hi})")
+        else:
+            text = (f"pays above {self.dimension} ~ {cross:.0f} "
+                    f"({s[0]:.2f}x at {lo}, {s[-1]:.2f}x at {hi})")
+        if self.out_of_memory is not None:
+            text += f"; out of memory at {self.dimension} {self.out_of_memory.size}"
+        return text
 
     def regimes(self) -> list[str]:
         """Each size's regime from the baseline's achieved rates vs ``peaks``: 'overhead' when
@@ -142,7 +214,8 @@ class Sweep:
 
     def record(self, results, unit: str = "") -> None:
         """Write ``<recipe>/crossover_<dimension>`` (the size; 0 when it wins at every size,
-        -1 when at none, the verdict in the unit) and the speed-up at the largest size."""
+        -1 when at none, the verdict in the unit), the speed-up at the largest size that ran and,
+        if the sweep stopped short, ``<recipe>/out_of_memory_<dimension>`` (the size)."""
         cross = self.crossover()
         s = self.speedups
         value = cross if cross is not None else (0.0 if all(x >= 1 for x in s) else -1.0)
@@ -150,6 +223,10 @@ class Sweep:
                     unit=unit or self.verdict())
         results.add(self.recipe, f"speedup_at_{self.dimension}_{self.sizes[-1]}", s[-1],
                     baseline=1.0, unit="x baseline")
+        if self.out_of_memory is not None:
+            results.add(self.recipe, f"out_of_memory_{self.dimension}", self.out_of_memory.size,
+                        unit=f"first {self.dimension} that did not fit: "
+                             f"{self.out_of_memory.message}")
 
     def plot(self, title: str | None = None):
         """Speed-up against size (log-log), 1x drawn, the crossover marked."""
@@ -164,6 +241,9 @@ class Sweep:
         cross = self.crossover()
         if cross is not None:
             ax.axvline(cross, color="red", ls=":", label=f"crossover ~{cross:.0f}")
+        if self.out_of_memory is not None:
+            ax.axvline(self.out_of_memory.size, color="black", ls="--",
+                       label=f"out of memory at {self.out_of_memory.size}")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel(self.dimension)
@@ -215,8 +295,12 @@ def run_sweep(recipe: str, dimension: str, sizes: Sequence[int],
         device: synchronised around each timed call.
         dtype: the dtype whose matmul peak the regime is judged against.
 
+    A size that runs out of device memory ends the sweep there (``until_out_of_memory``): the
+    returned sweep holds the sizes that fit and ``out_of_memory`` says where it stopped.
+
     Raises:
         ValueError: on fewer than three sizes, or sizes that do not grow.
+        torch.OutOfMemoryError: when even the first size does not fit.
 
     Example:
         >>> s = run_sweep("sum", "n", [10, 100, 1000], lambda n: {
@@ -227,30 +311,30 @@ def run_sweep(recipe: str, dimension: str, sizes: Sequence[int],
     """
     sizes = check_sizes(sizes)
     device = torch.device(device)
-    base, cand, extra = [], [], {}
-    flops, nbytes = [], []
-    it = sizes
-    if progress:
-        from tqdm.auto import tqdm
 
-        it = tqdm(sizes, desc=f"{recipe} over {dimension}", leave=False)
-    for size in it:
+    def measure(size: int) -> tuple[dict[str, Timing], tuple[float, float] | None]:
         fns = make(size)
         missing = {"baseline", "recipe"} - set(fns)
         if missing:
             raise ValueError(f"make({size}) must return 'baseline' and 'recipe'; "
                              f"missing {sorted(missing)}")
         t = time_interleaved(fns, warmup=warmup, repeats=repeats, device=device)
-        base.append(t["baseline"])
-        cand.append(t["recipe"])
-        for name in fns:
+        return t, (work(size) if work is not None else None)  # fns dropped before the next size
+
+    it: Iterable[int] = sizes
+    if progress:
+        from tqdm.auto import tqdm
+
+        it = tqdm(sizes, desc=f"{recipe} over {dimension}", leave=False)
+    done, stop = until_out_of_memory(it, measure, device, f"{recipe} over {dimension}")
+    extra: dict[str, list[Timing]] = {}
+    for t, _ in done:
+        for name in t:
             if name not in ("baseline", "recipe"):
                 extra.setdefault(name, []).append(t[name])
-        if work is not None:
-            f, b = work(size)
-            flops.append(float(f))
-            nbytes.append(float(b))
-        del fns, t
+    flops = [float(w[0]) for _, w in done if w is not None]
+    nbytes = [float(w[1]) for _, w in done if w is not None]
     peaks = machine_peaks(device, dtype) if work is not None else None
-    return Sweep(recipe, dimension, sizes, base, cand, flops or None, nbytes or None, peaks,
-                 extra)
+    return Sweep(recipe, dimension, sizes[:len(done)], [t["baseline"] for t, _ in done],
+                 [t["recipe"] for t, _ in done], flops or None, nbytes or None, peaks, extra,
+                 stop)

@@ -46,7 +46,7 @@ def test_soft_capped_and_scaled_scores_equal_the_reference(window, n_global):
 def test_fp32_within_1e5():
     q, k, v = (torch.randn(1, 2, 300, 32, requires_grad=True) for _ in range(3))
     ref = sa.dense_masked_attention(q, k, v, sa.attention_mask(300, 64, 8))
-    assert float((sa.blockwise_attention(q, k, v, 64, 8) - ref).abs().max()) <= 1e-5
+    assert (sa.blockwise_attention(q, k, v, 64, 8) - ref).abs().max().item() <= 1e-5
 
 
 def test_mask_pattern():

@@ -1,8 +1,9 @@
 import pytest
+import torch
 
-from recipes_lib import attention, checkpointing, chunked_loss
+from recipes_lib import attention, checkpointing, chunked_loss, sparse_attention
 from recipes_lib.results import Results
-from recipes_lib.sweep import Peaks, Sweep, check_sizes, run_sweep
+from recipes_lib.sweep import OutOfMemory, Peaks, Sweep, check_sizes, run_sweep, until_out_of_memory
 from recipes_lib.timing import Timing
 
 
@@ -80,3 +81,66 @@ def test_recipe_sweeps_run_at_tiny_sizes_on_cpu():
     assert heads.flops[1] == 2 * heads.flops[0] and vocab.flops[2] == 4 * vocab.flops[0]
     with pytest.raises(ValueError, match="sizes="):
         attention.seq_len_sweep([64, 32, 16])
+
+
+def _oom_above(limit, fn):
+    """``fn`` that raises as CUDA does once its size exceeds ``limit``."""
+    def call(size, *args, **kwargs):
+        if size > limit:
+            raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {size} GiB.\n"
+                                         "See documentation for Memory Management")
+        return fn(size, *args, **kwargs)
+    return call
+
+
+def test_a_size_out_of_memory_stops_there_keeps_what_fit_and_says_so():
+    tried = []
+    with pytest.warns(UserWarning, match="demo: out of cpu memory at 4 .*keeping the 2 sizes"):
+        done, stop = until_out_of_memory([1, 2, 4, 8], _oom_above(2, lambda n: tried.append(n) or n),
+                                         what="demo")
+    assert done == [1, 2] and tried == [1, 2]  # 8 is not tried: it would not fit either
+    assert stop == OutOfMemory(4, "CUDA out of memory. Tried to allocate 4 GiB.")
+    assert until_out_of_memory([1, 2], lambda n: n) == ([1, 2], None)
+    with pytest.raises(torch.OutOfMemoryError, match="sizes: demo ran out .* smallest size, 1"):
+        until_out_of_memory([1, 2], _oom_above(0, lambda n: n), what="demo")
+    with pytest.raises(ValueError, match="other errors pass"):  # only out-of-memory is caught
+        until_out_of_memory([1], lambda n: (_ for _ in ()).throw(ValueError("other errors pass")))
+
+
+def test_a_sweep_that_runs_out_of_memory_records_plots_and_says_where(tmp_path):
+    def make(n):
+        if n > 100:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 12.00 GiB")
+        return {"baseline": lambda: sum(range(n)), "recipe": lambda: sum(range(n))}
+    with pytest.warns(UserWarning, match="sum over n: out of cpu memory at 1000"):
+        s = run_sweep("sum", "n", [10, 100, 1000, 10000], make, lambda n: (n, n), repeats=1,
+                      progress=False)
+    assert s.sizes == [10, 100] and len(s.speedups) == len(s.regimes()) == 2
+    assert s.out_of_memory == OutOfMemory(1000, "CUDA out of memory. Tried to allocate 12.00 GiB")
+    assert s.verdict().endswith("; out of memory at n 1000")
+    r = Results("sweep_oom", "cpu", tmp_path)
+    s.record(r)
+    assert r.get("sum", "out_of_memory_n").value == 1000
+    assert "12.00 GiB" in r.get("sum", "out_of_memory_n").unit
+    assert r.get("sum", "speedup_at_n_100") is not None
+    labels = s.plot().axes[0].get_legend_handles_labels()[1]
+    assert "out of memory at 1000" in labels
+    assert _sweep([1] * 4, [1] * 4).out_of_memory is None  # a sweep that fit says nothing
+
+
+def test_the_attention_benchmarks_keep_the_lengths_that_fit(monkeypatch):
+    eager = attention.eager_attention
+    monkeypatch.setattr(attention, "eager_attention", lambda q, *a, **k: _oom_above(
+        64, lambda s: eager(q, *a, **k))(q.shape[-2]))
+    with pytest.warns(UserWarning, match="attention benchmark over seq_len: out of cpu memory at 128"):
+        rows = attention.benchmark_attention([32, 64, 128, 256], ["eager", "sdpa"], num_heads=2,
+                                             head_dim=16, repeats=1, progress=False)
+    assert sorted({(r["impl"], r["seq_len"]) for r in rows}) == [
+        ("eager", 32), ("eager", 64), ("sdpa", 32), ("sdpa", 64)]
+    blockwise = sparse_attention.blockwise_attention
+    monkeypatch.setattr(sparse_attention, "blockwise_attention", lambda q, *a, **k: _oom_above(
+        64, lambda s: blockwise(q, *a, **k))(q.shape[-2]))
+    with pytest.warns(UserWarning, match="attention patterns over seq_len: out of cpu memory at 128"):
+        rows = sparse_attention.benchmark([48, 64, 128], 16, 4, num_heads=2, head_dim=16,
+                                          repeats=1, progress=False)
+    assert {r["seq_len"] for r in rows} == {48, 64} and len(rows) == 6

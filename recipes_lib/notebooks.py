@@ -10,10 +10,13 @@ no execution counts, so their diffs stay readable.
 from __future__ import annotations
 
 import ast
+import contextlib
+import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from recipes_lib.results import ROOT
+from recipes_lib.results import RESULTS_ENV, ROOT
 
 NOTEBOOKS = ROOT / "notebooks"
 EXECUTED = NOTEBOOKS / "executed"
@@ -129,7 +132,8 @@ def architecture_matrix(architectures: tuple[str, ...] | None = None, out_dir: P
     Args:
         architectures: names from ``model.ARCHITECTURES`` (default: every decoder but GPT-NeoX,
             which notebook 03 builds itself as its LayerNorm baseline).
-        out_dir: the executed copies go to ``out_dir/<architecture>/``.
+        out_dir: the executed copies go to ``out_dir/<architecture>/`` and their figures to
+            ``out_dir/<architecture>/results/``, never to the results folder.
         parameters: more papermill parameters for every run.
 
     Returns:
@@ -147,9 +151,27 @@ def architecture_matrix(architectures: tuple[str, ...] | None = None, out_dir: P
     matrix = {}
     for arch in archs:
         path = models.build_tiny_model(spec=models.TinyModelSpec(architecture=arch))
-        matrix[arch] = execute(course_notebooks(), Path(out_dir) / arch,
-                               {**(parameters or {}), "MODEL_ID": str(path)})
+        # each run's figures go beside its executed copies: in the results folder they would
+        # replace the reference-size figures the README's table is built from
+        with results_dir(Path(out_dir) / arch / "results"):
+            matrix[arch] = execute(course_notebooks(), Path(out_dir) / arch,
+                                   {**(parameters or {}), "MODEL_ID": str(path)})
     return matrix
+
+
+@contextlib.contextmanager
+def results_dir(folder: Path) -> Iterator[Path]:
+    """``$RECIPES_RESULTS_DIR`` set to ``folder`` (which the notebook kernels inherit) for the
+    duration, then restored."""
+    old = os.environ.get(RESULTS_ENV)
+    os.environ[RESULTS_ENV] = str(folder)
+    try:
+        yield folder
+    finally:
+        if old is None:
+            del os.environ[RESULTS_ENV]
+        else:
+            os.environ[RESULTS_ENV] = old
 
 
 def matrix_table(matrix: dict[str, dict[str, str]]) -> str:

@@ -2,6 +2,7 @@
 runner refuses unknown parameters, committed notebooks carry no outputs."""
 
 import logging
+import os
 
 import nbformat
 import pytest
@@ -132,10 +133,15 @@ def test_architecture_matrix_runs_each_notebook_on_each_folder(monkeypatch, tmp_
     calls = []
     monkeypatch.setattr(models, "build_tiny_model", lambda spec: tmp_path / spec.architecture)
     monkeypatch.setattr(notebooks, "execute", lambda paths, out, params: calls.append(
-        (out.name, params["MODEL_ID"])) or {p.stem: "ok" if "phi3" not in str(out) else
-                                             "failed: AssertionError: loss" for p in paths})
+        (out.name, params["MODEL_ID"], os.environ["RECIPES_RESULTS_DIR"])) or {
+            p.stem: "ok" if "phi3" not in str(out) else "failed: AssertionError: loss"
+            for p in paths})
+    monkeypatch.setenv("RECIPES_RESULTS_DIR", str(tmp_path / "mine"))
     matrix = notebooks.architecture_matrix(("qwen2", "phi3"), tmp_path)
-    assert calls == [("qwen2", str(tmp_path / "qwen2")), ("phi3", str(tmp_path / "phi3"))]
+    # each architecture's figures stay beside its run, never in the results the README is from
+    assert calls == [(a, str(tmp_path / a), str(tmp_path / a / "results"))
+                     for a in ("qwen2", "phi3")]
+    assert os.environ["RECIPES_RESULTS_DIR"] == str(tmp_path / "mine")  # restored
     table = notebooks.matrix_table(matrix).splitlines()
     assert table[0] == "| architecture | 01 | 02 | 03 | 04 |"
     assert table[2] == "| qwen2 | run | run | run | run |"

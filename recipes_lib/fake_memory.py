@@ -651,3 +651,98 @@ def fsdp_per_rank(model: Any, ranks: int, seq_len: int = 4096, micro_batch_size:
                calc_GiB=predicted["gpu_total"] / 2**30,
                optimizer_expected_GiB=8 * n / ranks / 2**30)
     return row
+
+
+def activation_anatomy(model: Any, stack: Stack = Stack(), seq_len: int = 2048,
+                       batch_size: int = 1, small_vocab: int = 1024) -> dict[str, float]:
+    """Where a step's activation bytes go, measured by difference: per decoder layer, per
+    logit, and the rest.
+
+    Three fake steps of the same stack: the model as given, with half its layers, and with a
+    ``small_vocab``-entry vocabulary. Their activation peaks differ by what the removed layers and
+    vocabulary entries held, so the per-layer bytes can be set beside Korthikanti et al.'s
+    ``34 s b h`` (a GPT layer in 16-bit; ``calc.activation_bytes_per_layer``) and the op-by-op
+    Llama count (``calc.llama_activation_bytes``), and the loss's bytes per logit beside the
+    calculator's three fp32 copies (12). Differences of peaks are valid where each peak falls at
+    the same point of the step, as it does for the stacks of notebook 01; ``rest_bytes`` (the
+    embeddings' output, the final norm, the loss's per-token terms) must then be positive.
+
+    Returns:
+        ``{"activation_bytes", "per_layer_bytes", "layer_coefficient"`` (per-layer bytes per
+        token per hidden unit, Korthikanti's 34 in 16-bit), ``"per_logit_bytes"`` (per token per
+        vocabulary entry), ``"rest_bytes"}``.
+
+    Raises:
+        ValueError: for a model with fewer than 2 layers, a ``small_vocab`` not below its
+            vocabulary, or what ``measure_step`` refuses.
+
+    Example:
+        >>> a = activation_anatomy("Llama-3.2-1B", Stack(), 512)  # doctest: +SKIP
+        >>> round(a["layer_coefficient"])  # doctest: +SKIP
+        53
+    """
+    import copy
+
+    config = model_config(model)
+    layers, vocab = config.num_hidden_layers, config.vocab_size
+    if layers < 2:
+        raise ValueError(f"model: num_hidden_layers={layers}; halving the layers needs >= 2")
+    if not isinstance(small_vocab, int) or not 0 < small_vocab < vocab:
+        raise ValueError(f"small_vocab={small_vocab!r}: must be an integer in 1..{vocab - 1} "
+                         "(below the model's vocabulary)")
+    half, small = copy.deepcopy(config), copy.deepcopy(config)
+    half.num_hidden_layers = layers // 2
+    if getattr(half, "layer_types", None):  # Gemma-2, Qwen3: one entry per layer
+        half.layer_types = half.layer_types[:layers // 2]
+    small.vocab_size = small_vocab
+    act = {name: measure_step(c, stack, seq_len, batch_size).by_category["activations"]
+           for name, c in (("full", config), ("half", half), ("small", small))}
+    tokens = batch_size * seq_len // stack.fsdp_ranks
+    per_layer = (act["full"] - act["half"]) / (layers - layers // 2)
+    per_logit = (act["full"] - act["small"]) / (tokens * (vocab - small_vocab))
+    rest = act["full"] - layers * per_layer - tokens * vocab * per_logit
+    if per_layer <= 0 or per_logit <= 0 or rest < 0:
+        raise ValueError(
+            f"seq_len={seq_len}: the step's peak does not fall where the activations are (at "
+            "short lengths it falls at the end of backward, when the gradients exist), so "
+            "differences of peaks do not split them; measure at a longer seq_len")
+    return {"activation_bytes": act["full"], "per_layer_bytes": per_layer,
+            "layer_coefficient": per_layer / (tokens * config.hidden_size),
+            "per_logit_bytes": per_logit, "rest_bytes": rest}
+
+
+def anatomy_table(model: Any, stacks: dict[str, Stack], seq_len: int = 2048,
+                  batch_size: int = 1) -> list[dict[str, Any]]:
+    """:func:`activation_anatomy` for each named stack, beside what the calculator's escalation
+    assumes: Korthikanti's bytes per token per hidden unit per layer (34 in 16-bit with a flash
+    kernel; 2, the layer input, with checkpointing), the Llama op-by-op count
+    (``calc.llama_activation_bytes``, 16-bit, no checkpointing) and three fp32 copies of the
+    logits (12 bytes per logit).
+
+    Returns:
+        One row per stack: ``stack``, ``layer_coefficient``, ``calculator_coefficient``,
+        ``llama_count_coefficient``, ``per_logit_bytes``, ``calculator_per_logit_bytes``,
+        ``per_layer_GiB``, ``rest_GiB``, ``activation_GiB``.
+    """
+    shape = calc.ModelShape.from_config(model_config(model).to_dict())
+    tokens_h = batch_size * seq_len * shape.hidden_size
+    llama = calc.llama_activation_bytes(shape, seq_len, batch_size, 2)["layers"] / (
+        shape.num_hidden_layers * tokens_h)
+    per_logit = calc.activation_bytes(shape, seq_len, batch_size)["logits"] / (
+        batch_size * seq_len * shape.vocab_size)
+    rows = []
+    for name, stack in stacks.items():
+        a = activation_anatomy(model, stack, seq_len, batch_size)
+        recompute = "full" if stack.checkpointing else "none"
+        korthikanti = calc.activation_bytes_per_layer(
+            seq_len, batch_size, shape.hidden_size, shape.num_attention_heads, recompute,
+            flash_attention=True) / tokens_h
+        rows.append({"stack": name, "layer_coefficient": a["layer_coefficient"],
+                     "calculator_coefficient": korthikanti,
+                     "llama_count_coefficient": None if stack.checkpointing else llama,
+                     "per_logit_bytes": a["per_logit_bytes"],
+                     "calculator_per_logit_bytes": per_logit,
+                     "per_layer_GiB": a["per_layer_bytes"] / 2**30,
+                     "rest_GiB": a["rest_bytes"] / 2**30,
+                     "activation_GiB": a["activation_bytes"] / 2**30})
+    return rows

@@ -223,3 +223,32 @@ def test_a_reused_build_measures_what_fresh_builds_do(config, stack):
         meter(4096)
     with pytest.raises(ValueError, match="grad_accum_steps=2"):
         fake_memory.step_meter(config, Stack(grad_accum_steps=2), batch_size=3)
+
+
+def test_the_activation_anatomy_of_a_real_layer_is_the_llama_op_count():
+    """Llama-3.2-1B at 2048 tokens, pure bf16: the bytes a decoder layer keeps, measured by
+    difference, are the op-by-op count's (``calc.llama_activation_bytes``) within 5 %, half as
+    much again as Korthikanti's GPT-layer 34 s b h, the calculator's escalation count."""
+    shape = calc.PRESETS["Llama-3.2-1B"]
+    (row,) = fake_memory.anatomy_table("Llama-3.2-1B", {"bf16": Stack()}, 2048)
+    counted = calc.llama_activation_bytes(shape, 2048, 1, 2)["layers"] / shape.num_hidden_layers
+    assert row["per_layer_GiB"] * 2**30 == pytest.approx(counted, rel=0.05)
+    assert row["llama_count_coefficient"] == pytest.approx(counted / (2048 * 2048))
+    assert row["layer_coefficient"] == pytest.approx(row["per_layer_GiB"] * 2**30 / 2048**2)
+    assert row["calculator_coefficient"] == 34 and row["calculator_per_logit_bytes"] == 12
+    assert row["layer_coefficient"] > 1.4 * row["calculator_coefficient"]
+    parts = (shape.num_hidden_layers * row["per_layer_GiB"] * 2**30
+             + 2048 * shape.vocab_size * row["per_logit_bytes"] + row["rest_GiB"] * 2**30)
+    assert parts == pytest.approx(row["activation_GiB"] * 2**30) and row["rest_GiB"] >= 0
+
+
+def test_the_activation_anatomy_refuses_what_it_cannot_split(config):
+    one_layer = fake_memory.model_config("Llama-3.2-1B")
+    one_layer.num_hidden_layers = 1
+    with pytest.raises(ValueError, match="num_hidden_layers=1"):
+        fake_memory.activation_anatomy(one_layer)
+    with pytest.raises(ValueError, match="small_vocab=512: must be an integer in 1..511"):
+        fake_memory.activation_anatomy(config, small_vocab=512)
+    # 8 tokens: the peak falls at the end of backward, where the layers' activations are gone
+    with pytest.raises(ValueError, match="seq_len=8: the step's peak"):
+        fake_memory.activation_anatomy(config, Stack(), 8, small_vocab=64)

@@ -4,7 +4,7 @@ from dataclasses import asdict
 
 import pytest
 
-from recipes_lib import calc, notebooks, scale
+from recipes_lib import calc, notebooks, scale, sweep
 
 
 @pytest.mark.parametrize("stem", sorted(scale.SIZES))
@@ -66,3 +66,27 @@ def test_model_specs():
     assert 3e8 < calc.param_count(shape)["total"] < 5e8
     assert gpu["hidden_size"] % 64 == 0 and gpu["intermediate_size"] % 64 == 0
     assert gpu["hidden_size"] % gpu["num_attention_heads"] == 0
+
+
+# The parameters each notebook hands to a size sweep (``sweep.check_sizes``: at least three
+# sizes, strictly growing). Checked at every scale, since the "gpu" column only runs on a GPU.
+SWEEP_PARAMETERS = {
+    "01_large_models_limited_hardware": ("CKPT_SWEEP_WIDTHS",),
+    "02_multi_gpu_training": ("BF16_SWEEP",),
+    "03_optimizing_inference_speed": ("ATTN_SEQ_LENS", "ATTN_HEADS", "INT8_DECODE_HIDDEN",
+                                      "INT8_PREFILL_ROWS", "KD_SWEEP_WIDTHS",
+                                      "NORM_HIDDEN_SIZES", "KV_SWEEP_TOKENS", "COMPILE_WIDTHS",
+                                      "GEN_COMPILE_WIDTHS"),
+    "04_training_long_sequences": ("TIME_SEQ_LENS", "CE_SWEEP_TOKENS", "CE_SWEEP_VOCAB"),
+}
+SKIPPED_WHEN_EMPTY = {"GEN_COMPILE_WIDTHS"}  # the notebook says it skips the sweep
+
+
+@pytest.mark.parametrize("scale_name", scale.SCALES)
+def test_every_scale_gives_each_sweep_sizes_it_can_run(scale_name):
+    for stem, names in SWEEP_PARAMETERS.items():
+        chosen = scale.sizes(stem, scale_name)
+        for name in names:
+            if name in SKIPPED_WHEN_EMPTY and not chosen[name]:
+                continue
+            sweep.check_sizes(list(chosen[name]), name)  # raises, naming the parameter

@@ -56,6 +56,32 @@ def test_each_measured_compile_is_a_first_compile_not_a_recompile():
             assert r.max_abs_diff <= 1e-6
 
 @pytest.mark.skipif(not compiling.compile_available("cpu")[0], reason="no C++ compiler")
+def test_a_cold_compile_writes_its_kernels_to_a_new_empty_folder_and_they_outlive_it():
+    """Inductor keeps compiled C++ kernels in its cache folder: a compile timed in the user's
+    warm folder would skip the C++ compiler and report half a first run's time."""
+    import os
+    from pathlib import Path
+
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    def f(x):
+        return torch.nn.functional.silu(x).cumsum(0) * 3
+
+    user_dir = cache_dir()  # sets TORCHINDUCTOR_CACHE_DIR where it was unset
+    before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    torch._dynamo.reset()
+    compiled, x = torch.compile(f), torch.randn(32)
+    with compiling.cold_compile():
+        inside = Path(cache_dir())
+        assert inside != Path(user_dir) and not any(inside.iterdir())
+        compiled(x)
+        assert any(p.is_file() for p in inside.rglob("*")), "the kernels went elsewhere"
+    assert not inside.exists()  # deleted on exit
+    assert os.environ.get("TORCHINDUCTOR_CACHE_DIR") == before == user_dir
+    torch.testing.assert_close(compiled(x), f(x))  # the loaded kernels still run
+
+
+@pytest.mark.skipif(not compiling.compile_available("cpu")[0], reason="no C++ compiler")
 def test_compiled_generation_equals_eager_static_cache():
     model = small_llama(vocab_size=128, hidden_size=32, num_hidden_layers=1, max_positions=32)
     ids = torch.randint(3, 128, (1, 8))

@@ -152,30 +152,45 @@ class Sweep:
         return [b.median_s / r.median_s for b, r in zip(self.baseline, self.candidate)]
 
     def crossover(self) -> float | None:
-        """The size where the speed-up first crosses 1 going up and stays above it, interpolated
-        linearly in log(size) and log(speed-up); None when it never does (see ``verdict``)."""
+        """The size where the speed-up last crosses 1, interpolated linearly in log(size) and
+        log(speed-up): going up (the recipe pays above it, the usual case of a recipe that saves
+        FLOPs or bytes) or going down (it pays below it: a fusion or compilation whose gain
+        shrinks once large matmuls dominate); :meth:`pays_above` says which. None when it never
+        crosses: it wins at every size or at none (see ``verdict``)."""
         s = self.speedups
-        if all(x >= 1 for x in s) or s[-1] < 1:
+        if all(x >= 1 for x in s) or all(x < 1 for x in s):
             return None
-        i = max(k for k in range(len(s)) if s[k] < 1)  # the last size where it still loses
+        # the last size on the other side of 1 from the largest size
+        i = max(k for k in range(len(s)) if (s[k] >= 1) != (s[-1] >= 1))
         x0, x1 = math.log(self.sizes[i]), math.log(self.sizes[i + 1])
         y0, y1 = math.log(s[i]), math.log(s[i + 1])
         return math.exp(x0 + (x1 - x0) * (0 - y0) / (y1 - y0))
+
+    def pays_above(self) -> bool:
+        """Whether the recipe wins at the largest size swept (a crossover is then one it pays
+        above; otherwise one it pays below)."""
+        return self.speedups[-1] >= 1
 
     def verdict(self) -> str:
         """One sentence: where the recipe wins, per the sizes swept (and where the sweep ran out
         of memory, if it did)."""
         s, cross = self.speedups, self.crossover()
         lo, hi = self.sizes[0], self.sizes[-1]
-        if all(x >= 1 for x in s):
+        wins = [n for n, x in zip(self.sizes, s) if x >= 1]
+        flips = sum((a >= 1) != (b >= 1) for a, b in itertools.pairwise(s))
+        if len(wins) == len(s):
             text = (f"wins at every {self.dimension} swept ({lo}..{hi}), "
                     f"{min(s):.2f}x..{max(s):.2f}x")
         elif cross is None:
             text = (f"wins at no {self.dimension} swept ({lo}..{hi}): best {max(s):.2f}x, "
                     f"at the largest {s[-1]:.2f}x")
+        elif flips > 1:
+            text = (f"wins only at {self.dimension} {', '.join(map(str, wins))} of {lo}..{hi} "
+                    f"(last crosses 1 going {'up' if self.pays_above() else 'down'} at "
+                    f"~{cross:.0f}; {s[0]:.2f}x at {lo}, {s[-1]:.2f}x at {hi})")
         else:
-            text = (f"pays above {self.dimension} ~ {cross:.0f} "
-                    f"({s[0]:.2f}x at {lo}, {s[-1]:.2f}x at {hi})")
+            text = (f"pays {'above' if self.pays_above() else 'below'} {self.dimension} ~ "
+                    f"{cross:.0f} ({s[0]:.2f}x at {lo}, {s[-1]:.2f}x at {hi})")
         if self.out_of_memory is not None:
             text += f"; out of memory at {self.dimension} {self.out_of_memory.size}"
         return text
@@ -214,13 +229,14 @@ class Sweep:
 
     def record(self, results, unit: str = "") -> None:
         """Write ``<recipe>/crossover_<dimension>`` (the size; 0 when it wins at every size,
-        -1 when at none, the verdict in the unit), the speed-up at the largest size that ran and,
+        -1 when at none; the verdict, which says whether it pays above or below that size,
+        always in the unit, after ``unit``), the speed-up at the largest size that ran and,
         if the sweep stopped short, ``<recipe>/out_of_memory_<dimension>`` (the size)."""
         cross = self.crossover()
         s = self.speedups
         value = cross if cross is not None else (0.0 if all(x >= 1 for x in s) else -1.0)
         results.add(self.recipe, f"crossover_{self.dimension}", value,
-                    unit=unit or self.verdict())
+                    unit=f"{unit}: {self.verdict()}" if unit else self.verdict())
         results.add(self.recipe, f"speedup_at_{self.dimension}_{self.sizes[-1]}", s[-1],
                     baseline=1.0, unit="x baseline")
         if self.out_of_memory is not None:
@@ -240,7 +256,8 @@ class Sweep:
         ax.axhline(1.0, color="grey", lw=1)
         cross = self.crossover()
         if cross is not None:
-            ax.axvline(cross, color="red", ls=":", label=f"crossover ~{cross:.0f}")
+            side = "above" if self.pays_above() else "below"
+            ax.axvline(cross, color="red", ls=":", label=f"crossover ~{cross:.0f} (pays {side})")
         if self.out_of_memory is not None:
             ax.axvline(self.out_of_memory.size, color="black", ls="--",
                        label=f"out of memory at {self.out_of_memory.size}")

@@ -27,11 +27,28 @@ def test_crossover_after_a_dip_is_the_last_one_and_none_when_it_never_pays_or_al
     assert always.crossover() is None and "wins at every n" in always.verdict()
 
 
+def test_a_recipe_that_stops_paying_crosses_going_down():
+    """torch.compile's shape on a CPU: fusion pays on narrow layers, not once matmuls dominate
+    (it was reported as winning nowhere)."""
+    s = _sweep([1] * 4, [0.5, 0.5, 2, 2])  # 2x at 2, 0.5x at 4: crosses at sqrt(8), going down
+    assert s.crossover() == pytest.approx(8 ** 0.5) and not s.pays_above()
+    assert "pays below n ~ 3 (2.00x at 1, 0.50x at 8)" in s.verdict()
+    up = _sweep([1] * 4, [2, 2, 0.5, 0.5])
+    assert up.pays_above() and "pays above n ~ 3" in up.verdict()
+    middle = _sweep([1] * 4, [2, 0.5, 2, 2])  # wins at 2 only: said, not "pays below"
+    assert middle.crossover() == pytest.approx(8 ** 0.5)
+    assert "wins only at n 2 of 1..8 (last crosses 1 going down at ~3" in middle.verdict()
+
+
 def test_record_writes_the_crossover_figure_and_the_last_speedup(tmp_path):
     r = Results("sweep_test", "cpu", tmp_path)
     _sweep([1] * 4, [2, 2, 0.5, 0.5]).record(r)
     assert r.get("demo", "crossover_n").value == pytest.approx(8 ** 0.5)
+    assert r.get("demo", "crossover_n").unit == "pays above n ~ 3 (0.50x at 1, 2.00x at 8)"
     assert r.get("demo", "speedup_at_n_8").value == pytest.approx(2.0)
+    _sweep([1] * 4, [0.5, 0.5, 2, 2]).record(r, unit="demo over baseline")
+    assert r.get("demo", "crossover_n").unit == ("demo over baseline: pays below n ~ 3 "
+                                                 "(2.00x at 1, 0.50x at 8)")
     r2 = Results("sweep_test2", "cpu", tmp_path)
     _sweep([1] * 4, [2] * 4).record(r2)
     assert r2.get("demo", "crossover_n").value == -1.0  # at none

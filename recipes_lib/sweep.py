@@ -171,6 +171,13 @@ class Sweep:
         above; otherwise one it pays below)."""
         return self.speedups[-1] >= 1
 
+    def within_noise(self) -> list[int]:
+        """Sizes whose speed-up is within its timings' spread of 1x (the noisier side's
+        (max - min) / median, as ``checks.check_speed`` prints it): which side of 1 they fall on
+        is not settled by this run."""
+        return [n for n, b, c, x in zip(self.sizes, self.baseline, self.candidate, self.speedups)
+                if abs(x - 1) <= spread_of(b, c)]
+
     def verdict(self) -> str:
         """One sentence: where the recipe wins, per the sizes swept (and where the sweep ran out
         of memory, if it did)."""
@@ -191,6 +198,9 @@ class Sweep:
         else:
             text = (f"pays {'above' if self.pays_above() else 'below'} {self.dimension} ~ "
                     f"{cross:.0f} ({s[0]:.2f}x at {lo}, {s[-1]:.2f}x at {hi})")
+        if even := self.within_noise():
+            text += (f"; within the timings' spread of 1x at {self.dimension} "
+                     f"{', '.join(map(str, even))}")
         if self.out_of_memory is not None:
             text += f"; out of memory at {self.dimension} {self.out_of_memory.size}"
         return text

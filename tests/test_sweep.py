@@ -40,6 +40,19 @@ def test_a_recipe_that_stops_paying_crosses_going_down():
     assert "wins only at n 2 of 1..8 (last crosses 1 going down at ~3" in middle.verdict()
 
 
+def test_a_speedup_within_its_timings_spread_of_one_is_said_to_be():
+    """Near 1x the side is noise: torch.compile at width 1024 read 0.9995x in one run, 1.025x in
+    the next."""
+    def t(ms, spread):
+        m = ms / 1e3
+        return Timing(m, [m * (1 - spread / 2), m, m * (1 + spread / 2)])
+    s = Sweep("demo", "n", [1, 2, 4], [t(10, 0.05), t(10, 0.05), t(10, 0.05)],
+              [t(5, 0.05), t(9.9, 0.05), t(10.3, 0.02)])  # 2x, 1.01x, 0.97x
+    assert s.within_noise() == [2, 4]
+    assert s.verdict().endswith("; within the timings' spread of 1x at n 2, 4")
+    assert _sweep([1] * 4, [0.5] * 4).within_noise() == []  # one run each: no spread
+
+
 def test_record_writes_the_crossover_figure_and_the_last_speedup(tmp_path):
     r = Results("sweep_test", "cpu", tmp_path)
     _sweep([1] * 4, [2, 2, 0.5, 0.5]).record(r)

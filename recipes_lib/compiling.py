@@ -73,12 +73,29 @@ def cold_compile():
     import torch._inductor.utils as inductor_utils
 
     stack = contextlib.ExitStack()
-    fresh = getattr(inductor_utils, "fresh_cache", None) or inductor_utils.fresh_inductor_cache
-    stack.enter_context(fresh())
+    stack.enter_context(inductor_utils.fresh_cache())
     stack.enter_context(inductor_config.patch(fx_graph_cache=False))
     if hasattr(functorch_config, "enable_autograd_cache"):
         stack.enter_context(functorch_config.patch(enable_autograd_cache=False))
     return stack
+
+
+def first_call(compiled: Callable[[], Any]) -> tuple[Any, float]:
+    """Make the first call of a freshly ``torch.compile``d callable as a first run would, and
+    time it: Dynamo's in-process state reset (``torch._dynamo.reset()``), then the call inside
+    :func:`cold_compile`. Dynamo keys what it has seen on the code object, so an earlier
+    compilation of the same model class at other shapes (another width, a compiled
+    ``generate``) would otherwise make this one a recompile with dynamic shapes, several times
+    slower here and with different kernels.
+
+    Returns:
+        The call's output and its seconds (tracing, code generation and the C++ compiler).
+    """
+    torch._dynamo.reset()
+    t0 = time.perf_counter()
+    with cold_compile():
+        out = compiled()
+    return out, time.perf_counter() - t0
 
 
 def break_even_calls(eager_s: float, compiled_s: float, compile_s: float) -> float:
@@ -151,21 +168,13 @@ class CompileComparison:
 
 def compare(eager: Callable[[], torch.Tensor], compiled: Callable[[], torch.Tensor],
             repeats: int = 5, device: torch.device | str = "cpu") -> CompileComparison:
-    """Time ``compiled``'s first call (the compilation, from scratch: :func:`cold_compile`),
+    """Time ``compiled``'s first call (the compilation, from scratch: :func:`first_call`),
     compare its output with ``eager``'s, then time both in alternation (the one timer).
 
     Both callables return a tensor (a loss, logits); it is compared after the first calls.
-    Dynamo's in-process state is reset first (``torch._dynamo.reset()``): dynamo keys what it
-    has seen on the code object, so an earlier compilation of the same model class at other
-    shapes (another width, a compiled ``generate``) would otherwise make this one compile with
-    dynamic shapes, several times slower here and with different kernels.
     """
     ref = eager()
-    torch._dynamo.reset()
-    t0 = time.perf_counter()
-    with cold_compile():
-        out = compiled()
-    compile_s = time.perf_counter() - t0
+    out, compile_s = first_call(compiled)
     diff = float((out.detach().float() - ref.detach().float()).abs().max())
     t = time_interleaved({"eager": eager, "compiled": compiled}, warmup=1, repeats=repeats,
                          device=torch.device(device))

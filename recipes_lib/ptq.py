@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from recipes_lib.compiling import cold_compile
+from recipes_lib.compiling import first_call
 
 
 def linear_names(model: torch.nn.Module) -> list[str]:
@@ -147,8 +147,6 @@ def compare_int8_backends(model: torch.nn.Module, batch: dict[str, torch.Tensor]
         ``{name: {"seconds", "spread", "speedup_vs_fp32", "max_abs_logit_diff"}}``; the
         compiled variant also has ``"compile_s"`` (its first call).
     """
-    import time
-
     from recipes_lib.timing import time_interleaved
 
     model = model.eval()
@@ -160,10 +158,7 @@ def compare_int8_backends(model: torch.nn.Module, batch: dict[str, torch.Tensor]
         ref = model(**ids).logits
         if compile_torchao:
             compiled = torch.compile(quantize_int8_torchao(model))
-            t0 = time.perf_counter()
-            with cold_compile():  # a first run's compilation, not one from a warm kernel cache
-                compiled(**ids)
-            compile_s = time.perf_counter() - t0
+            _, compile_s = first_call(lambda: compiled(**ids))  # as a first run compiles it
             variants["torchao int8 (compiled)"] = compiled
         diffs = {name: float((m(**ids).logits - ref).abs().max()) for name, m in variants.items()}
         times = time_interleaved({name: (lambda m=m: m(**ids)) for name, m in variants.items()},

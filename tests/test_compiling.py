@@ -55,6 +55,7 @@ def test_each_measured_compile_is_a_first_compile_not_a_recompile():
             r = compiling.compare(lambda x=x: f(x), lambda x=x: compiled(x), repeats=1)
             assert r.max_abs_diff <= 1e-6
 
+
 @pytest.mark.skipif(not compiling.compile_available("cpu")[0], reason="no C++ compiler")
 def test_a_cold_compile_writes_its_kernels_to_a_new_empty_folder_and_they_outlive_it():
     """Inductor keeps compiled C++ kernels in its cache folder: a compile timed in the user's

@@ -133,13 +133,29 @@ def synchronize(device: torch.device) -> None:
         torch.mps.synchronize()
 
 
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo`` on Linux, else ``platform.processor()``), or ''."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return " ".join(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return platform.processor()
+
+
 def describe_device(device: torch.device) -> str:
-    """A human-readable device name, e.g. 'cpu (x86_64, 2 threads)' or 'cuda: Tesla T4'."""
+    """A human-readable device name, e.g. 'cpu: AMD EPYC 9R14 (x86_64 AVX512, 2 threads)' or
+    'cuda: Tesla T4'. A CPU's speed figures depend on its vector ISA (torch's kernel level:
+    AVX2, AVX512, ...) as much as on its cores, so both are named."""
     if device.type == "cuda":
         return f"cuda: {torch.cuda.get_device_name(device)}"
     if device.type == "mps":
         return "mps: Apple GPU"
-    return f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)"
+    name = cpu_name()
+    return (f"cpu{': ' + name if name else ''} ({platform.machine()} "
+            f"{torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads)")
 
 
 def has_module(name: str) -> bool:

@@ -38,6 +38,15 @@ def test_capabilities_report_every_fallback():
     assert caps["flash-attn"] in ("yes", "no: PyTorch SDPA is used")
 
 
+def test_cpu_description_names_the_model_isa_and_threads():
+    described = device.describe_device(torch.device("cpu"))
+    assert described.startswith("cpu")
+    assert torch.backends.cpu.get_cpu_capability() in described
+    assert f"{torch.get_num_threads()} threads" in described
+    name = device.cpu_name()
+    assert (name in described) if name else described.startswith("cpu (")
+
+
 def test_capabilities_name_each_fallback_on_cpu():
     caps = device.capabilities(torch.device("cpu"))
     if not torch.cuda.is_available():

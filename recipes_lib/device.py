@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import platform
+import re
 import shutil
 import warnings
 from collections.abc import Iterator
@@ -138,8 +139,9 @@ def cpu_name() -> str:
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name"):
-                    return " ".join(line.split(":", 1)[1].split())
+                if line.startswith("model name"):  # "Intel(R) Xeon(R) ..." -> "Intel Xeon ..."
+                    name = line.split(":", 1)[1]
+                    return " ".join(re.sub(r"\((R|TM|tm)\)", "", name).split())
     except OSError:
         pass
     return platform.processor()

@@ -97,6 +97,28 @@ def compiled_ce_chunk(ignore_index: int = IGNORE_INDEX, logit_softcap: float | N
     return _COMPILED_CE[key]
 
 
+_COMPILED_FULL: list[Callable[..., torch.Tensor]] = []
+
+
+def _full_ce(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(upcast(h @ w.T), y, ignore_index=IGNORE_INDEX)
+
+
+def compiled_full_cross_entropy() -> Callable[..., torch.Tensor]:
+    """``F.cross_entropy(upcast(hidden @ weight.T), labels)`` under
+    ``torch.compile(fullgraph=True, dynamic=True)``: the computation Cut Cross-Entropy's CPU
+    path (``linear_cross_entropy(..., impl="torch_compile")``) compiles (apple/ml-cross-entropy,
+    ``cut_cross_entropy/torch_compile.py``), here without that package or the Triton it
+    imports. The logits exist whole: a fused speed baseline, not a memory recipe.
+
+    Raises:
+        ValueError: where ``torch.compile`` cannot run (no C++ compiler, no Triton).
+    """
+    if not _COMPILED_FULL:
+        _COMPILED_FULL.append(torch.compile(_full_ce, fullgraph=True, dynamic=True))
+    return _COMPILED_FULL[0]
+
+
 class _ChunkedLinearLoss(torch.autograd.Function):
     """Loss and gradients chunk by chunk in forward; backward scales the stored gradients."""
 
@@ -367,10 +389,11 @@ def tokens_sweep(tokens: list[int], vocab_size: int, hidden_size: int, chunk_siz
     """Where chunked cross-entropy stops costing time against the full logits: a loss step
     (forward + backward) over the number of tokens, timed in alternation
     (``sweep.run_sweep``). Timed beside it where asked: Liger's fused kernel
-    (``include_liger``, CUDA), ours with each chunk compiled (``include_compiled``,
-    ``compiled_ce_chunk``) and Apple's Cut Cross-Entropy (``include_cce``; its
-    ``torch_compile`` implementation on a CPU, its Triton kernels on CUDA). Compilation happens
-    in the warm-up call, outside the timing.
+    (``include_liger``, CUDA), ours with each chunk compiled and the full loss compiled as Cut
+    Cross-Entropy's CPU path compiles it (``include_compiled``: ``compiled_ce_chunk``,
+    :func:`compiled_full_cross_entropy`; ``Sweep.ratio`` compares the two) and Apple's
+    Cut Cross-Entropy itself (``include_cce``; its ``torch_compile`` implementation on a CPU,
+    its Triton kernels on CUDA). Compilation happens in the warm-up call, outside the timing.
 
     Returns:
         A ``sweep.Sweep`` (recipe "chunked_ce", dimension "tokens").
@@ -433,6 +456,8 @@ def _ce_sweep(dimension: str, sizes: list[int], shape_at: Callable[[int], tuple[
         if include_compiled:
             losses["chunked (compiled)"] = lambda: chunked_cross_entropy(h, w, y, c,
                                                                          compiled=True)
+            full = compiled_full_cross_entropy()
+            losses["full (compiled)"] = lambda: full(h, w, y)
         if include_cce:
             from cut_cross_entropy import linear_cross_entropy
 

@@ -221,6 +221,26 @@ class Sweep:
                 out.append("compute" if fc >= fm else "memory")
         return out
 
+    def times(self, name: str) -> list[Timing]:
+        """The timings, by size, of ``"baseline"``, ``"recipe"`` or a variant of ``extra``.
+
+        Raises:
+            ValueError: naming ``name`` and the variants this sweep timed.
+        """
+        timed = {"baseline": self.baseline, "recipe": self.candidate, **self.extra}
+        if name not in timed:
+            raise ValueError(f"name={name!r}: not timed in this sweep (it timed "
+                             f"{', '.join(map(repr, timed))})")
+        return timed[name]
+
+    def ratio(self, numerator: str, denominator: str) -> tuple[list[float], list[float]]:
+        """``numerator``'s median time over ``denominator``'s at each size (> 1: the
+        denominator is faster), e.g. two variants of ``extra`` raced against each other, and
+        at each size the spread of the two timings behind it (the noisier side's)."""
+        a, b = self.times(numerator), self.times(denominator)
+        return ([x.median_s / y.median_s for x, y in zip(a, b)],
+                [spread_of(x, y) for x, y in zip(a, b)])
+
     def spread(self) -> float:
         """The largest (max - min) / median over every timing of the sweep."""
         return spread_of(*self.baseline, *self.candidate)

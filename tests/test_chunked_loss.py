@@ -117,13 +117,33 @@ def test_compiled_chunks_equal_full_cross_entropy(cap):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
+def test_full_cross_entropy_compiled_as_cce_compiles_it_equals_the_eager_one():
+    """The stand-in for Cut Cross-Entropy's CPU path; fp32 and dynamic shapes, so the sweep
+    test below reuses its compiled graph."""
+    from recipes_lib.compiling import compile_available
+
+    if not compile_available("cpu")[0]:
+        pytest.skip("no C++ compiler for torch.compile")
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(100, 32, generator=g, requires_grad=True)
+    w = (torch.randn(300, 32, generator=g) / 6).requires_grad_()
+    y = torch.randint(0, 300, (100,), generator=g)
+    y[:10] = chunked_loss.IGNORE_INDEX
+    ref = F.cross_entropy(h @ w.T, y)
+    got = chunked_loss.compiled_full_cross_entropy()(h, w, y)
+    torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
+    for a, b in zip(torch.autograd.grad(got, (h, w)), torch.autograd.grad(ref, (h, w))):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
 def test_compiled_and_cce_join_the_tokens_sweep_or_say_why_not(monkeypatch):
     from recipes_lib import compiling
 
     if compiling.compile_available("cpu")[0]:
         s = chunked_loss.tokens_sweep([16, 32, 64], 128, 32, chunk_size=16, repeats=1,
                                       include_compiled=True)
-        assert "chunked (compiled)" in s.extra
+        assert {"chunked (compiled)", "full (compiled)"} <= s.extra.keys()
+        assert len(s.ratio("full (compiled)", "chunked (compiled)")[0]) == 3
     monkeypatch.setattr(chunked_loss, "cce_available", lambda: False)
     with pytest.raises(ValueError, match="include_cce=True: cut-cross-entropy"):
         chunked_loss.tokens_sweep([16, 32, 64], 128, 32, include_cce=True)

@@ -53,6 +53,19 @@ def test_a_speedup_within_its_timings_spread_of_one_is_said_to_be():
     assert _sweep([1] * 4, [0.5] * 4).within_noise() == []  # one run each: no spread
 
 
+def test_two_variants_raced_by_ratio_with_their_spread_and_a_missing_one_named():
+    def t(ms, spread):
+        return Timing(ms / 1e3, [ms / 1e3 * (1 - spread), ms / 1e3, ms / 1e3 * (1 + spread)])
+    s = Sweep("demo", "n", [1, 2, 4], [t(10, 0)] * 3, [t(5, 0)] * 3,
+              extra={"a": [t(8, 0.1), t(6, 0.1), t(4, 0.1)], "b": [t(4, 0.3), t(6, 0), t(8, 0)]})
+    ratios, spreads = s.ratio("a", "b")
+    assert ratios == pytest.approx([2.0, 1.0, 0.5]) and spreads == pytest.approx([0.6, 0.2, 0.2])
+    assert s.ratio("baseline", "recipe")[0] == pytest.approx(s.speedups)
+    assert s.times("recipe") is s.candidate
+    with pytest.raises(ValueError, match="name='c': not timed in this sweep .*'a', 'b'"):
+        s.ratio("c", "a")
+
+
 def test_record_writes_the_crossover_figure_and_the_last_speedup(tmp_path):
     r = Results("sweep_test", "cpu", tmp_path)
     _sweep([1] * 4, [2, 2, 0.5, 0.5]).record(r)

@@ -271,60 +271,78 @@ def quantize_int8_weight_only(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def decode_sweep(hidden_sizes: list[int], repeats: int = 5, compile_weight_only: bool = True,
-                 device: torch.device | str = "cpu"):
-    """Batch-1 decode (one token through a ``hidden -> 4 hidden -> hidden`` MLP), fp32 against
-    torchao's weight-only int8 over the hidden size, timed in alternation (``sweep.run_sweep``).
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
+    """Batch-1 decode (one token through a ``hidden -> 4 hidden -> hidden`` MLP), the
+    unquantized MLP against torchao's weight-only int8 over the hidden size, both with
+    activations in ``dtype``, timed in alternation (``sweep.run_sweep``).
 
-    The recipe is weight-only int8 compiled with ``torch.compile`` (Inductor fuses the
-    dequantization into the matmul; eager torchao dequantizes the whole weight first), with the
-    eager weight-only and ``torch.ao``'s dynamic int8 (the prefill recipe) timed beside it.
-    Compilation happens before timing; its seconds are not in the figures. Work per call: the
-    baseline's ``2 * 8 h^2`` FLOPs and ``4 * 8 h^2`` weight bytes (memory-bound once the weights
-    leave the caches).
+    The recipe is weight-only int8 compiled with ``torch.compile``; the eager weight-only, and
+    ``torch.ao``'s dynamic int8 (the prefill recipe; fp32 only) or, for 16-bit activations, the
+    fp32 MLP are timed beside it. Compilation happens before timing; its seconds are not in
+    the figures. Work per call: the baseline's ``2 * 8 h^2`` FLOPs and ``8 h^2`` weights'
+    bytes (memory-bound once the weights leave the caches).
+
+    What the compiled recipe runs depends on ``dtype`` (torch 2.13, torchao 0.18, on a CPU):
+    with bf16 / fp16 activations Inductor lowers the dequantize-then-matmul to PyTorch's CPU
+    weight-only kernel (``aten._weight_int8pack_mm``), which reads the int8 weight once; with
+    fp32 activations it does not, and writes the dequantized fp32 weight before an ordinary
+    matmul (more bytes than fp32 alone). Eager torchao dequantizes the whole weight first in
+    either case.
 
     Args:
         hidden_sizes: at least three, growing.
         compile_weight_only: compile the recipe (needs a C++ compiler on CPU, Triton on CUDA;
             ``compiling.compile_available``); False times eager weight-only as the recipe.
+        dtype: the activations' (and the baseline's weights') dtype: float32, bfloat16 or
+            float16.
 
     Returns:
-        A ``sweep.Sweep`` (recipe "int8_weight_only", dimension "hidden").
+        A ``sweep.Sweep`` (recipe "int8_weight_only", or "int8_weight_only_bf16" /
+        "int8_weight_only_fp16"; dimension "hidden").
 
     Raises:
-        ValueError: for sizes a sweep cannot use, or compilation asked where it cannot run.
+        ValueError: for sizes a sweep cannot use, a dtype other than those three, or
+            compilation asked where it cannot run.
     """
     from recipes_lib.compiling import require_compile
     from recipes_lib.sweep import run_sweep
 
+    names = {torch.float32: "", torch.bfloat16: "_bf16", torch.float16: "_fp16"}
+    if dtype not in names:
+        raise ValueError(f"dtype={dtype}: decode_sweep takes torch.float32, torch.bfloat16 or "
+                         "torch.float16 activations")
     device = torch.device(device)
     if compile_weight_only:
         require_compile(device)
 
     def make(h: int):
         fp32 = _mlp(h).to(device)
-        wo = quantize_int8_weight_only(fp32)
-        dyn = quantize_int8_dynamic(fp32) if device.type == "cpu" else None
-        x = torch.randn(1, h, device=device)
+        base = fp32 if dtype == torch.float32 else copy.deepcopy(fp32).to(dtype)
+        wo = quantize_int8_weight_only(base)
+        x = torch.randn(1, h, device=device).to(dtype)
         if compile_weight_only:  # a fresh dynamo per size: a recompile would go dynamic-shaped
             torch._dynamo.reset()
         recipe = torch.compile(wo) if compile_weight_only else wo
         with torch.inference_mode():
             recipe(x)  # compile (or warm) outside the timing
 
-        def run(m):
+        def run(m, inp=x):
             with torch.inference_mode():
-                return m(x)
-        fns = {"baseline": lambda: run(fp32), "recipe": lambda: run(recipe)}
+                return m(inp)
+        fns = {"baseline": lambda: run(base), "recipe": lambda: run(recipe)}
         if compile_weight_only:
             fns["weight-only int8 (eager)"] = lambda: run(wo)
-        if dyn is not None:
+        if dtype != torch.float32:
+            fns["fp32"] = lambda: run(fp32, x.float())
+        elif device.type == "cpu":
+            dyn = quantize_int8_dynamic(fp32)
             fns["dynamic int8"] = lambda: run(dyn)
         return fns
 
     def work(h: int) -> tuple[float, float]:
-        return 2 * 8 * h * h, 4 * 8 * h * h
-    return run_sweep("int8_weight_only", "hidden", hidden_sizes, make, work, device,
-                     repeats=repeats, progress=False)
+        return 2 * 8 * h * h, torch.empty((), dtype=dtype).element_size() * 8 * h * h
+    return run_sweep(f"int8_weight_only{names[dtype]}", "hidden", hidden_sizes, make, work,
+                     device, repeats=repeats, progress=False, dtype=dtype)
 
 
 def prefill_sweep(rows: list[int], hidden: int = 1024, repeats: int = 5):

@@ -149,7 +149,7 @@ class Sweep:
     @property
     def speedups(self) -> list[float]:
         """Baseline time / recipe time at each size (> 1: the recipe is faster)."""
-        return [b.median_s / r.median_s for b, r in zip(self.baseline, self.candidate)]
+        return self.ratio("baseline", "recipe")[0]
 
     def crossover(self) -> float | None:
         """The size where the speed-up last crosses 1, interpolated linearly in log(size) and

@@ -5,7 +5,7 @@
   README's results table and write ``report.md`` and the self-contained ``report.html`` in the
   results directory (``$RECIPES_RESULTS_DIR``, else ``results/``). A notebook that fails is
   reported as failed and the others still run.
-- ``bench``: ``run``, the int8-backends micro-benchmark and the fake-tensor checks
+- ``bench``: ``run``, the fake-tensor checks
   (``real_scale.json``), then every speed claim recorded, with
   its figure, spread and verdict; exits non-zero if one is not met on the reference machine
   (``checks.REFERENCE``).
@@ -66,36 +66,6 @@ def bench_verdict(rows: list[dict], reference: bool, how: str) -> tuple[str, boo
     if missed:
         return f"{len(missed)} of {len(rows)} speed claims NOT MET on the reference machine", False
     return f"all {len(rows)} speed claims met on the reference machine", True
-
-
-def int8_backends_benchmark() -> None:
-    """``make bench``'s micro-benchmark: ``ptq``'s int8 path against torchao's kept API (eager
-    and compiled), prefill of 16 prompts of up to 128 tokens on the tiny model, recorded as
-    ``int8_backends.json`` with the claim that justifies keeping the older path."""
-    import torch
-
-    from recipes_lib import checks, data, device, ptq, results
-    from recipes_lib import model as models
-
-    path = models.build_tiny_model()
-    model, tok = models.load_model(path), models.load_tokenizer(path)
-    rows = data.tokenize_examples(data.load_corpus("topic", "test"), tok, 128, "lm")[:16]
-    batch = data.collate(rows, tok.pad_token_id)
-    torch.manual_seed(0)
-    out = ptq.compare_int8_backends(model, batch)
-    r = results.Results("int8_backends", device.describe_device(torch.device("cpu")))
-    for name, row in out.items():
-        print(f"  {name:26s} {row['seconds'] * 1e3:8.1f} ms  {row['speedup_vs_fp32']:.2f}x fp32"
-              f"  spread {row['spread']:.0%}")
-        r.add("int8_prefill", f"{name} speedup", row["speedup_vs_fp32"], baseline=1.0,
-              unit="x fp32, prefill of 16 prompts")
-    ours = out["torch.ao dynamic int8"]
-    torchao = min((row for name, row in out.items() if name.startswith("torchao")),
-                  key=lambda row: row["seconds"])
-    checks.check_speed(r, "int8_prefill", "torch.ao int8 (ptq's path) over torchao's fastest",
-                       torchao["seconds"] / ours["seconds"], 1.0,
-                       spread=checks.spread_of(ours["spread"], torchao["spread"]))
-    r.save()
 
 
 def real_scale_benchmark() -> None:
@@ -339,8 +309,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"not the reference machine ({how}): speed verdicts will be reported, "
                   "not asserted")
         code = _run(args, parser)
-        print("micro-benchmark: int8 prefill backends")
-        int8_backends_benchmark()
         real_scale_benchmark()
         print("every notebook on every architecture")
         archs_ok = architectures_matrix()

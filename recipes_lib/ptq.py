@@ -7,19 +7,17 @@ accumulation, so it saves compute as well as bytes where the CPU has fast int8 i
 
 - CPU: PyTorch's dynamic quantization (``torch.ao.quantization.quantize_dynamic``, fbgemm / x86
   kernels). PyTorch deprecates it in favour of torchao's ``quantize_`` with
-  ``Int8DynamicActivationInt8WeightConfig`` (``quantize_int8_torchao``), but on this CPU that
-  path has no fast int8 kernel. Measured in one run, timed in alternation by ``make bench``
-  (``compare_int8_backends``: prefill of 16 prompts of up to 128 tokens on the tiny default
-  model, 2-core AVX2 CPU, torch 2.13, torchao 0.18; ``results/int8_backends.json``): fp32
-  126 ms; ``torch.ao`` dynamic int8 106 ms (1.18x fp32); torchao eager 2377 ms (0.05x);
-  torchao ``torch.compile``d 2303 ms (0.05x, after ~40 s of compilation). So the recipe keeps
-  the deprecated path, the one that shows int8's speed here; ``make bench`` re-measures the
-  comparison on every run and fails when torchao catches up (time to move), and
-  ``tests/test_ptq.py`` fails when the old API disappears. On a CPU with AVX512-VNNI and AMX it
-  has caught up: the same micro-benchmark on a 2-core Intel Xeon (Sapphire Rapids class) gave
-  fp32 96 ms, ``torch.ao`` 79 ms (1.21x), torchao eager 147 ms (0.65x) and torchao compiled
-  36 ms (2.64x fp32, 2.2x the ``torch.ao`` path): there, torchao's ``quantize_`` under
-  ``torch.compile`` is the faster int8 prefill.
+  ``Int8DynamicActivationInt8WeightConfig`` (``quantize_int8_torchao``). Which is faster depends
+  on the CPU's int8 instructions (``compare_int8_backends``: the same prefill timed in
+  alternation; notebook 03 runs it at ``make run`` and claims this module's path is at least as
+  fast). Prefill of 16 prompts of up to 128 tokens on the tiny default model, torch 2.13,
+  torchao 0.18, one run each: on the 2-core AVX2 reference, fp32 126 ms, ``torch.ao`` 106 ms
+  (1.18x fp32), torchao eager 2377 ms (0.05x), torchao compiled 2303 ms (0.05x, after ~40 s of
+  compilation); on a 2-core Intel Xeon with AVX512-VNNI and AMX, fp32 96 ms, ``torch.ao`` 79 ms
+  (1.21x), torchao eager 147 ms (0.65x), torchao compiled 36 ms (2.64x). So the recipe keeps the
+  deprecated path, the fast one on the reference; ``make bench`` fails there when torchao
+  catches up (time to move), the notebook says NOT MET where it already has, and
+  ``tests/test_ptq.py`` fails when the old API disappears.
 - CUDA: bitsandbytes' LLM.int8 (Dettmers et al., 2022), which keeps outlier feature columns in
   fp16 (``load_int8``).
 """

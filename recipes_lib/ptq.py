@@ -285,11 +285,11 @@ def decode_sweep(hidden_sizes: list[int], repeats: int = 5, compile_weight_only:
     bytes (memory-bound once the weights leave the caches).
 
     What the compiled recipe runs depends on ``dtype`` (torch 2.13, torchao 0.18, on a CPU):
-    with bf16 / fp16 activations Inductor lowers the dequantize-then-matmul to PyTorch's CPU
+    with bf16 activations Inductor lowers the dequantize-then-matmul to PyTorch's CPU
     weight-only kernel (``aten._weight_int8pack_mm``), which reads the int8 weight once; with
-    fp32 activations it does not, and writes the dequantized fp32 weight before an ordinary
-    matmul (more bytes than fp32 alone). Eager torchao dequantizes the whole weight first in
-    either case.
+    fp32 (or fp16) activations it does not, and writes the dequantized weight before an ordinary
+    matmul (more bytes than the unquantized layer alone). Eager torchao dequantizes the whole
+    weight first in any dtype.
 
     Args:
         hidden_sizes: at least three, growing.

@@ -122,17 +122,17 @@ def test_int8_sweeps_time_each_size():
         ptq.decode_sweep([64, 128, 256], compile_weight_only=False, dtype=torch.int8)
 
 
-def test_compiled_weight_only_int8_reads_int8_weights_only_with_16_bit_activations():
+def test_compiled_weight_only_int8_reads_int8_weights_only_with_bf16_activations():
     """What the decode sweep's text says: with bf16 activations Inductor lowers torchao's
-    weight-only int8 to PyTorch's CPU kernel; with fp32 ones it writes the dequantized weight
-    and runs an ordinary matmul (why it wins at no width in fp32)."""
+    weight-only int8 to PyTorch's CPU kernel; with fp32 (or fp16) ones it writes the
+    dequantized weight and runs an ordinary matmul (why it wins at no width in fp32)."""
     from torch._inductor.utils import run_and_get_code
 
     from recipes_lib.compiling import compile_available
 
     if not compile_available("cpu")[0]:
         pytest.skip("no C++ compiler for torch.compile")
-    for dtype, lowered in ((torch.bfloat16, True), (torch.float32, False)):
+    for dtype, lowered in ((torch.bfloat16, True), (torch.float32, False), (torch.float16, False)):
         wo = ptq.quantize_int8_weight_only(ptq._mlp(64).to(dtype))
         torch._dynamo.reset()
         with torch.inference_mode():

@@ -14,6 +14,7 @@ chunk's logits, and no matmul is recomputed (3 matmuls per chunk, as unchunked).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -97,13 +98,11 @@ def compiled_ce_chunk(ignore_index: int = IGNORE_INDEX, logit_softcap: float | N
     return _COMPILED_CE[key]
 
 
-_COMPILED_FULL: list[Callable[..., torch.Tensor]] = []
-
-
 def _full_ce(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(upcast(h @ w.T), y, ignore_index=IGNORE_INDEX)
 
 
+@functools.cache
 def compiled_full_cross_entropy() -> Callable[..., torch.Tensor]:
     """``F.cross_entropy(upcast(hidden @ weight.T), labels)`` under
     ``torch.compile(fullgraph=True, dynamic=True)``: the computation Cut Cross-Entropy's CPU
@@ -114,9 +113,7 @@ def compiled_full_cross_entropy() -> Callable[..., torch.Tensor]:
     Raises:
         ValueError: where ``torch.compile`` cannot run (no C++ compiler, no Triton).
     """
-    if not _COMPILED_FULL:
-        _COMPILED_FULL.append(torch.compile(_full_ce, fullgraph=True, dynamic=True))
-    return _COMPILED_FULL[0]
+    return torch.compile(_full_ce, fullgraph=True, dynamic=True)
 
 
 class _ChunkedLinearLoss(torch.autograd.Function):

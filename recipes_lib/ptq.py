@@ -173,6 +173,36 @@ def compare_int8_backends(model: torch.nn.Module, batch: dict[str, torch.Tensor]
     return out
 
 
+def check_int8_backends(results: Any, model: torch.nn.Module, batch: dict[str, torch.Tensor],
+                        repeats: int = 5, compile_torchao: bool = True,
+                        strict: bool | None = None) -> dict[str, Any]:
+    """:func:`compare_int8_backends`, recorded: each int8 path's prefill speed-up over fp32 and
+    largest logit difference from fp32 (``int8/prefill_speedup, <path>``,
+    ``int8/max_logit_diff, <path>``), and the claim that keeps this module's deprecated path:
+    ``torch.ao``'s dynamic int8 at least as fast as torchao's fastest (``checks.check_speed``;
+    NOT MET tells that torchao is the faster path on this CPU).
+
+    Returns:
+        :func:`compare_int8_backends`'s rows.
+    """
+    from recipes_lib.checks import check_speed, spread_of
+
+    out = compare_int8_backends(model, batch, repeats, compile_torchao)
+    for name, row in out.items():
+        results.add("int8", f"prefill_speedup, {name}", row["speedup_vs_fp32"], baseline=1.0,
+                    unit="x fp32")
+        if name != "fp32":
+            results.add("int8", f"max_logit_diff, {name}", row["max_abs_logit_diff"],
+                        baseline=0.0, unit="abs, vs fp32")
+    ours = out["torch.ao dynamic int8"]
+    best = min((row for name, row in out.items() if name.startswith("torchao")),
+               key=lambda row: row["seconds"])
+    check_speed(results, "int8", "torch.ao dynamic int8 (this recipe's path) over torchao's "
+                "fastest, prefill", best["seconds"] / ours["seconds"], 1.0,
+                spread=spread_of(ours["spread"], best["spread"]), strict=strict)
+    return out
+
+
 def linear_kernel_speedup(model: torch.nn.Module, tokens: int = 2048, repeats: int = 5
                           ) -> float:
     """fp32 time / int8 time of the model's Linear layers alone, at their shapes, on random input.

@@ -241,6 +241,28 @@ class Sweep:
         return ([x.median_s / y.median_s for x, y in zip(a, b)],
                 [spread_of(x, y) for x, y in zip(a, b)])
 
+    def record_ratio(self, results, numerator: str, denominator: str, metric: str, unit: str,
+                     claim: str | None = None, strict: bool | None = None) -> list[float]:
+        """Race two timed variants (:meth:`ratio`): print the ratio at every size, record the
+        largest size's as ``<recipe>/<metric>_at_<dimension>_<size>`` (baseline 1) and, given
+        ``claim``, check it as a speed claim, at least 1x with that size's spread
+        (``checks.check_speed``; ``strict`` as there).
+
+        Returns:
+            The ratio at each size.
+        """
+        from recipes_lib.checks import check_speed
+
+        ratios, spreads = self.ratio(numerator, denominator)
+        results.add(self.recipe, f"{metric}_at_{self.dimension}_{self.sizes[-1]}", ratios[-1],
+                    baseline=1.0, unit=unit)
+        print(f"{self.recipe}: {numerator} time over {denominator}'s: "
+              + ", ".join(f"{x:.2f}x at {n}" for n, x in zip(self.sizes, ratios)))
+        if claim is not None:
+            check_speed(results, self.recipe, claim, ratios[-1], 1.0, spread=spreads[-1],
+                        strict=strict)
+        return ratios
+
     def spread(self) -> float:
         """The largest (max - min) / median over every timing of the sweep."""
         return spread_of(*self.baseline, *self.candidate)

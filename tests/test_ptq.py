@@ -96,6 +96,22 @@ def test_compare_int8_backends_times_every_path(small_llama):
     assert all(r["seconds"] > 0 and r["max_abs_logit_diff"] < 1.0 for r in out.values())
 
 
+def test_the_int8_backends_are_recorded_with_the_claim_for_ours(small_llama, tmp_path):
+    from recipes_lib.results import Results
+
+    r = Results("ptq_test", "cpu", tmp_path)
+    ids = torch.randint(0, 128, (2, 16))
+    out = ptq.check_int8_backends(r, small_llama, {"input_ids": ids}, repeats=1,
+                                  compile_torchao=False, strict=False)
+    for name, row in out.items():
+        assert r.get("int8", f"prefill_speedup, {name}").value == row["speedup_vs_fp32"]
+    assert r.get("int8", "max_logit_diff, torchao int8 (eager)").value == pytest.approx(
+        out["torchao int8 (eager)"]["max_abs_logit_diff"])
+    (claim,) = r.claims
+    assert claim.value == pytest.approx(out["torchao int8 (eager)"]["seconds"]
+                                        / out["torch.ao dynamic int8"]["seconds"])
+
+
 def test_weight_only_int8_is_close_to_fp32_and_a_quarter_of_its_bytes():
     from recipes_lib.memory import tensor_bytes
 

@@ -66,6 +66,24 @@ def test_two_variants_raced_by_ratio_with_their_spread_and_a_missing_one_named()
         s.ratio("c", "a")
 
 
+def test_a_race_is_printed_by_size_recorded_at_the_largest_and_claimed_when_asked(tmp_path, capsys):
+    s = Sweep("demo", "n", [1, 2, 4], [Timing(0.01, [0.01])] * 3, [Timing(0.005, [0.005])] * 3,
+              extra={"a": [Timing(t, [t * 0.9, t, t * 1.1]) for t in (0.008, 0.006, 0.004)],
+                     "b": [Timing(0.005, [0.005])] * 3})
+    r = Results("sweep_test", "cpu", tmp_path)
+    assert s.record_ratio(r, "a", "b", "a_over_b", "x b") == pytest.approx([1.6, 1.2, 0.8])
+    fig = r.get("demo", "a_over_b_at_n_4")
+    assert fig.value == pytest.approx(0.8) and fig.baseline == 1.0 and fig.unit == "x b"
+    assert "demo: a time over b's: 1.60x at 1, 1.20x at 2, 0.80x at 4" in capsys.readouterr().out
+    assert r.claims == []
+    s.record_ratio(r, "a", "b", "a_over_b", "x b", claim="b at least as fast as a", strict=False)
+    (claim,) = r.claims
+    assert not claim.met and claim.value == pytest.approx(0.8)
+    assert claim.spread == pytest.approx(0.2)
+    with pytest.raises(AssertionError, match="speed claim not met"):
+        s.record_ratio(r, "a", "b", "a_over_b", "x b", claim="b at least as fast as a", strict=True)
+
+
 def test_record_writes_the_crossover_figure_and_the_last_speedup(tmp_path):
     r = Results("sweep_test", "cpu", tmp_path)
     _sweep([1] * 4, [2, 2, 0.5, 0.5]).record(r)

@@ -5,8 +5,10 @@ LayerNorm (Ba et al., 2016): ``y = (x - mean(x)) / sqrt(var(x) + eps) * g + b``,
 bias: ``y = x / sqrt(mean(x^2) + eps) * g``, one reduction. Both read x and write y once, so both
 are memory-bound: the saving is arithmetic and a bias, not bytes of the activation. A win needs a
 *fused* kernel (one pass over x). Eager ``torch.nn.RMSNorm`` on the CPU runs ~5 separate
-element-wise ops (pow, mean, add, rsqrt, mul, mul), each a full pass over x, while LayerNorm has
-had a fused kernel for years; ``torch.compile`` fuses RMSNorm into one pass.
+element-wise ops (pow, mean, add, rsqrt, mul, mul), each a full pass over x: torch 2.13 routes it
+to ``aten::_fused_rms_norm``, which is a kernel on CUDA but a CompositeImplicitAutograd
+decomposition on the CPU (``torch._C._dispatch_dump("aten::_fused_rms_norm")`` shows it), while
+LayerNorm has had a fused CPU kernel for years; ``torch.compile`` fuses RMSNorm into one pass.
 """
 
 from __future__ import annotations

@@ -105,30 +105,29 @@ def main() -> None:
     roots = [n for n in requirement_names(ROOT / "requirements.txt") if n not in DEV_ONLY]
     wanted = {n: v for n, v in closure(roots).items() if n not in DEVICE_HAS}
     archive = Path(args.out)
-    out = Path(tempfile.mkdtemp(prefix="device_site-"))
     platforms = [f"--platform=manylinux_2_{n}_x86_64" for n in (17, 24, 27, 28, 31, 34)]
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-compile",
-                    "--only-binary=:all:", f"--python-version={args.python}",
-                    "--implementation=cp", *platforms, "--platform=manylinux2014_x86_64",
-                    "--target", str(out), *sorted(f"{n}=={v}" for n, v in wanted.items())],
-                   check=True)
-    kept = f"libbitsandbytes_cuda{args.cuda}.so"
-    libs = list((out / "bitsandbytes").glob("libbitsandbytes_*.so"))
-    if not any(p.name == kept for p in libs):
-        raise SystemExit(f"--cuda={args.cuda}: bitsandbytes has no {kept} "
-                         f"(it has {sorted(p.name for p in libs)})")
-    for lib in libs:
-        if lib.name not in (kept, "libbitsandbytes_cpu.so"):
-            lib.unlink()
-    shutil.rmtree(out / "bin", ignore_errors=True)  # console scripts point at this Python
-    size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
-    subprocess.run(["tar", "-C", str(out), "-cJf", str(archive), "."], check=True,
-                   env={**os.environ, "XZ_OPT": "-T0"})
-    shutil.rmtree(out)
+    with tempfile.TemporaryDirectory(prefix="device_site-") as tmp:
+        out = Path(tmp)
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-compile",
+                        "--only-binary=:all:", f"--python-version={args.python}",
+                        "--implementation=cp", *platforms, "--platform=manylinux2014_x86_64",
+                        "--target", str(out), *sorted(f"{n}=={v}" for n, v in wanted.items())],
+                       check=True)
+        kept = f"libbitsandbytes_cuda{args.cuda}.so"
+        libs = list((out / "bitsandbytes").glob("libbitsandbytes_*.so"))
+        if not any(p.name == kept for p in libs):
+            raise SystemExit(f"--cuda={args.cuda}: bitsandbytes has no {kept} "
+                             f"(it has {sorted(p.name for p in libs)})")
+        for lib in libs:
+            if lib.name not in (kept, "libbitsandbytes_cpu.so"):
+                lib.unlink()
+        shutil.rmtree(out / "bin", ignore_errors=True)  # console scripts point at this Python
+        size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
+        subprocess.run(["tar", "-C", str(out), "-cJf", str(archive), "."], check=True,
+                       env={**os.environ, "XZ_OPT": "-T0"})
     print(f"{archive}: {len(wanted)} packages, {size / 2**20:.1f} MiB unpacked, "
           f"{archive.stat().st_size / 2**20:.1f} MiB packed (the device tool carries at most "
           "64 MiB with the working tree)")
-
 
 if __name__ == "__main__":
     main()

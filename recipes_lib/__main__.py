@@ -26,6 +26,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -51,6 +52,38 @@ def format_claims(rows: list[dict]) -> str:
         lines.append(f"{'MET    ' if c['met'] else 'NOT MET'}  {where}  "
                      f"{c['recipe']}: {c['claim']}: {c['value']:.3g} {sign} {c['target']:.3g}"
                      f"{spread}")
+    return "\n".join(lines)
+
+
+def capped_results_dir(isa: str) -> Path:
+    """Where ``run --cap-isa ISA`` puts its figures by default: beside the uncapped ones."""
+    from recipes_lib.results import RESULTS_DIR
+
+    return RESULTS_DIR / f"cpu-{isa}-capped"
+
+
+def isa_claims_markdown(native_dir: Path | str, capped_dir: Path | str) -> str:
+    """Every speed claim of an uncapped run beside the same claim with the CPU kernels capped
+    (``run --cap-isa``), as a Markdown table: figure, target, spread and verdict on each side."""
+    from recipes_lib import results
+
+    def cell(c: dict | None) -> str:
+        if c is None:
+            return "not run"
+        spread = "" if c["spread"] is None else f" (spread {c['spread']:.0%})"
+        return f"{c['value']:.3g}{spread} {'met' if c['met'] else '**NOT MET**'}"
+
+    sides = [{(c["notebook"], c["recipe"], c["claim"]): c for c in claims_table(d)}
+             for d in (native_dir, capped_dir)]
+    devices = [sorted({res["device"] for res in results.load_results(d).values()})
+               for d in (native_dir, capped_dir)]
+    lines = [f"Uncapped: {'; '.join(devices[0])}. Capped: {'; '.join(devices[1])}.", "",
+             "| notebook | claim | target | uncapped | capped |", "|---|---|---:|---:|---:|"]
+    for key in dict.fromkeys([*sides[0], *sides[1]]):
+        c = sides[0].get(key) or sides[1][key]
+        lines.append(f"| {key[0][:2]} | {key[1]}: {key[2]} | "
+                     f"{'>=' if c['at_least'] else '<='} {c['target']:.3g} | "
+                     f"{cell(sides[0].get(key))} | {cell(sides[1].get(key))} |")
     return "\n".join(lines)
 
 
@@ -217,7 +250,7 @@ def architectures_matrix(names: list[str] | None = None) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from recipes_lib import data, results
+    from recipes_lib import data, device, results
 
     parser = argparse.ArgumentParser(prog="python -m recipes_lib")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -228,6 +261,10 @@ def main(argv: list[str] | None = None) -> int:
         cmd.add_argument("-p", "--parameter", nargs=2, action="append", default=[],
                          dest="parameters", metavar=("NAME", "VALUE"),
                          help="a notebook parameter, as papermill -p takes it")
+        cmd.add_argument("--cap-isa", choices=sorted(device.ISA_CAPS),
+                         help="run the CPU kernels an ISA-only CPU would run (device.cap_cpu_isa); "
+                              "results go to results/cpu-ISA-capped/ unless "
+                              f"${results.RESULTS_ENV} is set")
     ar = sub.add_parser("archs", help="every notebook on a tiny model of each architecture")
     ar.add_argument("names", nargs="*", help="default: every decoder of model.ARCHITECTURES")
     sub.add_parser("readme", help="refresh the README's results table")
@@ -249,6 +286,12 @@ def main(argv: list[str] | None = None) -> int:
     cb.add_argument("--ref", default="main", help="branch or tag the badges open")
     args = parser.parse_args(argv)
 
+    if getattr(args, "cap_isa", None):
+        capped = device.cap_cpu_isa(args.cap_isa)
+        print(f"CPU kernels capped to {args.cap_isa}: "
+              + ", ".join(f"{k}={v}" for k, v in capped.items()))
+        if not os.environ.get(results.RESULTS_ENV):
+            os.environ[results.RESULTS_ENV] = str(capped_results_dir(args.cap_isa))
     if args.command == "colab":
         from recipes_lib.colab import stamp_notebooks
 
@@ -319,6 +362,10 @@ def main(argv: list[str] | None = None) -> int:
         print(verdict)
         return code if ok and archs_ok else 1
     results.update_readme()
+    for isa in device.ISA_CAPS:  # a capped run's claims beside the uncapped ones, where recorded
+        if any(capped_results_dir(isa).glob("*.json")):
+            results.write_readme_section(f"claims-{isa}-capped", isa_claims_markdown(
+                results.output_dir(), capped_results_dir(isa)))
     return 0
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import os
 import platform
 import re
 import shutil
@@ -18,6 +19,17 @@ import torch
 
 PRECISIONS = ("fp32", "bf16", "fp16", "auto")
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+# Each library behind torch's CPU kernels reads its own variable to cap the vector instructions it
+# may use: ATen's kernels and Inductor's generated C++ (ATEN_CPU_CAPABILITY), oneDNN (bf16 and
+# int8 matmuls), MKL (fp32 GEMM) and FBGEMM (torch.ao's int8 linear layers). Set together before
+# a kernel runs, they make a newer CPU take the code paths an older one would take (its bf16
+# fallbacks included), though not its clocks, caches or cores.
+ISA_CAPS: dict[str, dict[str, str]] = {
+    "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+             "MKL_ENABLE_INSTRUCTIONS": "AVX2", "FBGEMM_ENABLE_INSTRUCTIONS": "AVX2"},
+}
+_CAP_VARIABLES = tuple(dict.fromkeys(v for cap in ISA_CAPS.values() for v in cap))
 
 
 def pick_device(prefer: str | None = None) -> torch.device:
@@ -147,17 +159,71 @@ def cpu_name() -> str:
     return platform.processor()
 
 
+def native_cpu_isa() -> str:
+    """The vector ISA this CPU's hardware offers, named as torch names its kernel levels
+    (``AVX512``, ``AVX2``, ``DEFAULT``), whatever :data:`ISA_CAPS`' variables say: read from
+    ``/proc/cpuinfo``'s flags on x86 Linux (with ATen's own tests: AVX512 needs the F, BW, VL
+    and DQ subsets, AVX2 needs FMA too), else torch's level."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((set(line.split(":", 1)[1].split()) for line in f
+                          if line.startswith("flags")), None)
+    except OSError:
+        flags = None
+    if not flags or platform.machine() not in ("x86_64", "AMD64"):
+        return torch.backends.cpu.get_cpu_capability()
+    if {"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma"} <= flags:
+        return "AVX512"
+    return "AVX2" if {"avx2", "fma"} <= flags else "DEFAULT"
+
+
+def cap_cpu_isa(isa: str) -> dict[str, str]:
+    """Make this process's later kernels and every process it starts (papermill's kernels,
+    torchrun's ranks) run the CPU code paths of an ``isa``-only CPU: sets :data:`ISA_CAPS`'
+    variables. Call it before a kernel runs: ATen reads its variable at the first one.
+
+    Returns:
+        The variables set, name -> value.
+
+    Raises:
+        ValueError: if ``isa`` is not one of :data:`ISA_CAPS`.
+
+    Example:
+        >>> cap_cpu_isa("avx2")["ATEN_CPU_CAPABILITY"]
+        'avx2'
+    """
+    if isa not in ISA_CAPS:
+        raise ValueError(f"isa={isa!r}: expected one of {sorted(ISA_CAPS)}")
+    os.environ.update(ISA_CAPS[isa])
+    level, order = torch.backends.cpu.get_cpu_capability(), ("DEFAULT", "AVX2", "AVX512")
+    if level in order and order.index(level) > order.index(isa.upper()):
+        warnings.warn(f"cap_cpu_isa({isa!r}): this process had chosen its kernels already and "
+                      f"keeps {level}; the processes it starts run {isa.upper()}'s",
+                      stacklevel=2)
+    return dict(ISA_CAPS[isa])
+
+
+def isa_cap() -> str:
+    """'' when the CPU kernels may use all the hardware offers; else which of
+    :data:`ISA_CAPS`' variables hold them back, e.g.
+    ``'ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2, ...'``."""
+    return ", ".join(f"{k}={os.environ[k]}" for k in _CAP_VARIABLES if os.environ.get(k))
+
+
 def describe_device(device: torch.device) -> str:
     """A human-readable device name, e.g. 'cpu: AMD EPYC 9R14 (x86_64 AVX512, 2 threads)' or
     'cuda: Tesla T4'. A CPU's speed figures depend on its vector ISA (torch's kernel level:
-    AVX2, AVX512, ...) as much as on its cores, so both are named."""
+    AVX2, AVX512, ...) as much as on its cores, so both are named, and a cap on it
+    (:func:`cap_cpu_isa`) with the hardware's own: 'x86_64 AVX2 capped, hardware AVX512'."""
     if device.type == "cuda":
         return f"cuda: {torch.cuda.get_device_name(device)}"
     if device.type == "mps":
         return "mps: Apple GPU"
     name = cpu_name()
+    capped = f" capped, hardware {native_cpu_isa()}" if isa_cap() else ""
     return (f"cpu{': ' + name if name else ''} ({platform.machine()} "
-            f"{torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads)")
+            f"{torch.backends.cpu.get_cpu_capability()}{capped}, "
+            f"{torch.get_num_threads()} threads)")
 
 
 def has_module(name: str) -> bool:
@@ -189,7 +255,8 @@ def capabilities(device: torch.device | None = None) -> dict[str, str]:
         "FlexAttention training": ("yes" if cuda else "no (forward only on CPU): blockwise "
                                    "SDPA attention (sparse_attention) instead"),
         "CPU vector ISA": (f"{torch.backends.cpu.get_cpu_capability()} (int8 matmuls gain most "
-                           "with VNNI / AMX)"),
+                           "with VNNI / AMX)" + (f"; capped by {isa_cap()}, the hardware has "
+                                                f"{native_cpu_isa()}" if isa_cap() else "")),
         "torch.compile": ("yes" if cuda or shutil.which("g++") or shutil.which("clang++")
                           else "no C++ compiler: eager kernels only"),
         "Liger-Kernel": ("yes" if has_module("liger_kernel")

@@ -1,3 +1,7 @@
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -54,3 +58,33 @@ def test_capabilities_name_each_fallback_on_cpu():
     assert caps["CPU vector ISA"].split()[0] in ("DEFAULT", "AVX2", "AVX512", "ZVECTOR", "NEON",
                                                  "SVE256", "VSX")
     assert "trust_remote_code=False" in caps["safe loading"]
+
+
+def test_native_isa_is_a_torch_level_at_least_the_one_running():
+    order = ("DEFAULT", "AVX2", "AVX512")
+    native, running = device.native_cpu_isa(), torch.backends.cpu.get_cpu_capability()
+    if running in order:  # x86: a cap can only lower the level torch runs
+        assert order.index(native) >= order.index(running)
+
+
+def test_capping_the_isa_runs_the_lower_kernels_and_says_so():
+    if device.native_cpu_isa() not in ("AVX2", "AVX512"):
+        pytest.skip(f"no AVX2 here ({device.native_cpu_isa()}): nothing to cap to")
+    # a fresh process: torch fixes its kernel level at the first kernel
+    code = ("import torch; from recipes_lib import checks, device; device.cap_cpu_isa('avx2'); "
+            "print(torch.backends.cpu.get_cpu_capability()); print(device.isa_cap()); "
+            "print(device.describe_device(torch.device('cpu'))); "
+            "print(checks.is_reference_machine()[1])")
+    env = {k: v for k, v in os.environ.items() if k not in device.ISA_CAPS["avx2"]}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         check=True).stdout.splitlines()
+    assert out[0] == "AVX2"
+    assert out[1] == ", ".join(f"{k}={v}" for k, v in device.ISA_CAPS["avx2"].items())
+    assert f"AVX2 capped, hardware {device.native_cpu_isa()}" in out[2]
+    if device.native_cpu_isa() != "AVX2":  # capped is not the reference machine
+        assert f"hardware_isa {device.native_cpu_isa()} (reference: AVX2)" in out[3]
+
+
+def test_capping_an_unknown_isa_names_the_parameter():
+    with pytest.raises(ValueError, match="isa='avx3'"):
+        device.cap_cpu_isa("avx3")

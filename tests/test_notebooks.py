@@ -93,6 +93,25 @@ def test_bench_fails_only_on_the_reference_machine():
     assert not bench_verdict([], True, "")[1]
 
 
+
+def test_capped_claims_sit_beside_the_uncapped_ones(tmp_path):
+    from recipes_lib import results
+    from recipes_lib.__main__ import isa_claims_markdown
+
+    for folder, device, value in (("native", "cpu (AVX512)", 4.6), ("capped", "cpu (AVX2)", 1.2)):
+        r = results.Results("03_opt", device, tmp_path / folder)
+        r.add_claim(results.Claim("sdpa", "SDPA vs eager", value, 3.5, spread=0.1,
+                                  met=value >= 3.5))
+        if folder == "native":
+            r.add_claim(results.Claim("int8", "prefill", 2.0, 1.0, met=True))
+        r.save()
+    lines = isa_claims_markdown(tmp_path / "native", tmp_path / "capped").splitlines()
+    assert lines[0] == "Uncapped: cpu (AVX512). Capped: cpu (AVX2)."
+    assert lines[4:] == [("| 03 | sdpa: SDPA vs eager | >= 3.5 | 4.6 (spread 10%) met | "
+                          "1.2 (spread 10%) **NOT MET** |"),
+                         "| 03 | int8: prefill | >= 1 | 2 met | not run |"]
+
+
 @pytest.mark.slow
 def test_papermill_runs_a_course_notebook_to_the_end_on_a_local_model(tiny_model_path, tmp_path):
     """The README's path: papermill with -p MODEL_ID <a local folder>, top to bottom (notebook 04

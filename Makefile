@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run bench archs test lab lint clean
+.PHONY: run run-avx2 bench archs test lab lint clean
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -16,6 +16,13 @@ $(STAMP): requirements.txt pyproject.toml
 # Executes the notebooks with papermill, writes results/, the README table and the report.
 run: $(STAMP)
 	$(PY) -m recipes_lib run
+
+# `run` with the CPU kernels capped to AVX2 (recipes_lib.device.cap_cpu_isa): the reference's code
+# paths on a newer CPU, into results/cpu-avx2-capped/; the README puts its speed claims beside
+# the uncapped run's.
+run-avx2: $(STAMP)
+	$(PY) -m recipes_lib run --cap-isa avx2
+	$(PY) -m recipes_lib readme
 
 # `run`, then asserts every speed claim on the reference machine (2-core x86_64 AVX2 CPU).
 bench: $(STAMP)

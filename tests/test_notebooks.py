@@ -102,14 +102,17 @@ def test_capped_claims_sit_beside_the_uncapped_ones(tmp_path):
         r = results.Results("03_opt", device, tmp_path / folder)
         r.add_claim(results.Claim("sdpa", "SDPA vs eager", value, 3.5, spread=0.1,
                                   met=value >= 3.5))
+        r.add_claim(results.Claim("int8", f"prefill, kernels' ({value:.2f}x)", 2.0, 1.0, met=True))
         if folder == "native":
-            r.add_claim(results.Claim("int8", "prefill", 2.0, 1.0, met=True))
+            r.add_claim(results.Claim("bf16", "bf16 over fp32", 2.0, 1.0, met=True))
+            results.Results("real_scale", device, tmp_path / folder).save()  # not in capped
         r.save()
     lines = isa_claims_markdown(tmp_path / "native", tmp_path / "capped").splitlines()
     assert lines[0] == "Uncapped: cpu (AVX512). Capped: cpu (AVX2)."
     assert lines[4:] == [("| 03 | sdpa: SDPA vs eager | >= 3.5 | 4.6 (spread 10%) met | "
                           "1.2 (spread 10%) **NOT MET** |"),
-                         "| 03 | int8: prefill | >= 1 | 2 met | not run |"]
+                         "| 03 | int8: prefill, kernels' | >= 1 | 2 met | 2 met |",
+                         "| 03 | bf16: bf16 over fp32 | >= 1 | 2 met | not claimed |"]
 
 
 @pytest.mark.slow

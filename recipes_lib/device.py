@@ -180,10 +180,11 @@ def native_cpu_isa() -> str:
 def cap_cpu_isa(isa: str) -> dict[str, str]:
     """Make this process's later kernels and every process it starts (papermill's kernels,
     torchrun's ranks) run the CPU code paths of an ``isa``-only CPU: sets :data:`ISA_CAPS`'
-    variables. Call it before a kernel runs: ATen reads its variable at the first one.
+    variables, and points Inductor at a cache folder of its own (``<cache>-<isa>``). Call it
+    before a kernel runs: ATen reads its variable at the first one.
 
     Returns:
-        The variables set, name -> value.
+        The ISA variables set, name -> value.
 
     Raises:
         ValueError: if ``isa`` is not one of :data:`ISA_CAPS`.
@@ -194,7 +195,14 @@ def cap_cpu_isa(isa: str) -> dict[str, str]:
     """
     if isa not in ISA_CAPS:
         raise ValueError(f"isa={isa!r}: expected one of {sorted(ISA_CAPS)}")
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
     os.environ.update(ISA_CAPS[isa])
+    # Inductor's FX-graph cache does not key on the ISA: graphs compiled uncapped and served to a
+    # capped process gave wrong losses here (torch 2.13: a compiled cross-entropy 5.43 for 6.13),
+    # so a capped run compiles into a cache of its own.
+    if not cache_dir().endswith(f"-{isa}"):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = f"{cache_dir()}-{isa}"
     level, order = torch.backends.cpu.get_cpu_capability(), ("DEFAULT", "AVX2", "AVX512")
     if level in order and order.index(level) > order.index(isa.upper()):
         warnings.warn(f"cap_cpu_isa({isa!r}): this process had chosen its kernels already and "

@@ -74,8 +74,10 @@ def test_capping_the_isa_runs_the_lower_kernels_and_says_so():
     code = ("import torch; from recipes_lib import checks, device; device.cap_cpu_isa('avx2'); "
             "print(torch.backends.cpu.get_cpu_capability()); print(device.isa_cap()); "
             "print(device.describe_device(torch.device('cpu'))); "
-            "print(checks.is_reference_machine()[1])")
-    env = {k: v for k, v in os.environ.items() if k not in device.ISA_CAPS["avx2"]}
+            "print(checks.is_reference_machine()[1]); "
+            "from torch._inductor.runtime.cache_dir_utils import cache_dir; print(cache_dir())")
+    env = {k: v for k, v in os.environ.items()
+           if k not in device.ISA_CAPS["avx2"] and k != "TORCHINDUCTOR_CACHE_DIR"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                          check=True).stdout.splitlines()
     assert out[0] == "AVX2"
@@ -83,6 +85,10 @@ def test_capping_the_isa_runs_the_lower_kernels_and_says_so():
     assert f"AVX2 capped, hardware {device.native_cpu_isa()}" in out[2]
     if device.native_cpu_isa() != "AVX2":  # capped is not the reference machine
         assert f"hardware_isa {device.native_cpu_isa()} (reference: AVX2)" in out[3]
+    # compiled graphs are not shared with uncapped runs (Inductor's cache does not key on the ISA)
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    assert out[4] == f"{default_cache_dir()}-avx2"
 
 
 def test_capping_an_unknown_isa_names_the_parameter():

@@ -101,14 +101,54 @@ def width_sweep(hidden_sizes: list[int], seq_len: int = 1024, batch_size: int = 
 
     Returns:
         A ``sweep.Sweep`` (recipe "activation_checkpointing", dimension "hidden").
+
+    Raises:
+        ValueError: for sizes a sweep cannot use.
     """
+    return _cost_sweep("hidden", hidden_sizes, lambda h: (h, seq_len), batch_size, num_layers,
+                       vocab_size, dtype, device, repeats)
+
+
+def tokens_sweep(seq_lens: list[int], hidden_size: int = 256, batch_size: int = 1,
+                 num_layers: int = 2, vocab_size: int = 32000, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu", repeats: int = 5):
+    """What checkpointing costs in step time as the tokens per step grow, at one width: the
+    model of :func:`width_sweep`, one step of ``batch_size`` sequences of each length, plain
+    and checkpointed, timed in alternation.
+
+    More tokens make each matmul larger at a fixed number of kernel launches, so the cost
+    should fall towards the FLOP ratio 8N / 6N = 1.33x as the step leaves the overhead-bound
+    regime; attention's s^2 share grows too, and it is recomputed as well (the FLOP count of
+    the work column leaves it out, as 6N does).
+
+    Returns:
+        A ``sweep.Sweep`` (recipe "activation_checkpointing", dimension "tokens": tokens per
+        sequence, times ``batch_size`` per step).
+
+    Raises:
+        ValueError: for sizes a sweep cannot use.
+
+    Example:
+        >>> s = tokens_sweep([16, 32, 64], hidden_size=32, vocab_size=64, repeats=1)
+        >>> s.dimension
+        'tokens'
+    """
+    return _cost_sweep("tokens", seq_lens, lambda s: (hidden_size, s), batch_size, num_layers,
+                       vocab_size, dtype, device, repeats)
+
+
+def _cost_sweep(dimension: str, sizes: list[int], shape, batch_size: int, num_layers: int,
+                vocab_size: int, dtype: torch.dtype, device: torch.device | str, repeats: int):
+    """Plain vs checkpointed training step over ``sizes``; ``shape(size)`` gives the model's
+    (hidden size, sequence length) at that size."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from recipes_lib.sweep import run_sweep
 
     device = torch.device(device)
 
-    def make(h: int):
+    def make(size: int):
+        h, seq_len = shape(size)
         config = LlamaConfig(vocab_size=vocab_size, hidden_size=h,
                              intermediate_size=int(8 * h / 3) // 64 * 64,
                              num_hidden_layers=num_layers, num_attention_heads=max(1, h // 64),
@@ -129,9 +169,10 @@ def width_sweep(hidden_sizes: list[int], seq_len: int = 1024, batch_size: int = 
             m.zero_grad(set_to_none=True)
         return {name: (lambda m=m: step(m)) for name, m in models.items()}
 
-    def work(h: int) -> tuple[float, float]:
+    def work(size: int) -> tuple[float, float]:
+        h, seq_len = shape(size)
         n = num_layers * 12 * h * h + 2 * vocab_size * h
-        size = torch.empty((), dtype=dtype).element_size()
-        return 6.0 * n * batch_size * seq_len, 3.0 * n * size
-    return run_sweep("activation_checkpointing", "hidden", hidden_sizes, make, work, device,
+        nbytes = torch.empty((), dtype=dtype).element_size()
+        return 6.0 * n * batch_size * seq_len, 3.0 * n * nbytes
+    return run_sweep("activation_checkpointing", dimension, sizes, make, work, device,
                      repeats=repeats, progress=False, dtype=dtype)

@@ -203,17 +203,50 @@ def latency_sweep(hidden_sizes: list[int], num_hidden_layers: int = 6, new_token
     Raises:
         ValueError: for sizes a sweep cannot use.
     """
+    return _latency_sweep("teacher_hidden", hidden_sizes, lambda h: (h, num_hidden_layers),
+                          new_tokens, vocab_size, width_factor, depth_factor, repeats)
+
+
+def depth_sweep(layer_counts: list[int], hidden_size: int = 256, new_tokens: int = 32,
+                vocab_size: int = 512, width_factor: float = 0.5, depth_factor: float = 1 / 3,
+                repeats: int = 3):
+    """The student's generation speed-up as the teacher deepens, at one width and batch 1:
+    teachers of ``layer_counts`` layers against students of ``depth_factor`` of them (at least
+    one) and ``width_factor`` of the width, as :func:`latency_sweep` times them. Per-token work
+    that does not scale with depth (sampling, the embedding and the head, ``generate``'s Python)
+    is the same for both, so the gain grows with depth towards the per-layer ratio.
+
+    Returns:
+        A ``sweep.Sweep`` (recipe "distillation", dimension "teacher_layers").
+
+    Raises:
+        ValueError: for sizes a sweep cannot use.
+
+    Example:
+        >>> s = depth_sweep([3, 6, 9], hidden_size=64, new_tokens=2, repeats=1)
+        >>> s.sizes
+        [3, 6, 9]
+    """
+    return _latency_sweep("teacher_layers", layer_counts, lambda n: (hidden_size, n),
+                          new_tokens, vocab_size, width_factor, depth_factor, repeats)
+
+
+def _latency_sweep(dimension: str, sizes: list[int], shape, new_tokens: int, vocab_size: int,
+                   width_factor: float, depth_factor: float, repeats: int):
+    """Teacher vs student generation over ``sizes``; ``shape(size)`` gives the teacher's
+    (hidden size, layers) at that size."""
     from recipes_lib.model import small_llama
     from recipes_lib.sweep import run_sweep
 
     prompt = torch.randint(3, vocab_size, (1, 8), generator=torch.Generator().manual_seed(0))
-    sizes: dict[int, int] = {}
+    params: dict[int, int] = {}
 
-    def make(h: int):
+    def make(size: int):
+        h, layers = shape(size)
         teacher = small_llama(vocab_size=vocab_size, hidden_size=h,
-                              num_hidden_layers=num_hidden_layers).eval()
+                              num_hidden_layers=layers).eval()
         student = make_student(teacher, width_factor, depth_factor).eval()
-        sizes[h] = sum(p.numel() for p in teacher.parameters())
+        params[size] = sum(p.numel() for p in teacher.parameters())
 
         def run(m):
             with torch.inference_mode():
@@ -222,7 +255,7 @@ def latency_sweep(hidden_sizes: list[int], num_hidden_layers: int = 6, new_token
                            do_sample=False, pad_token_id=0)
         return {"baseline": lambda: run(teacher), "recipe": lambda: run(student)}
 
-    def work(h: int) -> tuple[float, float]:
-        return 2.0 * sizes[h] * new_tokens, 4.0 * sizes[h] * new_tokens
-    return run_sweep("distillation", "teacher_hidden", hidden_sizes, make, work, "cpu",
+    def work(size: int) -> tuple[float, float]:
+        return 2.0 * params[size] * new_tokens, 4.0 * params[size] * new_tokens
+    return run_sweep("distillation", dimension, sizes, make, work, "cpu",
                      repeats=repeats, progress=False)

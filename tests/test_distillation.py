@@ -94,3 +94,12 @@ def test_bad_student_factors(small_llama):
 def test_latency_sweep_times_teacher_against_student_by_width():
     s = distillation.latency_sweep([64, 128, 256], num_hidden_layers=3, new_tokens=4, repeats=1)
     assert (s.recipe, s.dimension, s.sizes) == ("distillation", "teacher_hidden", [64, 128, 256])
+
+
+def test_depth_sweep_times_teacher_against_student_by_depth():
+    s = distillation.depth_sweep([3, 6, 9], hidden_size=64, new_tokens=4, repeats=1)
+    assert (s.recipe, s.dimension, s.sizes) == ("distillation", "teacher_layers", [3, 6, 9])
+    # the teacher's work grows by the same number of layers at each step, at one width
+    assert s.flops[2] - s.flops[1] == pytest.approx(s.flops[1] - s.flops[0])
+    with pytest.raises(ValueError, match="sizes="):
+        distillation.depth_sweep([6, 3, 9])

@@ -129,10 +129,15 @@ def test_recipe_sweeps_run_at_tiny_sizes_on_cpu():
     c = chunked_loss.tokens_sweep([16, 32, 64], vocab_size=50, hidden_size=16, chunk_size=8,
                                   repeats=1)
     k = checkpointing.width_sweep([32, 64, 128], seq_len=16, vocab_size=64, repeats=1)
-    for s in (a, c, k):
+    kt = checkpointing.tokens_sweep([16, 32, 64], hidden_size=32, vocab_size=64, repeats=1)
+    for s in (a, c, k, kt):
         assert len(s.rows()) == 3 and all(x > 0 for x in s.speedups)
         assert set(s.regimes()) <= {"overhead", "memory", "compute"}
     assert (a.dimension, c.dimension, k.dimension) == ("seq_len", "tokens", "hidden")
+    assert (kt.recipe, kt.dimension, kt.sizes) == ("activation_checkpointing", "tokens",
+                                                   [16, 32, 64])
+    # a tokens sweep holds the width: its work grows with the tokens alone
+    assert kt.flops[2] == 4 * kt.flops[0] and kt.bytes[2] == kt.bytes[0]
     heads = attention.heads_sweep([1, 2, 4], seq_len=32, head_dim=16, repeats=1)
     vocab = chunked_loss.vocab_sweep([32, 64, 128], tokens=32, hidden_size=16, chunk_size=8,
                                      repeats=1)

@@ -48,36 +48,41 @@ def _check(hidden: torch.Tensor, weight: torch.Tensor, chunk_size: int,
 
 class ChunkGrad:
     """A chunk's loss *and* the gradient of its logits, written out instead of taken by
-    autograd: ``fn(hidden_chunk, weight, *target_chunks) -> (loss_sum, grad_logits)``. Written
-    out, the softmax, its gradient and the loss are elementwise over one logits tile, which
-    ``torch.compile`` fuses into a pass or two (what Cut Cross-Entropy's kernels do by hand)."""
+    autograd: ``fn(logits_chunk, *target_chunks) -> loss_sum``, which overwrites
+    ``logits_chunk`` with d(loss_sum)/d(logits) in place. Written out, the softmax, its gradient
+    and the loss are elementwise over one logits tile, which ``torch.compile`` fuses into a pass
+    or two (what Cut Cross-Entropy's kernels do by hand); in place, one logits buffer serves
+    every chunk (as Liger-Kernel's fused linear cross-entropy writes the gradient over the
+    logits), so no chunk allocates, and first touches, a fresh tokens x vocab tile."""
 
-    def __init__(self, fn: Callable[..., tuple[torch.Tensor, torch.Tensor]]):
+    def __init__(self, fn: Callable[..., torch.Tensor]):
         self.fn = fn
 
-    def __call__(self, *args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, *args: torch.Tensor) -> torch.Tensor:
         return self.fn(*args)
 
 
-def _ce_chunk(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor, ignore_index: int,
-              cap: float | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Cross-entropy summed over a chunk and d(loss)/d(logits), from the hidden states:
-    ``softmax(z) - onehot(y)`` on labelled rows (times ``1 - tanh^2`` under a soft cap)."""
-    z = upcast(h @ w.T)
+def _ce_chunk_(z: torch.Tensor, y: torch.Tensor, ignore_index: int, cap: float | None
+               ) -> torch.Tensor:
+    """Cross-entropy summed over a chunk of logits ``z``, whose values it replaces with
+    d(loss)/d(logits): ``softmax(z) - onehot(y)`` on labelled rows (times ``1 - tanh^2`` under a
+    soft cap), computed in at least fp32 and stored in ``z``'s dtype."""
+    zf = upcast(z)
     if cap is not None:
-        t = torch.tanh(z / cap)
-        z = t * cap
-    lse = torch.logsumexp(z, dim=-1)
+        t = torch.tanh(zf / cap)
+        zf = t * cap
+    lse = torch.logsumexp(zf, dim=-1)
     valid = y != ignore_index
     safe = torch.where(valid, y, 0)
-    picked = z.gather(1, safe[:, None])[:, 0]
+    picked = zf.gather(1, safe[:, None])[:, 0]
     loss = torch.where(valid, lse - picked, 0.0).sum()
-    g = torch.exp(z - lse[:, None])
-    g = g - torch.nn.functional.one_hot(safe, z.shape[1]).to(g.dtype)
+    g = torch.exp(zf - lse[:, None])
+    g = g - torch.nn.functional.one_hot(safe, zf.shape[1]).to(g.dtype)
     g = g * valid[:, None].to(g.dtype)
     if cap is not None:
         g = g * (1 - t * t)
-    return loss, g.to(h.dtype)
+    z.copy_(g)
+    return loss
 
 
 _COMPILED_CE: dict[tuple[int, float | None], ChunkGrad] = {}
@@ -85,7 +90,7 @@ _COMPILED_CE: dict[tuple[int, float | None], ChunkGrad] = {}
 
 def compiled_ce_chunk(ignore_index: int = IGNORE_INDEX, logit_softcap: float | None = None
                       ) -> ChunkGrad:
-    """The cross-entropy chunk (:func:`_ce_chunk`) compiled once per setting (Inductor: C++ on
+    """The cross-entropy chunk (:func:`_ce_chunk_`) compiled once per setting (Inductor: C++ on
     a CPU, Triton on a GPU), for ``chunked_cross_entropy(..., compiled=True)``.
 
     Raises:
@@ -94,7 +99,7 @@ def compiled_ce_chunk(ignore_index: int = IGNORE_INDEX, logit_softcap: float | N
     key = (ignore_index, logit_softcap)
     if key not in _COMPILED_CE:
         _COMPILED_CE[key] = ChunkGrad(torch.compile(
-            lambda h, w, y: _ce_chunk(h, w, y, ignore_index, logit_softcap)))
+            lambda z, y: _ce_chunk_(z, y, ignore_index, logit_softcap)))
     return _COMPILED_CE[key]
 
 
@@ -129,11 +134,14 @@ class _ChunkedLinearLoss(torch.autograd.Function):
         grad_w = torch.zeros_like(weight, dtype=acc) if need_w else None
         w = weight.detach()
         total = torch.zeros((), dtype=acc, device=hidden.device)
+        if isinstance(loss_fn, ChunkGrad):  # one logits buffer, reused by every chunk
+            buffer = hidden.new_empty(min(chunk_size, hidden.shape[0]), weight.shape[0])
         for start in range(0, hidden.shape[0], chunk_size):
             end = min(start + chunk_size, hidden.shape[0])
             h = hidden[start:end].detach()
-            if isinstance(loss_fn, ChunkGrad):  # the loss and its logits' gradient in one pass
-                loss, g_logits = loss_fn(h, w, *(t[start:end] for t in extras))
+            if isinstance(loss_fn, ChunkGrad):  # the loss, its logits' gradient in their place
+                g_logits = torch.mm(h, w.T, out=buffer[:end - start])
+                loss = loss_fn(g_logits, *(t[start:end] for t in extras))
             else:
                 with torch.enable_grad():
                     logits = (h @ w.T).requires_grad_()
@@ -189,7 +197,7 @@ def chunked_linear_loss(
         hidden: (tokens, hidden_size) final hidden states.
         weight: (vocab, hidden_size) output projection (the LM head's weight).
         loss_fn: ``loss_fn(logits_chunk, *target_chunks) -> scalar``, or a :class:`ChunkGrad`
-            (which makes the logits itself and returns their gradient too); it must be a *sum*
+            (which also leaves the logits' gradient in place of the logits); it must be a *sum*
             over the chunk's tokens (divide inside it by a global count if a mean is wanted),
             so chunks add.
         chunk_size: tokens per chunk; peak memory is about ``chunk_size * vocab`` logits.
@@ -215,9 +223,7 @@ def chunked_linear_loss(
         for start in range(0, hidden.shape[0], chunk_size):
             end = start + chunk_size
             chunk = [t[start:end] for t in targets]
-            total += upcast(loss_fn(hidden[start:end], weight, *chunk)[0]
-                            if isinstance(loss_fn, ChunkGrad)
-                            else loss_fn(hidden[start:end] @ weight.T, *chunk))
+            total += upcast(loss_fn(hidden[start:end] @ weight.T, *chunk))
         return total
     return _ChunkedLinearLoss.apply(hidden, weight, loss_fn, chunk_size, *targets)
 
@@ -382,7 +388,7 @@ def cce_available() -> bool:
 def tokens_sweep(tokens: list[int], vocab_size: int, hidden_size: int, chunk_size: int = 1024,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                  repeats: int = 5, include_liger: bool = False, include_compiled: bool = False,
-                 include_cce: bool = False):
+                 include_cce: bool = False, compiled_chunk_size: int | None = None):
     """Where chunked cross-entropy stops costing time against the full logits: a loss step
     (forward + backward) over the number of tokens, timed in alternation
     (``sweep.run_sweep``). Timed beside it where asked: Liger's fused kernel
@@ -392,14 +398,24 @@ def tokens_sweep(tokens: list[int], vocab_size: int, hidden_size: int, chunk_siz
     Cut Cross-Entropy itself (``include_cce``; its ``torch_compile`` implementation on a CPU,
     its Triton kernels on CUDA). Compilation happens in the warm-up call, outside the timing.
 
+    Args:
+        compiled_chunk_size: with ``include_compiled``, also time the compiled chunks at this
+            many tokens per chunk (variant ``"chunked (compiled, <n> tokens)"``): the size
+            that suits the device's matmuls may not be the one chosen for memory.
+
     Returns:
         A ``sweep.Sweep`` (recipe "chunked_ce", dimension "tokens").
 
     Raises:
-        ValueError: for a comparison asked where it cannot run, naming it.
+        ValueError: for a comparison asked where it cannot run, naming it, or a
+            ``compiled_chunk_size`` without ``include_compiled``.
     """
+    if compiled_chunk_size is not None and not include_compiled:
+        raise ValueError(f"compiled_chunk_size={compiled_chunk_size}: times compiled chunks, "
+                         "so it needs include_compiled=True")
     return _ce_sweep("tokens", tokens, lambda n: (n, vocab_size), hidden_size, chunk_size,
-                     device, dtype, repeats, include_liger, include_compiled, include_cce)
+                     device, dtype, repeats, include_liger, include_compiled, include_cce,
+                     compiled_chunk_size)
 
 
 def vocab_sweep(vocab_sizes: list[int], tokens: int, hidden_size: int, chunk_size: int = 1024,
@@ -422,7 +438,8 @@ def vocab_sweep(vocab_sizes: list[int], tokens: int, hidden_size: int, chunk_siz
 
 def _ce_sweep(dimension: str, sizes: list[int], shape_at: Callable[[int], tuple[int, int]],
               hidden_size: int, chunk_size: int, device: torch.device | str, dtype: torch.dtype,
-              repeats: int, include_liger: bool, include_compiled: bool, include_cce: bool):
+              repeats: int, include_liger: bool, include_compiled: bool, include_cce: bool,
+              compiled_chunk_size: int | None = None):
     """The loss step (forward + backward) of each comparison at each size, whose (tokens,
     vocabulary) ``shape_at`` gives."""
     from recipes_lib.sweep import run_sweep
@@ -453,6 +470,10 @@ def _ce_sweep(dimension: str, sizes: list[int], shape_at: Callable[[int], tuple[
         if include_compiled:
             losses["chunked (compiled)"] = lambda: chunked_cross_entropy(h, w, y, c,
                                                                          compiled=True)
+            if compiled_chunk_size is not None:
+                c2 = min(compiled_chunk_size, n)
+                losses[f"chunked (compiled, {compiled_chunk_size} tokens)"] = (
+                    lambda: chunked_cross_entropy(h, w, y, c2, compiled=True))
             full = compiled_full_cross_entropy()
             losses["full (compiled)"] = lambda: full(h, w, y)
         if include_cce:

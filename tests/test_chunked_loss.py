@@ -117,6 +117,31 @@ def test_compiled_chunks_equal_full_cross_entropy(cap):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_chunk_leaves_its_logits_gradient_in_place_of_its_logits(compiled):
+    """The compiled chunk's contract: it returns the chunk's summed loss and overwrites the
+    logits with the loss's gradient, as autograd computes them (soft cap included)."""
+    from recipes_lib.compiling import compile_available
+
+    if compiled and not compile_available("cpu")[0]:
+        pytest.skip("no C++ compiler for torch.compile")
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(24, 50, generator=g, dtype=torch.float64) * 3
+    y = torch.randint(0, 50, (24,), generator=g)
+    y[:3] = chunked_loss.IGNORE_INDEX
+    for cap in (None, 5.0):
+        leaf = z.clone().requires_grad_()
+        ref = F.cross_entropy(chunked_loss.softcap(leaf, cap), y, reduction="sum")
+        (ref_grad,) = torch.autograd.grad(ref, leaf)
+        buf = z.clone()
+        fn = (chunked_loss.compiled_ce_chunk(logit_softcap=cap) if compiled
+              else lambda b, t, cap=cap: chunked_loss._ce_chunk_(b, t, chunked_loss.IGNORE_INDEX,
+                                                                 cap))
+        loss = fn(buf, y)
+        torch.testing.assert_close(loss, ref.detach(), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(buf, ref_grad, rtol=1e-10, atol=1e-12)
+
+
 def test_full_cross_entropy_compiled_as_cce_compiles_it_equals_the_eager_one():
     """The stand-in for Cut Cross-Entropy's CPU path; fp32 and dynamic shapes, so the sweep
     test below reuses its compiled graph."""
@@ -141,9 +166,12 @@ def test_compiled_and_cce_join_the_tokens_sweep_or_say_why_not(monkeypatch):
 
     if compiling.compile_available("cpu")[0]:
         s = chunked_loss.tokens_sweep([16, 32, 64], 128, 32, chunk_size=16, repeats=1,
-                                      include_compiled=True)
-        assert {"chunked (compiled)", "full (compiled)"} <= s.extra.keys()
-        assert len(s.ratio("full (compiled)", "chunked (compiled)")[0]) == 3
+                                      include_compiled=True, compiled_chunk_size=32)
+        assert {"chunked (compiled)", "chunked (compiled, 32 tokens)",
+                "full (compiled)"} <= s.extra.keys()
+        assert len(s.ratio("full (compiled)", "chunked (compiled, 32 tokens)")[0]) == 3
+    with pytest.raises(ValueError, match="compiled_chunk_size=32: .* include_compiled=True"):
+        chunked_loss.tokens_sweep([16, 32, 64], 128, 32, compiled_chunk_size=32)
     monkeypatch.setattr(chunked_loss, "cce_available", lambda: False)
     with pytest.raises(ValueError, match="include_cce=True: cut-cross-entropy"):
         chunked_loss.tokens_sweep([16, 32, 64], 128, 32, include_cce=True)

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from recipes_lib.grad_accumulation import forward_backward
+from recipes_lib.grad_accumulation import LossFn, forward_backward
 from recipes_lib.memory import CATEGORIES, MemoryReport, measure_memory
 from recipes_lib.timing import Timing, time_interleaved
 from recipes_lib.train import optimizer_step
@@ -22,9 +22,9 @@ class StepMeasurement:
 
 
 def _step_fn(model: torch.nn.Module, batch: dict[str, torch.Tensor], optimizer: Any,
-             grad_accum_steps: int, precision: str):
+             grad_accum_steps: int, precision: str, loss_fn: LossFn | None = None):
     def step() -> None:
-        forward_backward(model, batch, grad_accum_steps, precision)
+        forward_backward(model, batch, grad_accum_steps, precision, loss_fn=loss_fn)
         if optimizer is not None:
             optimizer_step(model, optimizer, max_grad_norm=None)
         else:
@@ -40,15 +40,19 @@ def measure_training_step(
     precision: str = "fp32",
     repeats: int = 3,
     warmup: bool = True,
+    loss_fn: LossFn | None = None,
 ) -> StepMeasurement:
     """Measure one step (forward + backward, and the optimizer step if one is given).
 
     A warm-up step runs first (unless ``warmup=False``, for a model that has already trained),
     so optimizer states exist when memory is measured, as in every step after the first.
-    ``repeats=0`` measures memory only (``timing`` is None).
+    ``repeats=0`` measures memory only (``timing`` is None). ``loss_fn`` replaces the default
+    next-token cross-entropy as in ``grad_accumulation.forward_backward`` (e.g.
+    ``chunked_loss.ChunkedCausalLMLoss``).
     """
     return measure_training_steps({"model": model}, batch, {"model": optimizer},
-                                  grad_accum_steps, precision, repeats, warmup)["model"]
+                                  grad_accum_steps, precision, repeats, warmup,
+                                  {"model": loss_fn})["model"]
 
 
 def measure_training_steps(
@@ -59,6 +63,7 @@ def measure_training_steps(
     precision: str = "fp32",
     repeats: int = 3,
     warmup: bool = True,
+    loss_fns: dict[str, LossFn] | None = None,
 ) -> dict[str, StepMeasurement]:
     """``measure_training_step`` for several variants, their step times taken in alternation.
 
@@ -69,8 +74,9 @@ def measure_training_steps(
         >>> m = measure_training_steps({"plain": plain, "checkpointed": ckpt}, batch)  # doctest: +SKIP
         >>> m["checkpointed"].timing.median_s / m["plain"].timing.median_s  # doctest: +SKIP
     """
-    optimizers = optimizers or {}
-    steps = {name: _step_fn(m, batch, optimizers.get(name), grad_accum_steps, precision)
+    optimizers, loss_fns = optimizers or {}, loss_fns or {}
+    steps = {name: _step_fn(m, batch, optimizers.get(name), grad_accum_steps, precision,
+                            loss_fns.get(name))
              for name, m in models.items()}
     if repeats < 0:
         raise ValueError(f"repeats={repeats}: must be >= 0 (0 = memory only)")

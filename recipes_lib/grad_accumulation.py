@@ -126,6 +126,10 @@ def forward_backward(
                                **packed).logits
         if loss_fn is None:
             loss_sum = causal_lm_loss_sum(logits, mb["labels"])
+            # autograd saved what backward needs; a reference held here would keep one more
+            # tokens x vocab tensor alive through backward (Trainer drops the model's outputs
+            # before its backward too)
+            del logits
         total += loss_sum.detach().float()
         if normalization == "global_tokens":
             loss = loss_sum / n_global

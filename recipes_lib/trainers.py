@@ -160,6 +160,30 @@ def _measured(base: type) -> type:
     return type(f"Measured{base.__name__}", (base,), {"training_step": training_step})
 
 
+def _course_loss(base: type) -> type:
+    """A subclass of the trainer ``base`` whose ``compute_loss`` is a course ``loss_fn`` (the
+    loss summed over a micro-batch's target tokens, from the model itself, e.g.
+    ``chunked_loss.ChunkedCausalLMLoss``) divided by ``num_items_in_batch``: the target tokens
+    of the whole accumulated batch, which makes it the mean over them, as Trainer's own loss
+    since transformers #34191. ``compute_loss_func`` cannot serve: it receives the model's
+    outputs, logits already made."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if return_outputs:
+            raise ValueError("loss_fn: a course loss returns no model outputs "
+                             "(return_outputs=True, e.g. evaluation with predictions)")
+        total = self._loss_fn(model, inputs)
+        if num_items_in_batch is None:  # no accumulation count from Trainer: this batch's own
+            num_items_in_batch = (inputs["labels"][:, 1:] != -100).sum()
+        return total / num_items_in_batch
+
+    # the loss is already over the accumulated batch's tokens: Trainer must not divide it by the
+    # accumulation steps again (a Trainer without this attribute infers the same from
+    # num_items_in_batch)
+    return type(f"CourseLoss{base.__name__}", (base,),
+                {"compute_loss": compute_loss, "loss_is_scaled_for_ga": True})
+
+
 def run_trainer(
     model: torch.nn.Module,
     examples: list[dict[str, list[int]]],
@@ -173,6 +197,7 @@ def run_trainer(
     measure_step: int = 1,
     seed: int = 0,
     peft_config: Any = None,
+    loss_fn: Any = None,
 ) -> TrainerRun:
     """A few steps of ``transformers.Trainer`` (or TRL's ``SFTTrainer``) on ``examples``.
 
@@ -196,6 +221,9 @@ def run_trainer(
         peft_config: a ``LoraConfig`` for ``SFTTrainer`` to apply, as TRL users pass it (for a
             quantized model TRL casts the adapters to bf16 and, since trl #4577, runs no k-bit
             preparation: see ``quantization.held_bytes_by_kind``).
+        loss_fn: a course loss, ``loss_fn(model, batch) -> sum over target tokens`` (e.g.
+            ``chunked_loss.ChunkedCausalLMLoss``), as ``Trainer``'s ``compute_loss``, divided by
+            ``num_items_in_batch``; None: the model's own loss.
 
     Raises:
         ValueError: for steps < 1, no examples, or settings :func:`check_settings` refuses.
@@ -228,17 +256,19 @@ def run_trainer(
         from trl import SFTConfig, SFTTrainer
 
         args = SFTConfig(max_length=None, **common)
-        trainer = _measured(SFTTrainer)(model=model, args=args, train_dataset=dataset,
-                                        processing_class=tokenizer, peft_config=peft_config)
+        base = _course_loss(SFTTrainer) if loss_fn is not None else SFTTrainer
+        trainer = _measured(base)(model=model, args=args, train_dataset=dataset,
+                                  processing_class=tokenizer, peft_config=peft_config)
     else:
         if peft_config is not None:
             raise ValueError("peft_config: only SFTTrainer applies it (sft=True); wrap the "
                              "model with peft first for Trainer")
         args = TrainingArguments(remove_unused_columns=False, **common)
         pad = tokenizer.pad_token_id
-        trainer = _measured(Trainer)(model=model, args=args, train_dataset=dataset,
-                                     data_collator=lambda rows: data.collate(rows, pad))
-    trainer._measure_step, trainer._report = measure_step, None
+        base = _course_loss(Trainer) if loss_fn is not None else Trainer
+        trainer = _measured(base)(model=model, args=args, train_dataset=dataset,
+                                  data_collator=lambda rows: data.collate(rows, pad))
+    trainer._measure_step, trainer._report, trainer._loss_fn = measure_step, None, loss_fn
     trainer.remove_callback(PrinterCallback)  # the losses come back in TrainerRun instead
     trainer.train()
     state = state_bytes(getattr(trainer.optimizer, "optimizer", trainer.optimizer))

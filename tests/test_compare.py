@@ -30,3 +30,20 @@ def test_memory_only_and_no_warmup(small_llama, varlen_batch):
     assert m.timing is None and m.memory.peak_bytes > 0
     with pytest.raises(ValueError, match="repeats"):
         compare.measure_training_step(small_llama, varlen_batch, repeats=-1)
+
+
+def test_a_step_runs_the_loss_it_is_given(small_llama, varlen_batch):
+    """``loss_fn`` reaches the step's forward and backward: chunked cross-entropy, whose
+    logits never exist whole, keeps fewer activations than the model's own loss."""
+    from recipes_lib.chunked_loss import ChunkedCausalLMLoss
+
+    calls = []
+
+    def chunked(model, batch):
+        calls.append(1)
+        return ChunkedCausalLMLoss(4)(model, batch)
+
+    own = compare.measure_training_step(small_llama, varlen_batch, repeats=0)
+    m = compare.measure_training_step(small_llama, varlen_batch, repeats=0, loss_fn=chunked)
+    assert len(calls) == 2  # the warm-up step and the measured one
+    assert m.memory.activation_bytes < own.memory.activation_bytes

@@ -51,3 +51,23 @@ def test_the_loss_stays_on_the_device_until_read(small_llama, varlen_batch):
                                             attention_mask=varlen_batch["attention_mask"]).logits,
                                 varlen_batch["labels"]) / ga.count_target_tokens(varlen_batch["labels"])
     assert abs(float(loss) - ref.item()) <= 1e-5
+
+
+def test_the_step_holds_no_logits_through_backward():
+    """The logits are the largest tensor of a small model's step. Autograd keeps the
+    log-probabilities; the loop must not also hold the logits while backward runs (it did: one
+    more tokens x vocab tensor than Trainer's step, notebook 04 §3 measures both)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from recipes_lib import compare
+
+    cfg = LlamaConfig(vocab_size=8192, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1)
+    model = LlamaForCausalLM(cfg)
+    ids = torch.randint(0, 8192, (2, 64))
+    step = compare.measure_training_step(model, {"input_ids": ids, "labels": ids.clone()},
+                                         repeats=0)
+    logits_bytes = ids.numel() * 8192 * 4
+    # log-probabilities, their gradient and the logits' gradient, with the layers' few bytes
+    assert step.memory.activation_bytes < 3.2 * logits_bytes, (
+        step.memory.activation_bytes / logits_bytes)

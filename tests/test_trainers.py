@@ -31,6 +31,28 @@ def test_trainer_accumulation_equals_one_batch_on_variable_lengths(small):
     assert gap < 1e-5, gap
 
 
+def test_a_course_loss_in_trainer_equals_its_own_under_accumulation(small):
+    """Chunked cross-entropy as Trainer's compute_loss (the CPU bridge for use_liger_kernel):
+    divided by num_items_in_batch, it gives Trainer's own losses and update, with the
+    accumulation steps' variable token counts."""
+    from recipes_lib.chunked_loss import ChunkedCausalLMLoss
+
+    path, tok, examples = small
+    runs = {}
+    for name, fn in (("own", None), ("chunked", ChunkedCausalLMLoss(16))):
+        model = models.load_model(path)
+        before = [p.detach().clone() for p in model.parameters()]
+        run = trainers.run_trainer(model, examples, tok, {"gradient_accumulation_steps": 2,
+                                                          "max_grad_norm": 0.0},
+                                   steps=2, micro_batch_size=2, lr=1.0, optim="sgd",
+                                   loss_fn=fn)
+        runs[name] = (run, [p.detach() - b for p, b in zip(model.parameters(), before)])
+    (own, d_own), (chunked, d_chunked) = runs["own"], runs["chunked"]
+    assert chunked.losses == pytest.approx(own.losses, rel=1e-5)
+    scale = max(float(d.abs().max()) for d in d_own)
+    assert max(float((a - b).abs().max()) for a, b in zip(d_own, d_chunked)) / scale < 1e-4
+
+
 def test_8bit_optimizer_setting_shrinks_the_trainers_states(small):
     """Trainer keeps the embeddings' AdamW states in 32 bits (it registers a bitsandbytes
     override for every nn.Embedding), so its ratio sits above the course's 8-bit-everywhere

@@ -128,7 +128,7 @@ def forward_backward(
             loss_sum = causal_lm_loss_sum(logits, mb["labels"])
             # autograd saved what backward needs; a reference held here would keep one more
             # tokens x vocab tensor alive through backward (Trainer drops the model's outputs
-            # before its backward too)
+            # before its backward too; torchtitan's train step does `del pred`)
             del logits
         total += loss_sum.detach().float()
         if normalization == "global_tokens":

@@ -126,14 +126,15 @@ REASONS = {
     UNSLOTH_README: (
         "The source's words fit three stacks and do not say which ('other stacks' column). "
         "Measured as TRL's SFTTrainer ran it in 2024 (peft's k-bit preparation, then embeddings "
-        "and head back to bf16) our length is above the published one; with the embeddings and "
-        "head left in fp32 (the course's add_lora) it is below; with a bf16 base (TRL since "
-        "#4577) further above. Against the first, the source's run held a roughly constant "
-        "1.3-2.0 GiB more than our peak plus modelled overhead (540-800 tokens at the measured "
-        "slope, 401 tokens/GiB against the source's 405): decisive on 12-16 GB cards, where only "
-        "930-2,550 tokens fit, and within the band from 24 GB up. What that fixed memory was "
-        "(CUDA context, allocator, FlashAttention-2 and library workspaces) the source does not "
-        "say; it is not tuned into the model here."),
+        "and head back to bf16) our length is 14.5-106 % above the published one; with the "
+        "embeddings and head left in fp32 (peft's k-bit preparation alone, the course's add_lora) "
+        "it is within 15 % from 16 GB up (-14.7 % to +8.6 %) and far below on 12 GB; with a bf16 "
+        "base further above. The first stack was chosen, and met from 24 GB up, while the course's "
+        "loop still held the logits through backward (a bf16 tokens x vocab tensor, 0.25 MB a "
+        "token at Llama 3's vocabulary); Trainer does not hold them, and the loop no longer does. "
+        "Our slope, about 450 tokens/GiB on both stacks, is 11 % above the source's 405 tokens per "
+        "GB, or 3 % if its GB are 10^9 bytes (435 per GiB). Which stack, and which GB, the source "
+        "measured with stays open; neither is tuned here."),
 }
 
 

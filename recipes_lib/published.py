@@ -17,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from recipes_lib import fake_memory, planner, results
 from recipes_lib.fake_memory import Stack
 
@@ -121,21 +123,99 @@ FIGURES = [
 ]
 
 
-# Why rows miss, as found; keyed by source (every miss so far is one cause per source).
+# Why rows miss, as found; keyed by source (every miss so far is one cause per source). Figures
+# in a reason come from the run (``lines``), never typed here.
 REASONS = {
     UNSLOTH_README: (
-        "The source's words fit three stacks and do not say which ('other stacks' column). "
-        "Measured as TRL's SFTTrainer ran it in 2024 (peft's k-bit preparation, then embeddings "
-        "and head back to bf16) our length is 14.5-106 % above the published one; with the "
-        "embeddings and head left in fp32 (peft's k-bit preparation alone, the course's add_lora) "
-        "it is within 15 % from 16 GB up (-14.7 % to +8.6 %) and far below on 12 GB; with a bf16 "
-        "base further above. The first stack was chosen, and met from 24 GB up, while the course's "
-        "loop still held the logits through backward (a bf16 tokens x vocab tensor, 0.25 MB a "
-        "token at Llama 3's vocabulary); Trainer does not hold them, and the loop no longer does. "
-        "Our slope, about 450 tokens/GiB on both stacks, is 11 % above the source's 405 tokens per "
-        "GB, or 3 % if its GB are 10^9 bytes (435 per GiB). Which stack, and which GB, the source "
-        "measured with stays open; neither is tuned here."),
+        "The source's words fit three stacks and do not say which ('other stacks' column); "
+        "measured as TRL's SFTTrainer ran it in 2024 (peft's k-bit preparation, then embeddings "
+        "and head back to bf16). Its rows are not six measurements: they lie on one straight "
+        "line (1,619 tokens more per 4 GB at every step; the 'Unsloth' column, 18,876), so they "
+        "test two numbers, the memory each token adds and the memory before the first token. "
+        "A difference in the fixed part weighs most on the smallest card, where the line is "
+        "closest to its zero; the line table below the figures has both numbers. Which stack, "
+        "and which GB (10^9 bytes or the card's GiB), the source measured with stays open; "
+        "neither is tuned here."),
 }
+MIN_LINE_ROWS = 3  # longest-context rows of one source and model that make a line worth fitting
+
+
+def fit_line(gpu_bytes: list[float], tokens: list[float]) -> dict[str, float]:
+    """The least-squares line through (memory, longest context) points, as the two numbers a
+    memory model of a training step is made of.
+
+    Returns:
+        ``bytes_per_token`` (memory each token adds), ``fixed_bytes`` (memory at zero tokens:
+        weights, optimizer, buffers, whatever does not grow with the sequence) and
+        ``worst_residual`` (tokens, the point furthest from the line).
+
+    Raises:
+        ValueError: naming ``gpu_bytes`` for fewer than ``MIN_LINE_ROWS`` points, unequal
+            lengths or a line that does not rise.
+
+    Example:
+        >>> line = fit_line([12e9, 16e9, 24e9], [1000, 3000, 7000])
+        >>> line["bytes_per_token"], line["fixed_bytes"]
+        (2000000.0, 10000000000.0)
+    """
+    if len(gpu_bytes) != len(tokens) or len(gpu_bytes) < MIN_LINE_ROWS:
+        raise ValueError(f"gpu_bytes: {len(gpu_bytes)} sizes for {len(tokens)} lengths; a line "
+                         f"needs at least {MIN_LINE_ROWS} of each")
+    slope, intercept = np.polyfit(np.asarray(gpu_bytes, float), np.asarray(tokens, float), 1)
+    if slope <= 0:
+        raise ValueError(f"gpu_bytes: the longest context does not grow with memory ({tokens})")
+    residual = np.asarray(tokens) - (slope * np.asarray(gpu_bytes) + intercept)
+    return {"bytes_per_token": float(1 / slope), "fixed_bytes": float(-intercept / slope),
+            "worst_residual": float(np.abs(residual).max())}
+
+
+def lines(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """For each source and model with at least ``MIN_LINE_ROWS`` longest-context rows: the line
+    through the published figures (GB read as the card's GiB, as the rows read them, and as
+    10^9 bytes) and the line through our predictions for each stack measured.
+
+    Returns:
+        One dict per source and model: ``source``, ``model``, ``rows`` (how many), ``published``
+        and ``published_1e9`` (``fit_line`` results), ``ours`` (stack name -> ``fit_line``;
+        ``"main"`` is the row's own stack).
+    """
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in rows:
+        if r["kind"] == "max_context" and r.get("gpu_mem"):
+            groups.setdefault((r["source"], r["model"]), []).append(r)
+    out = []
+    for (source, model), group in groups.items():
+        if len(group) < MIN_LINE_ROWS:
+            continue
+        mem = [planner.parse_bytes(r["gpu_mem"]) for r in group]
+        names = ["main", *group[0]["alternatives"]]
+        ours = {name: fit_line(mem, [r["predicted"] if name == "main" else r["alternatives"][name]
+                                     for r in group]) for name in names}
+        out.append({"source": source, "model": model, "rows": len(group),
+                    "published": fit_line(mem, [r["published"] for r in group]),
+                    "published_1e9": fit_line([m / 2**30 * 1e9 for m in mem],
+                                              [r["published"] for r in group]),
+                    "ours": ours, "stack": group[0]["stack"]})
+    return out
+
+
+def line_summary(line: dict[str, Any]) -> str:
+    """The source's line beside ours (``lines``), in words: per token and before the first
+    token, under both readings of the source's GB."""
+    def both(f: dict[str, float]) -> str:
+        return (f"{f['bytes_per_token'] / 2**20:.2f} MiB a token from "
+                f"{f['fixed_bytes'] / 2**30:.2f} GiB")
+
+    ours, src, src9 = line["ours"]["main"], line["published"], line["published_1e9"]
+    others = "; ".join(f"{name}: {both(f)}" for name, f in line["ours"].items() if name != "main")
+    return (f"{line['model']}: the source's {line['rows']} rows lie on one line (the furthest "
+            f"{src['worst_residual']:.0f} tokens off it), {both(src)} with GB read as GiB, "
+            f"{both(src9)} as 10^9 bytes; ours {both(ours)}: per token "
+            f"{ours['bytes_per_token'] / src['bytes_per_token'] - 1:+.0%} / "
+            f"{ours['bytes_per_token'] / src9['bytes_per_token'] - 1:+.0%} of the source's, "
+            f"before the first token {(ours['fixed_bytes'] - src['fixed_bytes']) / 2**30:+.2f} / "
+            f"{(ours['fixed_bytes'] - src9['fixed_bytes']) / 2**30:+.2f} GiB"
+            + (f" (other stacks: {others})." if others else "."))
 
 
 def figure_for(model: str, stack: Stack, gpu_mem: str) -> Figure | None:
@@ -181,38 +261,74 @@ def predict(figures: list[Figure] = FIGURES, step: int = 64) -> list[dict[str, A
                 "GB" if f.unit_bytes == 1e9 else "GiB") + (
                     f" ({f.reads})" if f.kind == "peak" else "")
         row = {"source": f.source, "row": f.row, "kind": f.kind, "config": f.config,
+               "model": f.model, "gpu_mem": f.gpu_mem,
                "unit": unit, "published": f.published, "predicted": values[i, "main"],
                "error": error, "met": abs(error) <= TOLERANCE, "stack": f.stack.label,
                "alternatives": {name: values[i, name] for name, _ in f.alternatives}}
         if not row["met"]:
             row["reason"] = REASONS.get(f.source, "not investigated yet")
         out.append(row)
+    for line in lines(out):
+        for row in out:
+            if not row["met"] and (row["source"], row["model"]) == (line["source"],
+                                                                   line["model"]):
+                row["reason"] += " " + line_summary(line)
     return out
 
 
 def record(results: Any, rows: list[dict[str, Any]]) -> None:
     """Write each row to ``results`` as recipe ``published`` (value = our prediction, baseline =
-    the published figure; the unit names the source's address)."""
+    the published figure; the unit names the source's address), and each source's line
+    (``lines``) as recipe ``published_line``: ours on the rows' stack beside the source's."""
     for r in rows:
         results.add("published", r["row"], r["predicted"], baseline=r["published"],
                     unit=f"{r['unit']}; {r['source']}; measured stack: {r['stack']}")
+    for line in lines(rows):
+        ours, src = line["ours"]["main"], line["published"]
+        where = f"{line['source']}; measured stack: {line['stack']}; GB read as GiB"
+        results.add("published_line", f"{line['model']}: MiB each token adds",
+                    ours["bytes_per_token"] / 2**20, baseline=src["bytes_per_token"] / 2**20,
+                    unit=f"MiB; {where}")
+        results.add("published_line", f"{line['model']}: GiB before the first token",
+                    ours["fixed_bytes"] / 2**30, baseline=src["fixed_bytes"] / 2**30,
+                    unit=f"GiB; {where}")
 
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:
     """The rows as the README's table: source, its configuration, the published figure, ours
     (and the other stacks', where the source's words allow several), the error and, for a miss,
     why."""
-    lines = ["| figure (source) | published | ours | other stacks | error | |",
-             "|---|---:|---:|---:|---:|---|"]
+    out = ["| figure (source) | published | ours | other stacks | error | |",
+           "|---|---:|---:|---:|---:|---|"]
+    explained = set()
     for r in rows:
         digits = 0 if r["kind"] == "max_context" else 2
         alt = "; ".join(f"{v:,.{digits}f} ({name})" for name, v in r["alternatives"].items())
         site = r["source"].split()[0]
-        lines.append(f"| {r['row']} ([source]({site}); {r['config']}) | "
-                     f"{r['published']:,.{digits}f} {r['unit']} | {r['predicted']:,.{digits}f} | "
-                     f"{alt} | {r['error']:+.1%} | "
-                     f"{'met' if r['met'] else 'MISSED: ' + r['reason']} |")
-    return "\n".join(lines)
+        verdict = "met"
+        if not r["met"]:
+            verdict = "MISSED: " + ("as above" if r["source"] in explained else r["reason"])
+            explained.add(r["source"])
+        out.append(f"| {r['row']} ([source]({site}); {r['config']}) | "
+                   f"{r['published']:,.{digits}f} {r['unit']} | {r['predicted']:,.{digits}f} | "
+                   f"{alt} | {r['error']:+.1%} | {verdict} |")
+    found = lines(rows)
+    if found:
+        out += ["", ("Where a source's longest-context rows make a line, the line: memory each "
+                     "token adds, and memory before the first token (where the line meets zero "
+                     "tokens)."), "",
+                "| source, model | stack | MiB a token | GiB before the first token |",
+                "|---|---|---:|---:|"]
+        for line in found:
+            site = line["source"].split()[0]
+            head = f"[{line['model']}]({site})"
+            for name, f in [("published, GB read as GiB", line["published"]),
+                            ("published, GB read as 10^9 bytes", line["published_1e9"]),
+                            *((f"ours, {line['stack'] if n == 'main' else n}", f)
+                              for n, f in line["ours"].items())]:
+                out.append(f"| {head} | {name} | {f['bytes_per_token'] / 2**20:.2f} | "
+                           f"{f['fixed_bytes'] / 2**30:.2f} |")
+    return "\n".join(out)
 
 
 def update_readme(rows: list[dict[str, Any]]) -> bool:
@@ -222,14 +338,15 @@ def update_readme(rows: list[dict[str, Any]]) -> bool:
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    """The rows as a plain-text table, misses marked."""
+    """The rows as a plain-text table, misses marked, then each source's line (``lines``)."""
     head = (f"{'published figure':<66} {'published':>10} {'ours':>10} {'others':>17} "
             f"{'error':>7}")
-    lines = [head]
+    out = [head]
     for r in rows:
         digits = 0 if r["kind"] == "max_context" else 2
         alt = " / ".join(f"{v:,.{digits}f}" for v in r["alternatives"].values())
-        lines.append(f"{r['row']:<66} {r['published']:>10,.{digits}f} "
-                     f"{r['predicted']:>10,.{digits}f} {alt:>17} {r['error']:>+7.1%}"
-                     f"{'' if r['met'] else '  MISSED'}")
-    return "\n".join(lines)
+        out.append(f"{r['row']:<66} {r['published']:>10,.{digits}f} "
+                   f"{r['predicted']:>10,.{digits}f} {alt:>17} {r['error']:>+7.1%}"
+                   f"{'' if r['met'] else '  MISSED'}")
+    out.extend(line_summary(line) for line in lines(rows))
+    return "\n".join(out)

@@ -75,3 +75,44 @@ def test_the_readme_table_shows_each_miss_with_its_reason():
     assert "| 932 tokens | 320 | 1,920 (bf16 base) | -65.7% | MISSED: The source's" in table
     assert "| 21.30 GB (allocated) | 22.30 |  | +4.7% | met |" in table
     assert published.REASONS.keys() <= {f.source for f in published.FIGURES}
+
+
+def test_a_line_fit_gives_the_memory_each_token_adds_and_the_memory_before_the_first():
+    # 2 MB a token on top of 10 GB: the numbers a reader can check by hand
+    line = published.fit_line([12e9, 16e9, 24e9], [1000, 3000, 7000])
+    assert line["bytes_per_token"] == pytest.approx(2e6)
+    assert line["fixed_bytes"] == pytest.approx(10e9)
+    assert line["worst_residual"] == pytest.approx(0, abs=1e-6)
+    assert published.fit_line([1, 2, 3], [1, 3, 2])["worst_residual"] > 0.1
+    with pytest.raises(ValueError, match="gpu_bytes: 2 sizes"):
+        published.fit_line([12e9, 16e9], [1000, 3000])
+    with pytest.raises(ValueError, match="gpu_bytes: the longest context does not grow"):
+        published.fit_line([12e9, 16e9, 24e9], [3000, 2000, 1000])
+
+
+def test_unsloths_hf_rows_are_one_line_so_they_test_two_numbers():
+    """The evidence behind the Unsloth reason: every published HF + FA2 figure sits on one line
+    (1,619 tokens per 4 GB), to within a token."""
+    rows = [f for f in published.FIGURES if f.source == published.UNSLOTH_README]
+    line = published.fit_line([published.planner.parse_bytes(f.gpu_mem) for f in rows],
+                              [f.published for f in rows])
+    assert len(rows) >= published.MIN_LINE_ROWS and line["worst_residual"] < 1
+    assert 2**30 / line["bytes_per_token"] == pytest.approx(1619 / 4, rel=1e-3)
+
+
+def test_lines_put_ours_beside_the_sources_and_explain_the_miss_once():
+    published_tokens, ours = (932, 2551, 5789), (1920, 3712, 7296)
+    rows = [{"source": published.UNSLOTH_README, "row": f"r{gb}", "kind": "max_context",
+             "model": "Llama-3.1-8B", "gpu_mem": f"{gb}GiB", "config": "c", "unit": "tokens",
+             "published": p, "predicted": o, "error": o / p - 1, "met": False, "stack": "s",
+             "alternatives": {"other": o - 500}, "reason": "why"}
+            for gb, p, o in zip((12, 16, 24), published_tokens, ours)]
+    (line,) = published.lines(rows)
+    assert set(line["ours"]) == {"main", "other"} and line["rows"] == 3
+    assert line["published_1e9"]["bytes_per_token"] == pytest.approx(
+        line["published"]["bytes_per_token"] * 1e9 / 2**30)
+    table = published.markdown_table(rows)
+    assert table.count("MISSED: why") == 1 and table.count("MISSED: as above") == 2
+    assert "| published, GB read as 10^9 bytes |" in table and "| ours, other |" in table
+    summary = published.line_summary(line)
+    assert "the source's 3 rows lie on one line" in summary and "other: " in summary

@@ -30,6 +30,7 @@ import torch
 from packaging.version import Version
 
 from recipes_lib import calc, data, device
+from recipes_lib.compare import measure_training_step
 from recipes_lib.memory import MemoryReport, measure_memory, tensor_bytes
 from recipes_lib.optim8bit import state_bytes
 
@@ -308,6 +309,55 @@ def compare_runs(make_model: Any, examples: list[dict[str, list[int]]], tokenize
         return run.step.activation_bytes if measure else run.optimizer_state_bytes
 
     return {"ratio": value(runs[1]) / value(runs[0]), "baseline": runs[0], "recipe": runs[1]}
+
+
+def compare_losses(make_model: Any, examples: list[dict[str, list[int]]], tokenizer: Any,
+                   loss_fns: dict[str, Any], micro_batch_size: int = 8) -> dict[str, Any]:
+    """One training step with each loss, in the course's loop and in ``Trainer``, each on a
+    fresh model from ``make_model`` and measured by the same meter: does the trainer keep what
+    the loop shows?
+
+    Args:
+        make_model: returns a fresh copy of the same model.
+        examples: one batch's worth of tokenized examples (``micro_batch_size`` of them).
+        loss_fns: name -> course loss (``loss_fn(model, batch)``, summed over target tokens;
+            None: the model's own). The first is the baseline of both ratios.
+
+    Returns:
+        ``loop_ratio`` and ``trainer_ratio`` (activation bytes of the last loss over the
+        first's), ``trainer_losses`` (name -> Trainer's logged loss) and ``rows`` (name ->
+        ``loop MiB`` / ``Trainer MiB`` / ``Trainer loss``, for a table).
+
+    Raises:
+        ValueError: for fewer than two losses, or examples that are not one batch.
+
+    Example:
+        >>> out = compare_losses(make_model, examples, tok,
+        ...                      {"own loss": None, "chunked CE": ChunkedCausalLMLoss(128)})
+        ... # doctest: +SKIP
+        >>> out["trainer_ratio"] / out["loop_ratio"]  # doctest: +SKIP
+    """
+    if len(loss_fns) < 2:
+        raise ValueError(f"loss_fns: {list(loss_fns)}; give a baseline and at least one loss")
+    if len(examples) != micro_batch_size:
+        raise ValueError(f"examples: {len(examples)} given, one batch of micro_batch_size="
+                         f"{micro_batch_size} needed")
+    batch = data.collate(examples, tokenizer.pad_token_id)
+    loop = {name: measure_training_step(make_model(), batch, repeats=0, loss_fn=fn).memory
+            for name, fn in loss_fns.items()}
+    runs = {name: run_trainer(make_model(), examples, tokenizer, steps=1,
+                              micro_batch_size=micro_batch_size, loss_fn=fn)
+            for name, fn in loss_fns.items()}
+    first, *_, last = loss_fns
+    return {
+        "loop_ratio": loop[last].activation_bytes / loop[first].activation_bytes,
+        "trainer_ratio": (runs[last].step.activation_bytes
+                          / runs[first].step.activation_bytes),
+        "trainer_losses": {name: run.losses[0] for name, run in runs.items()},
+        "rows": {name: {"loop MiB": loop[name].activation_bytes / 2**20,
+                        "Trainer MiB": runs[name].step.activation_bytes / 2**20,
+                        "Trainer loss": runs[name].losses[0]} for name in loss_fns},
+    }
 
 
 def update_gap(make_model: Any, examples: list[dict[str, list[int]]], tokenizer: Any,

@@ -189,3 +189,24 @@ def test_accelerate_config_is_one_accelerate_reads(small, tmp_path):
     assert cfg.fsdp_config["fsdp_transformer_layer_cls_to_wrap"] == "LlamaDecoderLayer"
     with pytest.raises(ValueError, match="num_processes=1"):
         trainers.accelerate_config(models.load_model(small[0]), 1)
+
+
+def test_a_loss_compared_in_the_loop_and_in_trainer(small):
+    """Notebook 04's bridge: chunked CE cuts the activations by the same ratio in the course's
+    loop and in Trainer, and Trainer's loss does not change."""
+    from recipes_lib.chunked_loss import ChunkedCausalLMLoss
+
+    path, tok, examples = small
+    out = trainers.compare_losses(lambda: models.load_model(path), examples[:4], tok,
+                                  {"own": None, "chunked": ChunkedCausalLMLoss(16)},
+                                  micro_batch_size=4)
+    assert out["trainer_ratio"] < 1 and abs(out["trainer_ratio"] - out["loop_ratio"]) <= 0.05
+    assert out["trainer_losses"]["chunked"] == pytest.approx(out["trainer_losses"]["own"],
+                                                             rel=1e-5)
+    assert set(out["rows"]["own"]) == {"loop MiB", "Trainer MiB", "Trainer loss"}
+    with pytest.raises(ValueError, match="loss_fns"):
+        trainers.compare_losses(lambda: models.load_model(path), examples[:4], tok, {"own": None},
+                                micro_batch_size=4)
+    with pytest.raises(ValueError, match="examples: 8 given"):
+        trainers.compare_losses(lambda: models.load_model(path), examples, tok,
+                                {"own": None, "chunked": None}, micro_batch_size=4)

@@ -123,7 +123,7 @@ FIGURES = [
 ]
 
 
-# Why rows miss, as found; keyed by source (every miss so far is one cause per source). Figures
+# Why rows miss, as found; keyed by source (every miss so far is one cause per source). Our figures
 # in a reason come from the run (``lines``), never typed here.
 REASONS = {
     UNSLOTH_README: (

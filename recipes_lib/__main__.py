@@ -129,12 +129,15 @@ def real_scale_benchmark() -> None:
     flags = [S(precision="fp32"), S(precision="fp32", checkpointing=True),
              S(method="lora", precision="fp32"), S(method="qlora", precision="fp32"),
              S(precision="fp32", grad_accum_steps=2), S(optimizer="sgd", precision="fp32"),
-             S(optimizer="adamw-8bit", precision="fp32"), S(precision="fp32", chunked_loss=128)]
+             S(optimizer="adamw-8bit", precision="fp32"), S(precision="fp32", chunked_loss=128),
+             S(precision="fp32", loss="transformers-4.46")]
     sixteen = [S(), S(precision="fp16"), S(precision="bf16-mixed"),
                S(method="lora", checkpointing=True),
                S(method="qlora", precision="bf16-mixed", checkpointing=True),
                S(method="qlora", precision="bf16-mixed", checkpointing=True,
-                 bf16_embeddings=True)]
+                 bf16_embeddings=True),
+               S(method="qlora", precision="bf16-mixed", checkpointing=True,
+                 bf16_embeddings=True, loss="transformers-4.46")]
     sharded = [S(precision="fp32", fsdp_ranks=2), S(precision="bf16-mixed", fsdp_ranks=2),
                S(method="lora", precision="bf16-mixed", checkpointing=True, fsdp_ranks=2)]
     configs = {"tiny": LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=176,

@@ -28,11 +28,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from recipes_lib import calc
 from recipes_lib.architectures import default_attention
 from recipes_lib.checkpointing import enable_activation_checkpointing
 from recipes_lib.chunked_loss import ChunkedCausalLMLoss
+from recipes_lib.data import IGNORE_INDEX
 from recipes_lib.fsdp import shard_model
 from recipes_lib.grad_accumulation import forward_backward
 from recipes_lib.memory import MemoryReport, allocator_peak, measure_memory
@@ -47,6 +49,10 @@ OPTIMIZERS = ("adamw", "adamw-8bit", "sgd")
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
            "bf16-mixed": torch.float32}
 _AUTOCAST = {"bf16-mixed": "bf16"}  # precision -> the training loop's autocast precision
+# How the full causal-LM loss holds the logits: "course", the course's loop and today's
+# transformers; "transformers-4.46", transformers' loss from 4.46 until #35646
+# (``TransformersLoss``: with several sequences, one more fp32 copy of the logits in forward).
+LOSSES = ("course", "transformers-4.46")
 
 
 def _compute_dtype(stack: Stack) -> torch.dtype:
@@ -74,7 +80,10 @@ class Stack:
     ``peft_module_casting_to_bf16`` after ``get_peft_model``). Since then it runs no k-bit
     preparation and keeps them in the load dtype, which ``precision="bf16"`` measures.
     ``optimizer="adamw-8bit"`` is bitsandbytes' blockwise 8-bit AdamW. ``chunked_loss`` is the
-    chunk size of the chunked cross-entropy (0: the full logits).
+    chunk size of the chunked cross-entropy (0: the full logits). ``loss`` is how the full
+    loss holds the logits: ``"course"`` (the course's loop, and transformers since #35646), or
+    ``"transformers-4.46"`` (``TransformersLoss``: 4.46 until #35646, late 2024), for measuring
+    a stack as it ran then.
     """
 
     method: str = "full"
@@ -90,6 +99,7 @@ class Stack:
     offload_optimizer: bool = False
     offload_activations: bool = False
     bf16_embeddings: bool = False
+    loss: str = "course"
 
     def __post_init__(self) -> None:
         if "qlora" in str(self.method) and "full" in str(self.method):
@@ -97,7 +107,7 @@ class Stack:
                              "base; a full fine-tune of NF4 weights does not exist (use "
                              "'qlora' or 'full')")
         for name, allowed in (("method", METHODS), ("precision", PRECISIONS),
-                              ("optimizer", OPTIMIZERS)):
+                              ("optimizer", OPTIMIZERS), ("loss", LOSSES)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}={getattr(self, name)!r}: expected one of {allowed}")
         for name, low in (("grad_accum_steps", 1), ("lora_rank", 1), ("chunked_loss", 0),
@@ -123,6 +133,9 @@ class Stack:
             raise ValueError(f"bf16_embeddings=True with method={self.method!r}, precision="
                              f"{self.precision!r}: it undoes part of peft's k-bit preparation, "
                              "which only method='qlora' with precision='bf16-mixed' runs")
+        if self.chunked_loss and self.loss != "course":
+            raise ValueError(f"loss={self.loss!r} with chunked_loss={self.chunked_loss}: the "
+                             "chunked loss never forms the logits that loss holds; choose one")
         if self.fsdp_ranks > 1 and self.method == "qlora":
             raise ValueError("method='qlora' with fsdp_ranks > 1: bitsandbytes' packed weights "
                              "do not shard under FSDP2; the course's FSDP + QLoRA uses torchao's "
@@ -148,7 +161,36 @@ class Stack:
             parts.append("activations offloaded")
         if self.bf16_embeddings:
             parts.append("bf16 embeddings and head")
+        if self.loss != "course":
+            parts.append(f"{self.loss}'s loss")
         return ", ".join(parts)
+
+
+class TransformersLoss:
+    """``loss_fn`` for ``grad_accumulation.forward_backward``: next-token cross-entropy from the
+    model's logits, holding what transformers' causal-LM loss held from 4.46 (October 2024)
+    until #35646 (January 2025). Summed over the target tokens, equal to
+    ``grad_accumulation.causal_lm_loss_sum``; only the memory differs.
+
+    ``ForCausalLMLoss`` upcast the logits to fp32 while the model's forward still held them in
+    its own dtype, then flattened a contiguous copy of the shifted logits
+    (``logits[..., :-1, :].contiguous()``), where today's loss pads the labels instead. With
+    several sequences that copy is one more tokens x vocab fp32 tensor while the cross-entropy's
+    forward runs; with one, the shifted slice is already contiguous and nothing is copied, so a
+    batch-1 step holds what the course's loss holds (to one position's upcast).
+
+    Example:
+        >>> forward_backward(model, batch, loss_fn=TransformersLoss())  # doctest: +SKIP
+    """
+
+    def __call__(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        logits = model(input_ids=batch["input_ids"],
+                       attention_mask=batch.get("attention_mask")).logits
+        upcast = logits.float()  # beside the logits the model's forward still holds
+        shifted = upcast[..., :-1, :].contiguous()
+        return F.cross_entropy(shifted.view(-1, shifted.shape[-1]),
+                               batch["labels"][..., 1:].contiguous().view(-1),
+                               ignore_index=IGNORE_INDEX, reduction="sum")
 
 
 def model_config(model: Any):
@@ -528,7 +570,8 @@ class _Prepared:
         self.host = "meta" if fake and device.type == "cpu" else "cpu"
         with (self.mode if stack.offload_optimizer and self.mode else contextlib.nullcontext()):
             self.opt = _optimizer(self.net, stack, self.host)
-        self.loss_fn = ChunkedCausalLMLoss(stack.chunked_loss) if stack.chunked_loss else None
+        self.loss_fn = (ChunkedCausalLMLoss(stack.chunked_loss) if stack.chunked_loss else
+                        TransformersLoss() if stack.loss == "transformers-4.46" else None)
         self.stepped = False
 
     def measure(self, seq_len: int, per_rank: int,

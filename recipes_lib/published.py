@@ -14,7 +14,7 @@ where the source does not say how it capped memory.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -37,17 +37,22 @@ TORCHTITAN = ("https://github.com/pytorch/torchtitan/blob/main/benchmarks/"
 # Unsloth: "4bit QLoRA on all linear layers (Q, K, V, O, gate, up and down) with rank = 32 with
 # a batch size of 1 ... padded all sequences to a certain maximum sequence length"; its
 # "Hugging Face + FA2" column is transformers + peft + bitsandbytes with gradient checkpointing.
-# The source does not say how its unquantized weights were kept, so three stacks are measured.
-# The main one is what TRL's SFTTrainer ran with bf16=True on a 4-bit model when the tables were
-# measured (2024) and until trl #4577 (November 2025): peft's k-bit preparation, get_peft_model,
-# then its peft_module_casting_to_bf16 (embeddings and head back to bf16, norms fp32).
+# Both tables were published with Llama 3.3 (December 2024: the blog gives the 8B's 28,000 at
+# 80 GB too), when transformers was at 4.46-4.47. The source does not say how its unquantized
+# weights were kept, so several stacks are measured. The main one is what TRL's SFTTrainer ran
+# with bf16=True on a 4-bit model then and until trl #4577 (November 2025): peft's k-bit
+# preparation, get_peft_model, then its peft_module_casting_to_bf16 (embeddings and head back to
+# bf16, norms fp32), with transformers' loss of that time (a contiguous fp32 copy of the shifted
+# logits, removed by transformers #35646 in January 2025).
 TRL_2024_QLORA = Stack(method="qlora", precision="bf16-mixed", checkpointing=True, lora_rank=32,
-                       bf16_embeddings=True)
+                       bf16_embeddings=True, loss="transformers-4.46")
 # peft's k-bit preparation alone (embeddings and head in fp32): the course's add_lora.
 HF_QLORA = Stack(method="qlora", precision="bf16-mixed", checkpointing=True, lora_rank=32)
 # no k-bit preparation, the base in bf16: TRL's SFTTrainer since trl #4577.
 BF16_QLORA = Stack(method="qlora", precision="bf16", checkpointing=True, lora_rank=32)
-UNSLOTH_OTHER_STACKS = (("fp32 embeddings and head", HF_QLORA), ("bf16 base", BF16_QLORA))
+# the main stack with today's loss: what the late-2024 loss's copy adds to the longest context
+UNSLOTH_OTHER_STACKS = (("fp32 embeddings and head", HF_QLORA), ("bf16 base", BF16_QLORA),
+                        ("today's loss", replace(TRL_2024_QLORA, loss="course")))
 # litgpt (October 2023): --precision bf16-true, LoRA r=8 on the query and value projections
 # (4,194,304 trainable parameters for Llama 2 7B), dropout 0.05, no activation checkpointing;
 # "Max GPU RAM" is torch.cuda.max_memory_allocated() / 1e9 at the longest Alpaca example,
@@ -96,14 +101,16 @@ FIGURES = [
     *(Figure(UNSLOTH_README, f"Llama-3.1-8B QLoRA r=32, HF + FA2, longest context on {gb} GB",
              "Llama-3.1-8B", TRL_2024_QLORA, "max_context", tokens, gpu_mem=f"{gb}GiB",
              config="4-bit QLoRA on all linear layers, rank 32, batch 1, padded sequences; "
-                    "GB read as the card's GiB; measured as TRL's SFTTrainer ran it in 2024",
+                    "GB read as the card's GiB; measured as TRL's SFTTrainer ran it in "
+                    "December 2024",
              alternatives=UNSLOTH_OTHER_STACKS)
       for gb, tokens in ((12, 932), (16, 2551), (24, 5789), (40, 12264), (48, 15502),
                          (80, 28454))),
     Figure(UNSLOTH_LLAMA33, "Llama-3.3-70B QLoRA r=32, HF + FA2, longest context on 80 GB",
            "Llama-3.1-70B", TRL_2024_QLORA, "max_context", 6916, gpu_mem="80GiB",
            config="4-bit QLoRA on all linear layers, rank 32, batch 1, A100 80GB (Llama 3.3 "
-                  "70B has Llama 3.1 70B's shape); measured as TRL's SFTTrainer ran it in 2024",
+                  "70B has Llama 3.1 70B's shape); measured as TRL's SFTTrainer ran it in "
+                  "December 2024",
            alternatives=UNSLOTH_OTHER_STACKS),
     *(Figure(LITGPT, f"{model} LoRA{' ' + q if q else ''}, micro-batch {b}", model,
              Stack(method="qlora" if q else "lora", **_LITGPT), "peak", gb,
@@ -127,9 +134,11 @@ FIGURES = [
 # in a reason come from the run (``lines``), never typed here.
 REASONS = {
     UNSLOTH_README: (
-        "The source's words fit three stacks and do not say which ('other stacks' column); "
-        "measured as TRL's SFTTrainer ran it in 2024 (peft's k-bit preparation, then embeddings "
-        "and head back to bf16). Its rows are not six measurements: they lie on one straight "
+        "The source's words fit several stacks and do not say which ('other stacks' column); "
+        "measured as TRL's SFTTrainer ran it when the tables were made, December 2024 (peft's "
+        "k-bit preparation, then embeddings and head back to bf16; transformers 4.46-4.47's "
+        "loss, which held a contiguous fp32 copy of the shifted logits: the 'today's loss' "
+        "column is the same stack without it). Its rows are not six measurements: they lie on one straight "
         "line (1,619 tokens more per 4 GB at every step; the 'Unsloth' column, 18,876), so they "
         "test two numbers, the memory each token adds and the memory before the first token. "
         "A difference in the fixed part weighs most on the smallest card, where the line is "

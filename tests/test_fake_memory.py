@@ -23,6 +23,8 @@ def config():
     Stack(method="qlora", precision="bf16-mixed", checkpointing=True, bf16_embeddings=True),
     Stack(optimizer="adamw-8bit", precision="bf16-mixed"),
     Stack(chunked_loss=64, precision="fp32"),
+    Stack(method="qlora", precision="bf16-mixed", checkpointing=True, bf16_embeddings=True,
+          loss="transformers-4.46"),
     Stack(method="qlora", precision="bf16-mixed", optimizer="adamw-8bit", checkpointing=True,
           grad_accum_steps=2, chunked_loss=32)],
     ids=lambda s: s.label)
@@ -183,7 +185,7 @@ def test_bad_inputs_name_the_parameter(config, tmp_path):
         Stack(method="qlora-full")
     for kw, name in (({"method": "dora"}, "method"), ({"precision": "fp8"}, "precision"),
                      ({"optimizer": "lion"}, "optimizer"), ({"grad_accum_steps": 0}, "grad_"),
-                     ({"chunked_loss": -1}, "chunked_loss")):
+                     ({"chunked_loss": -1}, "chunked_loss"), ({"loss": "liger"}, "loss")):
         with pytest.raises(ValueError, match=name):
             Stack(**kw)
     with pytest.raises(ValueError, match="comm_backend='mpi': one of nccl, gloo"):
@@ -202,7 +204,52 @@ def test_bad_inputs_name_the_parameter(config, tmp_path):
         Stack(method="lora", precision="bf16-mixed", bf16_embeddings=True)
     with pytest.raises(ValueError, match="batch_size=0"):
         fake_memory.measure_step(config, Stack(), 64, 0)
+    with pytest.raises(ValueError, match="loss='transformers-4.46' with chunked_loss=64"):
+        Stack(chunked_loss=64, loss="transformers-4.46")
     assert torch.get_default_dtype() == torch.float32
+
+
+def test_late_2024_transformers_loss_equals_the_course_loss(small_llama):
+    """Same loss and gradients as the course's (the reference); what differs is memory."""
+    from recipes_lib.grad_accumulation import causal_lm_loss_sum
+
+    ids = torch.randint(3, 128, (2, 24))
+    labels = ids.clone()
+    labels[0, :5] = -100  # a prompt without loss
+    batch = {"input_ids": ids, "labels": labels}
+    ours = fake_memory.TransformersLoss()(small_llama, batch)
+    ours.backward()
+    grads = [p.grad.clone() for p in small_llama.parameters()]
+    small_llama.zero_grad()
+    reference = causal_lm_loss_sum(small_llama(input_ids=ids).logits, labels)
+    reference.backward()
+    torch.testing.assert_close(ours, reference, rtol=1e-6, atol=1e-5)
+    for g, p in zip(grads, small_llama.parameters()):
+        torch.testing.assert_close(g, p.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_late_2024_transformers_loss_copies_the_shifted_logits_only_for_several_rows(config):
+    """Under bf16 autocast, the forward's peak (at the loss: a vocabulary larger than the layers'
+    widths) against the course loss's. One sequence: the shifted slice is already contiguous, so
+    ``.contiguous()`` copies nothing and the only difference is the upcast's last position (4 V
+    bytes): Unsloth's batch-1 rows hold the same either way. Two: the copy, 4 b s V bytes."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from recipes_lib.device import autocast
+    from recipes_lib.grad_accumulation import causal_lm_loss_sum
+    from recipes_lib.memory import measure_memory
+
+    v, s = 4096, 64
+    model = LlamaForCausalLM(LlamaConfig(**{**config.to_dict(), "vocab_size": v}))
+    for b, extra in ((1, 4 * v), (2, 4 * 2 * s * v)):
+        ids = torch.randint(3, v, (b, s))
+        batch = {"input_ids": ids, "labels": ids}
+        with torch.no_grad(), autocast(torch.device("cpu"), "bf16"):
+            course = measure_memory(
+                lambda ids=ids: causal_lm_loss_sum(model(input_ids=ids).logits, ids))
+            late_2024 = measure_memory(
+                lambda batch=batch: fake_memory.TransformersLoss()(model, batch))
+        assert late_2024.peak_bytes - course.peak_bytes == extra, b
 
 
 @pytest.mark.parametrize("stack", [

@@ -42,15 +42,15 @@ TORCHTITAN = ("https://github.com/pytorch/torchtitan/blob/main/benchmarks/"
 # weights were kept, so several stacks are measured. The main one is what TRL's SFTTrainer ran
 # with bf16=True on a 4-bit model then and until trl #4577 (November 2025): peft's k-bit
 # preparation, get_peft_model, then its peft_module_casting_to_bf16 (embeddings and head back to
-# bf16, norms fp32), with transformers' loss of that time (a contiguous fp32 copy of the shifted
-# logits, removed by transformers #35646 in January 2025).
+# bf16, norms fp32), with transformers' loss of that time (``.contiguous()`` on the shifted
+# logits, removed by transformers #35646 in January 2025: a copy only with several sequences).
 TRL_2024_QLORA = Stack(method="qlora", precision="bf16-mixed", checkpointing=True, lora_rank=32,
                        bf16_embeddings=True, loss="transformers-4.46")
 # peft's k-bit preparation alone (embeddings and head in fp32): the course's add_lora.
 HF_QLORA = Stack(method="qlora", precision="bf16-mixed", checkpointing=True, lora_rank=32)
 # no k-bit preparation, the base in bf16: TRL's SFTTrainer since trl #4577.
 BF16_QLORA = Stack(method="qlora", precision="bf16", checkpointing=True, lora_rank=32)
-# the main stack with today's loss: what the late-2024 loss's copy adds to the longest context
+# the main stack with today's loss: what the late-2024 loss changes in the longest context
 UNSLOTH_OTHER_STACKS = (("fp32 embeddings and head", HF_QLORA), ("bf16 base", BF16_QLORA),
                         ("today's loss", replace(TRL_2024_QLORA, loss="course")))
 # litgpt (October 2023): --precision bf16-true, LoRA r=8 on the query and value projections
@@ -137,9 +137,10 @@ REASONS = {
         "The source's words fit several stacks and do not say which ('other stacks' column); "
         "measured as TRL's SFTTrainer ran it when the tables were made, December 2024 (peft's "
         "k-bit preparation, then embeddings and head back to bf16; transformers 4.46-4.47's "
-        "loss, which held a contiguous fp32 copy of the shifted logits: the 'today's loss' "
-        "column is the same stack without it). Its rows are not six measurements: they lie on one straight "
-        "line (1,619 tokens more per 4 GB at every step; the 'Unsloth' column, 18,876), so they "
+        "loss, which copied the shifted logits, though not for one sequence: the 'today's "
+        "loss' column is the same stack with today's loss). Its rows are not six measurements: "
+        "they lie on one straight line (1,619 tokens more per 4 GB at every step; the 'Unsloth' "
+        "column, 18,876), so they "
         "test two numbers, the memory each token adds and the memory before the first token. "
         "A difference in the fixed part weighs most on the smallest card, where the line is "
         "closest to its zero; the line table below the figures has both numbers. Which stack, "

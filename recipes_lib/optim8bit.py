@@ -18,6 +18,7 @@ bitsandbytes here.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -65,7 +66,56 @@ def make_adamw_8bit(params: Iterable[torch.nn.Parameter], lr: float = 1e-3,
     import bitsandbytes as bnb
 
     cls = bnb.optim.PagedAdamW8bit if paged else bnb.optim.AdamW8bit
-    return cls(params, lr=lr, weight_decay=weight_decay)
+    optimizer = cls(params, lr=lr, weight_decay=weight_decay)
+    # bitsandbytes' GlobalOptimManager is one per process, and keeps every override it was given
+    # keyed by (group, index) position as well as by id(): after transformers' Trainer ran with
+    # optim="adamw_bnb_8bit" (it keeps each nn.Embedding in 32 bits), any later 8-bit optimizer
+    # keeps whichever of its parameters sits at that position in 32 bits too (bitsandbytes
+    # 0.50). This one reads a manager of its own, so its states are always those of
+    # calc.adamw_8bit_state_bytes, whatever ran before in the process.
+    optimizer.mng = _empty_override_manager()
+    return optimizer
+
+
+def _empty_override_manager() -> Any:
+    from bitsandbytes.optim import GlobalOptimManager
+
+    manager = GlobalOptimManager.__new__(GlobalOptimManager)  # its __init__ refuses: singleton
+    manager.initialize()
+    return manager
+
+
+def forget_overrides(model: torch.nn.Module) -> int:
+    """Remove from bitsandbytes' process-wide ``GlobalOptimManager`` every override registered
+    for ``model``'s modules or parameters; return how many module overrides it held.
+
+    transformers' ``Trainer`` with ``optim="adamw_bnb_8bit"`` registers each ``nn.Embedding``
+    there (states in 32 bits) and never removes it: the manager then holds those modules, and
+    their weights, for the life of the process (1 GiB for Llama-3.1-8B's bf16 embedding), and
+    applies the override to the parameter at the same position in any later 8-bit optimizer.
+    An optimizer that already took its first step keeps the states it has (bitsandbytes reads
+    their dtype, not the override, from then on).
+
+    Example:
+        >>> trainer.train(); forget_overrides(trainer.model)  # doctest: +SKIP
+    """
+    if "bitsandbytes" not in sys.modules:  # nothing can have registered an override
+        return 0
+    from bitsandbytes.optim import GlobalOptimManager
+
+    manager = GlobalOptimManager.get_instance()
+    modules = {id(m) for m in model.modules()}
+    params = {id(p) for p in model.parameters()}
+    mine = [t for t in manager.module_weight_config_triple if id(t[0]) in modules]
+    configs = {id(cfg) for _, _, cfg in mine}
+    configs |= {id(cfg) for pid, cfg in manager.pid2config.items() if pid in params}
+    manager.module_weight_config_triple = [t for t in manager.module_weight_config_triple
+                                           if id(t[0]) not in modules]
+    manager.pid2config = {pid: cfg for pid, cfg in manager.pid2config.items()
+                          if pid not in params}
+    manager.index2config = {k: cfg for k, cfg in manager.index2config.items()
+                            if id(cfg) not in configs}
+    return len(mine)
 
 
 def state_bytes(optimizer: Any) -> int:

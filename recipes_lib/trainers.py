@@ -32,7 +32,7 @@ from packaging.version import Version
 from recipes_lib import calc, data, device
 from recipes_lib.compare import measure_training_step
 from recipes_lib.memory import MemoryReport, measure_memory, tensor_bytes
-from recipes_lib.optim8bit import state_bytes
+from recipes_lib.optim8bit import forget_overrides, state_bytes
 
 
 def checkpointing_settings(use_reentrant: bool = False, version: str | None = None
@@ -273,6 +273,9 @@ def run_trainer(
     trainer.remove_callback(PrinterCallback)  # the losses come back in TrainerRun instead
     trainer.train()
     state = state_bytes(getattr(trainer.optimizer, "optimizer", trainer.optimizer))
+    # optim="adamw_bnb_8bit" left its embeddings' 32-bit override in bitsandbytes' process-wide
+    # manager, which would hold them after this run and apply to later optimizers
+    forget_overrides(trainer.model)
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     return TrainerRun(losses=losses, step=trainer._report, optimizer_state_bytes=state,
                       settings=settings, trainer=trainer)

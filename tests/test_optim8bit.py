@@ -28,6 +28,29 @@ def test_state_bytes_equal_the_calculator_and_are_a_quarter_of_adamw(small_llama
     assert optim8bit.state_bytes(q) / optim8bit.state_bytes(ref) <= 0.26
 
 
+def test_overrides_left_in_the_process_do_not_reach_the_course_optimizer(small_llama):
+    """Trainer's optim="adamw_bnb_8bit" leaves a 32-bit override for every embedding in
+    bitsandbytes' process-wide manager, keyed by position too: here another model's, at the
+    position of small_llama's first parameter."""
+    from bitsandbytes.optim import AdamW8bit, GlobalOptimManager
+
+    other = torch.nn.Embedding(128, 64)
+    manager = GlobalOptimManager.get_instance()
+    manager.register_module_override(other, "weight", {"optim_bits": 32})
+    try:
+        plain = AdamW8bit(other.parameters())  # as Trainer builds it: (0, 0) is `other`'s
+        other(torch.tensor([1])).sum().backward()
+        plain.step()
+        assert (0, 0) in manager.index2config
+        opt = optim8bit.make_adamw_8bit(small_llama.parameters())
+        _steps(small_llama, opt, 1)
+        numels = [p.numel() for p in small_llama.parameters()]
+        assert optim8bit.state_bytes(opt) == calc.adamw_8bit_state_bytes(numels)
+    finally:
+        assert optim8bit.forget_overrides(other) == 1
+    assert (0, 0) not in manager.index2config and not manager.module_weight_config_triple
+
+
 def test_updates_match_adamw_within_the_quantization_band(small_llama):
     import copy
 

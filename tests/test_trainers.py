@@ -66,6 +66,11 @@ def test_8bit_optimizer_setting_shrinks_the_trainers_states(small):
     assert ratio == pytest.approx(trainers.predicted_8bit_state_ratio(models.load_model(path)),
                                   abs=1e-12)
     assert ratio > 0.2545  # the course's ratio on the default model: all 8-bit
+    from bitsandbytes.optim import GlobalOptimManager
+
+    manager = GlobalOptimManager.get_instance()  # the run took its overrides away with it
+    assert not [m for m, _, _ in manager.module_weight_config_triple
+                if m is eight.trainer.model.get_input_embeddings()]
 
 
 def test_padding_free_sft_keeps_the_loss_and_drops_the_padding(small):

@@ -29,7 +29,8 @@ BACKENDS = ("bitsandbytes",)
 
 def make_adamw_8bit(params: Iterable[torch.nn.Parameter], lr: float = 1e-3,
                     weight_decay: float = 0.0, paged: bool = False,
-                    backend: str = "bitsandbytes") -> torch.optim.Optimizer:
+                    backend: str = "bitsandbytes",
+                    fp32_states: Iterable[torch.nn.Parameter] = ()) -> torch.optim.Optimizer:
     """bitsandbytes' blockwise 8-bit AdamW over ``params`` (the paged variant with ``paged``).
 
     Args:
@@ -39,13 +40,19 @@ def make_adamw_8bit(params: Iterable[torch.nn.Parameter], lr: float = 1e-3,
         paged: states in CUDA unified memory, paged to the CPU under memory pressure (CUDA
             only).
         backend: "bitsandbytes" (the only one whose 8-bit kernels run on a CPU).
+        fp32_states: parameters among ``params`` whose moments stay in fp32, as Trainer keeps
+            every embedding's (bitsandbytes' advice for an embedding that trains unstably).
+            Overrides registered in bitsandbytes' process-wide ``GlobalOptimManager`` do not
+            apply: this optimizer reads a manager of its own (see the comment below).
 
     Raises:
         ValueError: for an unknown backend, ``paged`` without CUDA, a parameter on a device the
-            backend has no kernel for, or bitsandbytes missing.
+            backend has no kernel for, an ``fp32_states`` tensor not in ``params``, or
+            bitsandbytes missing.
 
     Example:
-        >>> opt = make_adamw_8bit(torch.nn.Linear(4096, 2).parameters())  # doctest: +SKIP
+        >>> opt = make_adamw_8bit(model.parameters(),  # doctest: +SKIP
+        ...                       fp32_states=[model.get_input_embeddings().weight])
     """
     from recipes_lib.device import has_module
 
@@ -56,6 +63,10 @@ def make_adamw_8bit(params: Iterable[torch.nn.Parameter], lr: float = 1e-3,
     params = [p for p in params if p.requires_grad]
     if not params:
         raise ValueError("params: no trainable parameters")
+    fp32_states = list(fp32_states)
+    if not {id(p) for p in fp32_states} <= {id(p) for p in params}:
+        raise ValueError("fp32_states: every tensor must be one of params' trainable "
+                         "parameters")
     devices = {p.device.type for p in params}
     if not devices <= {"cpu", "cuda"}:
         raise ValueError(f"params: on {sorted(devices)}; bitsandbytes' 8-bit AdamW runs on CPU "
@@ -74,6 +85,8 @@ def make_adamw_8bit(params: Iterable[torch.nn.Parameter], lr: float = 1e-3,
     # 0.50). This one reads a manager of its own, so its states are always those of
     # calc.adamw_8bit_state_bytes, whatever ran before in the process.
     optimizer.mng = _empty_override_manager()
+    if fp32_states:
+        optimizer.mng.override_config(fp32_states, "optim_bits", 32)
     return optimizer
 
 

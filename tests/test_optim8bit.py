@@ -51,6 +51,17 @@ def test_overrides_left_in_the_process_do_not_reach_the_course_optimizer(small_l
     assert (0, 0) not in manager.index2config and not manager.module_weight_config_triple
 
 
+def test_fp32_states_keep_the_embedding_as_trainer_does(small_llama):
+    from recipes_lib import trainers
+
+    opt = optim8bit.make_adamw_8bit(small_llama.parameters(),
+                                    fp32_states=[small_llama.get_input_embeddings().weight])
+    _steps(small_llama, opt, 1)
+    adamw = calc.optimizer_bytes(sum(p.numel() for p in small_llama.parameters()), "adamw")
+    assert optim8bit.state_bytes(opt) / adamw == pytest.approx(
+        trainers.predicted_8bit_state_ratio(small_llama), abs=1e-12)
+
+
 def test_updates_match_adamw_within_the_quantization_band(small_llama):
     import copy
 
@@ -73,6 +84,9 @@ def test_bad_inputs(small_llama):
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="paged=True"):
             optim8bit.make_adamw_8bit(small_llama.parameters(), paged=True)
+    with pytest.raises(ValueError, match="fp32_states"):
+        optim8bit.make_adamw_8bit(small_llama.parameters(),
+                                  fp32_states=[torch.nn.Parameter(torch.zeros(2))])
     for p in small_llama.parameters():
         p.requires_grad_(False)
     with pytest.raises(ValueError, match="params"):

@@ -8,11 +8,13 @@ eval loss has dropped far below chance. Both are saved with ``save_pretrained`` 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import shutil
 import warnings
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -143,8 +145,10 @@ def build_tiny_model(
 ) -> Path:
     """Build, pretrain and save the tiny base model; return its folder (cached by ``spec``).
 
-    A second call with the same spec returns the cached folder at once. The build writes into a
-    temporary folder and renames it, so an interrupted build is never mistaken for a finished one.
+    A second call with the same spec returns the cached folder at once; a call from another
+    process while the build runs waits for it (a lock file beside the folder). The build writes
+    into a temporary folder and renames it, so an interrupted build is never mistaken for a
+    finished one.
 
     Args:
         out_dir: target folder; default ``.cache/<name>`` in the repository (or $RECIPES_CACHE).
@@ -160,16 +164,45 @@ def build_tiny_model(
         >>> path = build_tiny_model()  # doctest: +SKIP
         >>> model, tok = load_model(path), load_tokenizer(path)  # doctest: +SKIP
     """
-    from transformers import AutoModelForCausalLM
-
-    from recipes_lib.evaluation import eval_loss
-    from recipes_lib.train import TrainConfig, train
-
     if spec.architecture not in ARCHITECTURES:
         raise ValueError(f"architecture={spec.architecture!r}: expected one of {ARCHITECTURES}")
     out = Path(out_dir) if out_dir is not None else DEFAULT_CACHE / spec.cache_name()
     if (out / "pretrain_report.json").exists():
         return out
+    with _one_build_at_a_time(out):
+        if (out / "pretrain_report.json").exists():  # built while this process waited
+            return out
+        return _build(out, spec, progress, device)
+
+
+@contextlib.contextmanager
+def _one_build_at_a_time(out: Path) -> Iterator[None]:
+    """Two processes that need the same model (two notebooks, parallel test workers): the second
+    waits for the first's build instead of building it again beside it."""
+    try:
+        import fcntl
+    except ImportError:  # Windows: each process builds into its own partial folder, see _build
+        yield
+        return
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.with_name(f"{out.name}.lock"), "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"waiting for another process to finish building {out.name} ...", flush=True)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _build(out: Path, spec: TinyModelSpec, progress: bool, device: str | torch.device) -> Path:
+    from transformers import AutoModelForCausalLM
+
+    from recipes_lib.evaluation import eval_loss
+    from recipes_lib.train import TrainConfig, train
+
     # one partial folder per process: two processes building the same model (two notebooks, or
     # parallel test workers) never write into each other's
     tmp = out.with_name(f"{out.name}.partial-{os.getpid()}")

@@ -18,7 +18,60 @@ def _seed():
     torch.manual_seed(0)
 
 
+# `make test` runs the suite on parallel workers (pytest-xdist, --dist loadfile): one worker
+# per core, each with one thread, keeps both cores busy where one process left about a third
+# of them idle (Python overhead, process starts, kernels too small for two threads). A file's
+# tests stay together on one worker (its module fixtures built once, a notebook's cells in order
+# in one kernel), and so do the files that share the two-rank torchrun job of `sharded_runs` (a
+# session fixture: one job per worker that asks for it).
+SHARDED_RUNS_FILES = ("test_context_parallel.py", "test_distributed.py", "test_fake_memory.py",
+                      "test_fsdp_qlora.py", "test_trainers.py")
+
+
+def pytest_configure(config):
+    worker = getattr(config, "workerinput", None)
+    if worker is not None:
+        threads = max(1, (os.cpu_count() or 1) // int(worker["workercount"]))
+        os.environ["OMP_NUM_THREADS"] = str(threads)  # what nbval's kernels inherit
+        torch.set_num_threads(threads)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionstart(session):
+    """With workers, the default model (the notebooks' and `sharded_runs`') is built here first,
+    on every core, before the workers start (xdist starts them in its own, later hook)."""
+    if session.config.getoption("numprocesses", None) and not hasattr(session.config,
+                                                                      "workerinput"):
+        from recipes_lib.model import build_tiny_model
+
+        build_tiny_model(progress=False)
+
+
+def _work_unit(nodeid: str) -> str:
+    path = nodeid.split("::", 1)[0]
+    return "sharded_runs" if path.rsplit("/", 1)[-1] in SHARDED_RUNS_FILES else path
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class LoadFileAndSharedRuns(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _work_unit(nodeid)
+
+    return LoadFileAndSharedRuns(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
+    if hasattr(config, "workerinput"):  # the order the workers' scheduler hands units out
+        # the longest units first (the notebooks, then the torchrun job), so that no worker
+        # starts a long one while the other runs out of work; the order within a unit is kept
+        first = {"notebooks": 0, "tests/test_notebooks.py": 1, "sharded_runs": 2}
+        items.sort(key=lambda i: first.get(i.path.parent.name,
+                                           first.get(_work_unit(i.nodeid), 3)))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

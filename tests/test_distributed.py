@@ -1,7 +1,8 @@
 """Real 2-rank runs on CPU (gloo): loss parity with one process, per-rank bytes, faults."""
 
 import os
-import subprocess
+import uuid
+from pathlib import Path
 
 import pytest
 import torch
@@ -9,10 +10,24 @@ import torch
 from recipes_lib import distributed, fsdp, train_state
 
 
-def _rank_processes() -> list[str]:
-    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True, check=True).stdout
-    return [line for line in out.splitlines()
-            if "-m recipes_lib.distributed" in line and str(os.getpid()) not in line.split()[0]]
+@pytest.fixture
+def launch_tag(monkeypatch) -> str:
+    """A variable every process this test launches inherits (and keeps, orphaned or not), so
+    that ranks launched at the same time by another test worker are not counted as its own."""
+    tag = f"test-{os.getpid()}-{uuid.uuid4().hex}"
+    monkeypatch.setenv("RECIPES_TEST_LAUNCH", tag)
+    return tag
+
+
+def _rank_processes(tag: str) -> list[str]:
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if int(proc.name) != os.getpid() and tag.encode() in (proc / "environ").read_bytes():
+                found.append((proc / "cmdline").read_bytes().replace(b"\0", b" ").decode())
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+    return found
 
 
 def test_fsdp_and_ddp_losses_match_a_single_process(sharded_runs):
@@ -44,27 +59,27 @@ def test_sharded_checkpoint_round_trips_and_export_loads(sharded_runs, tiny_mode
     assert exported.config.num_hidden_layers == original.config.num_hidden_layers
 
 
-def test_a_rank_that_raises_is_reported_and_nothing_is_left_running():
+def test_a_rank_that_raises_is_reported_and_nothing_is_left_running(launch_tag):
     with pytest.raises(distributed.DistributedRunError, match="rank 1: RuntimeError: rank 1 "
                        "failed on purpose"):
         distributed.launch([("recipes_lib.distributed:fail_on_rank", {"rank": 1})],
                            verbose=False)
-    assert _rank_processes() == []
+    assert _rank_processes(launch_tag) == []
 
 
-def test_a_hung_rank_becomes_a_timeout_not_a_hang():
+def test_a_hung_rank_becomes_a_timeout_not_a_hang(launch_tag):
     with pytest.raises(distributed.DistributedRunError, match="Timed out"):
         distributed.launch([("recipes_lib.distributed:fail_on_rank",
                              {"rank": 1, "mode": "hang"})], pg_timeout_s=3, verbose=False)
-    assert _rank_processes() == []
+    assert _rank_processes(launch_tag) == []
 
 
-def test_launcher_wall_clock_timeout_kills_every_rank():
+def test_launcher_wall_clock_timeout_kills_every_rank(launch_tag):
     with pytest.raises(distributed.DistributedRunError, match="timeout_s=4"):
         distributed.launch([("recipes_lib.distributed:fail_on_rank",
                              {"rank": 1, "mode": "hang"})], timeout_s=4, pg_timeout_s=600,
                            verbose=False)
-    assert _rank_processes() == []
+    assert _rank_processes(launch_tag) == []
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU error")

@@ -25,6 +25,32 @@ def test_build_is_deterministic(tmp_path):
     assert not list(tmp_path.glob("*.partial*"))
 
 
+def test_a_build_asked_for_twice_at_once_runs_once(tmp_path, monkeypatch, capsys):
+    """Two notebooks or two test workers asking for the same model: the second waits."""
+    import threading
+
+    spec = models.TinyModelSpec(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                num_attention_heads=2, num_key_value_heads=1, pretrain_steps=2,
+                                pretrain_batch_size=4, pretrain_seq_len=32)
+    started, builds, build = threading.Event(), [], models._build
+
+    def slow_build(*args):
+        builds.append(args[0])
+        started.set()
+        return build(*args)
+
+    monkeypatch.setattr(models, "_build", slow_build)
+    paths = []
+    first = threading.Thread(target=lambda: paths.append(
+        models.build_tiny_model(tmp_path / "m", spec, progress=False)))
+    first.start()
+    started.wait()
+    paths.append(models.build_tiny_model(tmp_path / "m", spec, progress=False))
+    first.join()
+    assert builds == [tmp_path / "m"] and paths == [tmp_path / "m"] * 2
+    assert "waiting for another process to finish building m" in capsys.readouterr().out
+
+
 def test_hub_id_offline_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ValueError, match="HF_HUB_OFFLINE=1"):

@@ -207,3 +207,13 @@ def test_executed_status_reads_papermills_cell_metadata(tmp_path):
     assert run("completed", "failed", "pending", error="0.56\nmore") == \
         "failed: AssertionError: 0.56"
     assert run("completed", "running") == "not finished"
+
+
+def test_the_parallel_suite_names_units_that_exist():
+    """tests/conftest.py hands the longest units out first and keeps the files that share the
+    torchrun job together: a renamed file would silently fall out of both."""
+    from conftest import LONGEST_FIRST, SHARDED_RUNS_FILES
+
+    root = notebooks.course_notebooks()[0].parent.parent
+    assert all((root / unit).exists() for unit in LONGEST_FIRST if unit != "sharded_runs")
+    assert all((root / "tests" / name).exists() for name in SHARDED_RUNS_FILES)

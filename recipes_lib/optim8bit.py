@@ -43,7 +43,8 @@ def make_adamw_8bit(params: Iterable[torch.nn.Parameter], lr: float = 1e-3,
         fp32_states: parameters among ``params`` whose moments stay in fp32, as Trainer keeps
             every embedding's (bitsandbytes' advice for an embedding that trains unstably).
             Overrides registered in bitsandbytes' process-wide ``GlobalOptimManager`` do not
-            apply: this optimizer reads a manager of its own (see the comment below).
+            apply: that manager keys them by parameter position too, so one left by an earlier
+            optimizer (Trainer's embeddings) would reach this one's parameters.
 
     Raises:
         ValueError: for an unknown backend, ``paged`` without CUDA, a parameter on a device the

@@ -19,8 +19,9 @@ def _seed():
 
 
 # `make test` runs the suite on parallel workers (pytest-xdist, --dist loadfile): one worker
-# per core, each with one thread, keeps both cores busy where one process left about a third
-# of them idle (Python overhead, process starts, kernels too small for two threads). A file's
+# per core, each with one thread, keeps both cores busy where one process kept 1.34 of 2 busy
+# over the unit tests (CPU time over wall time; Python overhead, process starts, kernels too
+# small for two threads). A file's
 # tests stay together on one worker (its module fixtures built once, a notebook's cells in order
 # in one kernel), and so do the files that share the two-rank torchrun job of `sharded_runs` (a
 # session fixture: one job per worker that asks for it).

@@ -174,10 +174,11 @@ class TransformersLoss:
 
     ``ForCausalLMLoss`` upcast the logits to fp32 while the model's forward still held them in
     its own dtype, then flattened a contiguous copy of the shifted logits
-    (``logits[..., :-1, :].contiguous()``), where today's loss pads the labels instead. With
-    several sequences that copy is one more tokens x vocab fp32 tensor while the cross-entropy's
-    forward runs; with one, the shifted slice is already contiguous and nothing is copied, so a
-    batch-1 step holds what the course's loss holds (to one position's upcast).
+    (``logits[..., :-1, :].contiguous()``), where today's loss, and the course's, pads the
+    labels instead. With several sequences that copy is one more tokens x vocab fp32 tensor while
+    the cross-entropy's forward runs; with one, the shifted slice is already contiguous and
+    nothing is copied, so a batch-1 step holds what the course's loss holds (to one position's
+    log-probabilities).
 
     Example:
         >>> forward_backward(model, batch, loss_fn=TransformersLoss())  # doctest: +SKIP

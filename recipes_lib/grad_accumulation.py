@@ -53,10 +53,24 @@ def count_target_tokens(labels: torch.Tensor) -> int:
 
 
 def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Sum (not mean) of next-token cross-entropy over target tokens, computed in fp32."""
+    """Sum (not mean) of next-token cross-entropy over target tokens, computed in fp32.
+
+    The labels are shifted, not the logits (as transformers' loss since #35646): slicing off
+    the last position of several sequences leaves a view that flattens only by copying, one
+    more tokens x vocab tensor while the cross-entropy runs; the padded last position carries
+    no loss.
+
+    Example:
+        >>> logits, labels = torch.randn(2, 5, 11), torch.randint(11, (2, 5))
+        >>> ref = F.cross_entropy(logits[:, :-1].reshape(-1, 11), labels[:, 1:].reshape(-1),
+        ...                       reduction="sum")
+        >>> torch.allclose(causal_lm_loss_sum(logits, labels), ref)
+        True
+    """
+    targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
     return F.cross_entropy(
-        logits[:, :-1].flatten(0, 1).float(),
-        labels[:, 1:].flatten(),
+        logits.flatten(0, 1).float(),
+        targets.flatten(),
         ignore_index=IGNORE_INDEX,
         reduction="sum",
     )

@@ -230,9 +230,11 @@ def test_late_2024_transformers_loss_equals_the_course_loss(small_llama):
 
 def test_late_2024_transformers_loss_copies_the_shifted_logits_only_for_several_rows(config):
     """Under bf16 autocast, the forward's peak (at the loss: a vocabulary larger than the layers'
-    widths) against the course loss's. One sequence: the shifted slice is already contiguous, so
-    ``.contiguous()`` copies nothing and the only difference is the upcast's last position (4 V
-    bytes): Unsloth's batch-1 rows hold the same either way. Two: the copy, 4 b s V bytes."""
+    widths) against the course loss's, which shifts the labels (as today's transformers). One
+    sequence: the shifted slice is already contiguous, so ``.contiguous()`` copies nothing, and
+    the course's loss holds one position's log-probabilities (4 V bytes) and its padded labels
+    (8 s) more: Unsloth's batch-1 rows hold the same either way. Several: late 2024 holds the
+    copies of the shifted logits and labels, b (s - 1) (4 V + 8) bytes, less those."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from recipes_lib.device import autocast
@@ -241,7 +243,7 @@ def test_late_2024_transformers_loss_copies_the_shifted_logits_only_for_several_
 
     v, s = 4096, 64
     model = LlamaForCausalLM(LlamaConfig(**{**config.to_dict(), "vocab_size": v}))
-    for b, extra in ((1, 4 * v), (2, 4 * 2 * s * v)):
+    for b in (1, 2, 3):
         ids = torch.randint(3, v, (b, s))
         batch = {"input_ids": ids, "labels": ids}
         with torch.no_grad(), autocast(torch.device("cpu"), "bf16"):
@@ -249,7 +251,8 @@ def test_late_2024_transformers_loss_copies_the_shifted_logits_only_for_several_
                 lambda ids=ids: causal_lm_loss_sum(model(input_ids=ids).logits, ids))
             late_2024 = measure_memory(
                 lambda batch=batch: fake_memory.TransformersLoss()(model, batch))
-        assert late_2024.peak_bytes - course.peak_bytes == extra, b
+        copies = b * (s - 1) * (4 * v + 8) if b > 1 else 0  # shifted logits' and labels'
+        assert late_2024.peak_bytes - course.peak_bytes == copies - 4 * b * v - 8 * b * s, b
 
 
 @pytest.mark.parametrize("stack", [

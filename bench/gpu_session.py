@@ -3,8 +3,10 @@
     python bench/gpu_session.py OUT_DIR [--smoke] [--memory-only]
     python bench/gpu_session.py --record    # raw files -> results/h100/gpu_session.json
 
-Writes ``OUT_DIR/gpu_session.json``: the fake-tensor memory prediction against the real run of
-a >= 1 B-parameter model (three recipe stacks), the FP8 vs bf16 linear sweep (tensorwise and
+Writes ``OUT_DIR/gpu_session.json``: what the GPU holds outside PyTorch's allocator (the CUDA
+context and the libraries' kernels), the fake-tensor memory prediction against the real run of
+a >= 1 B-parameter model (five recipe stacks) and of Unsloth's Llama-3.1-8B QLoRA rows at four
+lengths (two stacks; ``published``), the FP8 vs bf16 linear sweep (tensorwise and
 rowwise), an FP8 training step at a scale where it should pay, and the crossover sweeps of SDPA,
 chunked cross-entropy and activation checkpointing. ``--smoke`` runs tiny sizes on the CPU to
 check the script itself. Each part is saved as soon as it ends, so a time-out keeps the rest.
@@ -33,18 +35,60 @@ def sweep_dict(s) -> dict:
             "peaks": vars(s.peaks) if s.peaks else None}
 
 
+def device_used() -> int | None:
+    """Bytes in use on the GPU as its driver counts them (``total - free``): PyTorch's reserved
+    blocks plus what lives outside its allocator. None without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    torch.cuda.synchronize()
+    free, total = torch.cuda.mem_get_info()
+    return total - free
+
+
+def outside_allocator() -> dict:
+    """What the GPU holds outside PyTorch's caching allocator (driver-counted use minus
+    ``memory_reserved``: the CUDA context, kernel modules loaded on first use, library handles),
+    read after each library a QLoRA step takes kernels from: the context alone, cuBLAS (a bf16
+    matmul), SDPA's flash kernel and bitsandbytes' NF4 matmul. ``planner.CUDA_CONTEXT_BYTES``
+    models it (0.5 GiB); the Unsloth rows' fixed part is where it matters. Run first, in a fresh
+    process."""
+    if not torch.cuda.is_available():
+        return {"skipped": "needs CUDA: the driver's count is the measurement"}
+    import bitsandbytes as bnb
+    import bitsandbytes.functional as bnbf
+
+    def outside() -> int:
+        return device_used() - torch.cuda.memory_reserved()
+
+    torch.cuda.init()
+    out = {"context": outside()}
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    float((a @ a).sum())
+    out["cublas"] = outside()
+    q = torch.randn(1, 32, 2048, 128, device="cuda", dtype=torch.bfloat16)
+    float(torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True).sum())
+    out["sdpa"] = outside()
+    packed, state = bnbf.quantize_4bit(a, quant_type="nf4", compress_statistics=True)
+    float(bnb.matmul_4bit(a[:16], packed.t(), quant_state=state).sum())
+    out["bitsandbytes_nf4"] = outside()
+    out["reserved_at_end"] = torch.cuda.memory_reserved()
+    return out
+
+
 def fake_vs_real(model, stacks, seq_len, batch, device) -> list[dict]:
     rows = []
     for stack in stacks:
         gc.collect()
         start = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
         r = fake_memory.fake_vs_real(model, stack, seq_len, batch, device)
+        used = device_used()  # the step's blocks are still cached: context + reserved
         rows.append({"stack": stack.label, "seq_len": seq_len, "batch": batch,
                      "fake": r["fake"].by_category, "fake_peak": r["fake"].peak_bytes,
                      "real": r["real"].by_category, "real_peak": r["real"].peak_bytes,
                      "allocated_peak": r["real"].allocator_peak_bytes,
                      "start_allocated": start,
                      "reserved_peak": r["real"].allocator_reserved_bytes,
+                     "device_used_after": used,
                      "fake_over_allocated": (r["fake"].peak_bytes / r["real"].allocator_peak_bytes
                                              if r["real"].allocator_peak_bytes else None)})
         print(rows[-1]["stack"], rows[-1]["fake_over_allocated"], flush=True)
@@ -52,6 +96,30 @@ def fake_vs_real(model, stacks, seq_len, batch, device) -> list[dict]:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     return rows
+
+
+def unsloth_rows(model, seq_lens, device) -> dict:
+    """Unsloth's "HF + FA2" longest-context rows (``published``) checked on the GPU itself:
+    Llama-3.1-8B, QLoRA r=32, batch 1, on the stack measured for them (TRL's SFTTrainer as of
+    December 2024) and with fp32 embeddings and head, each at several lengths: the fake trace
+    beside ``max_memory_allocated``, ``max_memory_reserved`` and the driver's count. A line
+    through the driver's points (``published.fit_line``) is the GPU's own memory per token and
+    before the first token, to set beside the source's line and ours."""
+    from recipes_lib import published
+
+    stacks = {"TRL 2024": published.TRL_2024_QLORA,
+              "fp32 embeddings and head": published.HF_QLORA}
+    out: dict = {"rows": [], "lines": {}}
+    for name, stack in stacks.items():
+        for s in seq_lens:
+            out["rows"] += [{**row, "name": name} for row in
+                            fake_vs_real(model, [stack], s, 1, device)]
+        mine = [r for r in out["rows"] if r["name"] == name]
+        for key in ("device_used_after", "reserved_peak", "allocated_peak", "fake_peak"):
+            if len(mine) >= published.MIN_LINE_ROWS and all(r[key] for r in mine):
+                out["lines"][f"{name}: {key}"] = published.fit_line(
+                    [r[key] for r in mine], [r["seq_len"] for r in mine])
+    return out
 
 
 def fp8_model_step(device, hidden, layers, seq_len, batch, compile_model=True) -> dict:
@@ -147,17 +215,20 @@ def main(out_dir: str, smoke: bool) -> None:
         print(f"== {name}: {report['seconds'][name]:.0f} s", flush=True)
 
     S = fake_memory.Stack
+    part("outside_allocator", outside_allocator)  # first: a fresh process's context
     if smoke:
         from transformers import LlamaConfig
         model = LlamaConfig(vocab_size=1024, hidden_size=128, intermediate_size=352,
                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                             max_position_embeddings=512)
-        seq, batch = 128, 2
+        seq, batch, big, lengths = 128, 2, model, [64, 128, 256]
     else:
         model, seq, batch = "Llama-3.2-1B", 2048, 2
+        big, lengths = "Llama-3.1-8B", [1024, 4096, 8192, 16384]
     stacks = [S(), S(checkpointing=True), S(method="lora", checkpointing=True),
               S(precision="fp32", checkpointing=True), S(grad_accum_steps=2)]
     part("fake_vs_real", lambda: fake_vs_real(model, stacks, seq, batch, device))
+    part("unsloth_8b", lambda: unsloth_rows(big, lengths, device))
     if "--memory-only" in sys.argv:
         return
     if not smoke:
@@ -189,13 +260,14 @@ def record(device_dir: str = "h100") -> Path:
     """The raw files of ``results/<device_dir>/raw/`` as figures in the results schema
     (``results/<device_dir>/gpu_session.json``), so the README's table for that device lists
     them. Every value is read from the raw files; nothing is typed in."""
-    from recipes_lib import results, sweep
+    from recipes_lib import planner, results, sweep
 
     raw = {n: results.load_raw(device_dir, n) for n in
            ("gpu_session_memory", "gpu_session_sweeps", "gpu_session_fp8_paged")}
     out = results.Results("gpu_session", raw["gpu_session_memory"]["device"],
                           results.RESULTS_DIR / device_dir)
-    for row in raw["gpu_session_memory"]["fake_vs_real"]:
+    memory = raw["gpu_session_memory"]
+    for row in memory["fake_vs_real"]:
         slug = row["stack"].replace(", ", "_").replace(" ", "").replace("=", "")
         out.add("fake_memory", f"fake_over_allocated_{slug}", row["fake_peak"] / row["allocated_peak"],
                 baseline=1.0, unit=f"x max_memory_allocated, Llama-3.2-1B, {row['batch']}x"
@@ -203,6 +275,27 @@ def record(device_dir: str = "h100") -> Path:
         worst = max(abs(row["fake"][k] - row["real"][k]) for k in row["fake"])
         out.add("fake_memory", f"max_category_diff_bytes_{slug}", worst, baseline=0.0,
                 unit="fake vs the real step under the same tracker")
+    for lib, used in memory.get("outside_allocator", {}).items():
+        if lib != "reserved_at_end" and isinstance(used, int):
+            out.add("gpu_overhead", f"outside_allocator_after_{lib}_GiB", used / 2**30,
+                    predicted=planner.CUDA_CONTEXT_BYTES / 2**30,
+                    unit="GiB the driver counts beyond memory_reserved (predicted: the "
+                         "planner's CUDA context)")
+    unsloth = memory.get("unsloth_8b", {})
+    for row in unsloth.get("rows", []):
+        where = f"{row['name']}, {row['seq_len']} tokens"
+        out.add("unsloth_8b", f"fake_over_allocated, {where}",
+                row["fake_peak"] / row["allocated_peak"], baseline=1.0,
+                unit="x max_memory_allocated, Llama-3.1-8B QLoRA r=32, batch 1")
+        out.add("unsloth_8b", f"device_used_GiB, {where}", row["device_used_after"] / 2**30,
+                predicted=(row["fake_peak"] + planner.gpu_overhead(row["fake_peak"])) / 2**30,
+                unit="GiB the driver counts after the step (predicted: fake peak + the "
+                     "planner's overhead)")
+    for name, line in unsloth.get("lines", {}).items():
+        out.add("unsloth_8b", f"MiB a token, {name}", line["bytes_per_token"] / 2**20,
+                unit="MiB; a line through the lengths measured (published.fit_line)")
+        out.add("unsloth_8b", f"GiB before the first token, {name}", line["fixed_bytes"] / 2**30,
+                unit="GiB; where that line meets zero tokens")
     named = {"attention": raw["gpu_session_sweeps"]["attention"],
              "chunked_ce": raw["gpu_session_sweeps"]["chunked_ce"],
              "activation_checkpointing": raw["gpu_session_sweeps"]["checkpointing"],

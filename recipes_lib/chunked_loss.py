@@ -310,8 +310,10 @@ class ChunkedCausalLMLoss:
         hidden = model.get_decoder()(input_ids=batch["input_ids"],
                                      attention_mask=batch.get("attention_mask")
                                      ).last_hidden_state
-        return chunked_cross_entropy(hidden[:, :-1], weight, batch["labels"][:, 1:],
-                                     self.chunk_size, reduction="sum",
+        # the labels shift, not the hidden states (as Liger-Kernel's LigerForCausalLMLoss and
+        # transformers' loss): slicing several rows' last position off would copy them all
+        labels = F.pad(batch["labels"][:, 1:], (0, 1), value=IGNORE_INDEX)
+        return chunked_cross_entropy(hidden, weight, labels, self.chunk_size, reduction="sum",
                                      logit_softcap=final_logit_softcap(model))
 
 

@@ -116,12 +116,13 @@ class DistillationLoss:
             raise ValueError(f"student: vocabulary of {w_s.shape[0]} tokens != the teacher's "
                              f"{self.teacher_weight.shape[0]}; distillation on logits needs the "
                              "same tokenizer")
-        # position t predicts token t + 1: drop the last position and the first label
-        labels = batch["labels"][:, 1:].reshape(-1)
+        # position t predicts token t + 1: the labels shift (the last position gets none, as in
+        # transformers' loss), so only the labelled rows of the hidden states are ever copied
+        labels = F.pad(batch["labels"][:, 1:], (0, 1), value=IGNORE_INDEX).reshape(-1)
         keep = labels != IGNORE_INDEX
-        h_s = _last_hidden(student, batch)[:, :-1].reshape(-1, w_s.shape[1])[keep]
+        h_s = _last_hidden(student, batch).reshape(-1, w_s.shape[1])[keep]
         with torch.no_grad():
-            h_t = _last_hidden(self.teacher, batch)[:, :-1]
+            h_t = _last_hidden(self.teacher, batch)
             h_t = h_t.reshape(-1, h_t.shape[-1])[keep]
         w_t, temperature, alpha = self.teacher_weight, self.temperature, self.alpha
         # Gemma-2 soft-caps its final logits: both sides as their own forward would make them

@@ -133,6 +133,7 @@ def real_scale_benchmark() -> None:
              S(precision="fp32", loss="transformers-4.46")]
     sixteen = [S(), S(precision="fp16"), S(precision="bf16-mixed"),
                S(method="lora", checkpointing=True),
+               S(method="qlora", checkpointing=True, autocast_adapter_dtype=False),
                S(method="qlora", precision="bf16-mixed", checkpointing=True),
                S(method="qlora", precision="bf16-mixed", checkpointing=True,
                  bf16_embeddings=True),

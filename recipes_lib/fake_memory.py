@@ -83,7 +83,9 @@ class Stack:
     chunk size of the chunked cross-entropy (0: the full logits). ``loss`` is how the full
     loss holds the logits: ``"course"`` (the course's loop, and transformers since #35646), or
     ``"transformers-4.46"`` (``TransformersLoss``: 4.46 until #35646, late 2024), for measuring
-    a stack as it ran then.
+    a stack as it ran then. ``autocast_adapter_dtype`` is peft's ``get_peft_model`` argument:
+    True (peft's default) keeps LoRA adapters in fp32 over a 16-bit base; False keeps them in
+    the base's dtype, as torchtune does with ``dtype: bf16``.
     """
 
     method: str = "full"
@@ -100,6 +102,7 @@ class Stack:
     offload_activations: bool = False
     bf16_embeddings: bool = False
     loss: str = "course"
+    autocast_adapter_dtype: bool = True
 
     def __post_init__(self) -> None:
         if "qlora" in str(self.method) and "full" in str(self.method):
@@ -133,6 +136,12 @@ class Stack:
             raise ValueError(f"bf16_embeddings=True with method={self.method!r}, precision="
                              f"{self.precision!r}: it undoes part of peft's k-bit preparation, "
                              "which only method='qlora' with precision='bf16-mixed' runs")
+        if not isinstance(self.autocast_adapter_dtype, bool):
+            raise TypeError(f"autocast_adapter_dtype={self.autocast_adapter_dtype!r}: True "
+                            "(adapters in fp32, peft's default) or False (the base's dtype)")
+        if not self.autocast_adapter_dtype and self.method == "full":
+            raise ValueError("autocast_adapter_dtype=False with method='full': it sets the "
+                             "LoRA adapters' dtype, and a full fine-tune has none")
         if self.chunked_loss and self.loss != "course":
             raise ValueError(f"loss={self.loss!r} with chunked_loss={self.chunked_loss}: the "
                              "chunked loss never forms the logits that loss holds; choose one")
@@ -163,6 +172,8 @@ class Stack:
             parts.append("bf16 embeddings and head")
         if self.loss != "course":
             parts.append(f"{self.loss}'s loss")
+        if not self.autocast_adapter_dtype:
+            parts.append("adapters in the base's dtype")
         return ", ".join(parts)
 
 
@@ -300,7 +311,8 @@ def build_model(config, stack: Stack, device: torch.device | str, fake: bool = T
         model = get_peft_model(model, LoraConfig(r=stack.lora_rank, lora_alpha=2 * stack.lora_rank,
                                                  target_modules=targets,
                                                  lora_dropout=stack.lora_dropout,
-                                                 task_type="CAUSAL_LM"))
+                                                 task_type="CAUSAL_LM"),
+                               autocast_adapter_dtype=stack.autocast_adapter_dtype)
     if stack.bf16_embeddings:  # TRL's peft_module_casting_to_bf16, after get_peft_model
         for module in (model.get_input_embeddings(), model.get_output_embeddings()):
             module.to(torch.bfloat16)

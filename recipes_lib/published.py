@@ -33,6 +33,8 @@ LITGPT = ("https://github.com/Lightning-AI/litgpt/blob/main/tutorials/resource-t
           "(Finetuning with LoRA on 1 GPU, A100 40GB)")
 TORCHTITAN = ("https://github.com/pytorch/torchtitan/blob/main/benchmarks/"
               "llama3_h100_202412_torchtitan.md (Table 2)")
+TORCHTUNE = ("https://github.com/pytorch/torchtune (README: Optimization flags, Llama 3.2 3B, "
+             "each technique added on top of the previous one)")
 
 # Unsloth: "4bit QLoRA on all linear layers (Q, K, V, O, gate, up and down) with rank = 32 with
 # a batch size of 1 ... padded all sequences to a certain maximum sequence length"; its
@@ -59,6 +61,25 @@ UNSLOTH_OTHER_STACKS = (("fp32 embeddings and head", HF_QLORA), ("bf16 base", BF
 # 1304 tokens with the Llama 2 tokenizer.
 _LITGPT = {"precision": "bf16", "lora_rank": 8, "lora_targets": ("q_proj", "v_proj"),
            "lora_dropout": 0.05}
+# torchtune (2025 README): Llama 3.2 3B, batch 2, max sequence 4096, dtype bf16 (weights,
+# gradients and optimizer states), A100; "Peak Memory Active" is torchtune's get_memory_stats,
+# active_bytes.all.peak / 1024**3, reset at every logged step. From "+ Packed Dataset" on every
+# batch is 2 x 4096 tokens. Measured here: the rows whose stack the fake trace models. Not
+# measured: the baseline (unpacked Alpaca: its shapes depend on the data), "+ Compile" and
+# "+ Chunked Cross Entropy" (compiled without checkpointing: the peak is the activations that
+# Inductor chooses to save, which an eager trace does not see) and the rows from "+ Fuse
+# optimizer step into backward" to "+ 8-bit AdamW" (optimizer_in_bwd, not modelled). The
+# compiled rows that are measured run eager here. LoRA and QLoRA: the configs
+# llama3_2/3B_lora_single_device and 3B_qlora_single_device, rank 64 on q, v, output and the
+# MLP, adapters in bf16, torch.optim.AdamW, with the README's command's overrides (packed,
+# compile, chunked CE, checkpointing, activation offloading, no optimizer_in_bwd).
+_TORCHTUNE_LORA = {"precision": "bf16", "checkpointing": True, "offload_activations": True,
+                   "chunked_loss": 1024, "lora_rank": 64, "autocast_adapter_dtype": False,
+                   "lora_targets": ("q_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                    "down_proj")}
+_TORCHTUNE_CHUNKS = ("torchtune's CEWithChunkedOutputLoss (8 chunks, each chunk's bf16 logits "
+                     "formed by the model) measured as the course's chunked loss (1,024-token "
+                     "chunks, recomputed in backward)")
 
 
 @dataclass(frozen=True)
@@ -127,6 +148,27 @@ FIGURES = [
                   "checkpointing, fp32 master weights; torch.compile + Float8 (not modelled "
                   "here: bf16 eager); memory is torchtitan's max reserved, GiB",
            seq_len=32768, batch_size=8, reads="reserved"),
+    Figure(TORCHTUNE, "Llama-3.2-3B full, + packed dataset (torchtune)", "Llama-3.2-3B",
+           Stack(precision="bf16"), "peak", 60.0,
+           config="full_finetune_single_device, bf16, AdamW, batch 2 packed to 4096 tokens, "
+                  "no compile, no checkpointing, A100; the full cross-entropy on the bf16 "
+                  "logits (the course's upcasts them to fp32, as transformers does); peak "
+                  "memory active, GiB",
+           seq_len=4096, batch_size=2, reads="allocated"),
+    Figure(TORCHTUNE, "Llama-3.2-3B full, + compile, chunked CE, checkpointing (torchtune)",
+           "Llama-3.2-3B", Stack(precision="bf16", checkpointing=True, chunked_loss=1024),
+           "peak", 24.9,
+           config="as the row above, with torch.compile (measured eager), chunked "
+                  f"cross-entropy and activation checkpointing; {_TORCHTUNE_CHUNKS}",
+           seq_len=4096, batch_size=2, reads="allocated"),
+    *(Figure(TORCHTUNE, f"Llama-3.2-3B {name} (torchtune)", "Llama-3.2-3B",
+             Stack(method=method, **_TORCHTUNE_LORA), "peak", gib,
+             config=f"lora_finetune_single_device, {name} r=64 on q, v, output and MLP, "
+                    "adapters in bf16, AdamW, batch 2 packed to 4096 tokens, compile (measured "
+                    "eager), chunked CE, activation checkpointing and offloading; "
+                    f"{_TORCHTUNE_CHUNKS}",
+             seq_len=4096, batch_size=2, reads="allocated")
+      for name, method, gib in (("LoRA", "lora", 8.5), ("QLoRA", "qlora", 4.6))),
 ]
 
 

@@ -26,7 +26,8 @@ def config():
     Stack(method="qlora", precision="bf16-mixed", checkpointing=True, bf16_embeddings=True,
           loss="transformers-4.46"),
     Stack(method="qlora", precision="bf16-mixed", optimizer="adamw-8bit", checkpointing=True,
-          grad_accum_steps=2, chunked_loss=32)],
+          grad_accum_steps=2, chunked_loss=32),
+    Stack(method="qlora", precision="bf16", checkpointing=True, autocast_adapter_dtype=False)],
     ids=lambda s: s.label)
 def test_fake_step_equals_the_real_step_in_every_category(config, stack):
     r = fake_memory.fake_vs_real(config, stack, seq_len=128, batch_size=2)
@@ -108,6 +109,22 @@ def test_the_counted_states_are_what_the_stack_says(config):
                  if p.requires_grad]
     assert lora.by_category["optimizer"] == 8 * sum(p.numel() for p in trainable) + 4 * len(
         trainable)  # two fp32 moments, the adapters' only
+
+
+@pytest.mark.parametrize("method", ["lora", "qlora"])
+def test_adapters_keep_the_bases_dtype_without_peft_autocast(config, method):
+    """``autocast_adapter_dtype=False`` is peft's own switch: the adapters are what
+    ``get_peft_model(..., autocast_adapter_dtype=False)`` makes, bf16 over a bf16 base, and their
+    gradients and AdamW moments are bf16 too (torchtune's ``dtype: bf16``)."""
+    kept = Stack(method=method, precision="bf16", autocast_adapter_dtype=False)
+    model, _ = fake_memory.build_model(config, kept, "cpu")
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert trainable and {p.dtype for p in trainable} == {torch.bfloat16}
+    default = fake_memory.build_model(config, Stack(method=method, precision="bf16"), "cpu")[0]
+    assert {p.dtype for p in default.parameters() if p.requires_grad} == {torch.float32}
+    n = sum(p.numel() for p in trainable)
+    step = fake_memory.measure_step(config, kept, 64, 1)
+    assert step.by_category["optimizer"] == 4 * n + 4 * len(trainable)  # 2 bf16 moments + step
 
 
 def test_fake_nf4_weights_hold_the_bytes_the_calculator_counts(config):
@@ -206,6 +223,10 @@ def test_bad_inputs_name_the_parameter(config, tmp_path):
         fake_memory.measure_step(config, Stack(), 64, 0)
     with pytest.raises(ValueError, match="loss='transformers-4.46' with chunked_loss=64"):
         Stack(chunked_loss=64, loss="transformers-4.46")
+    with pytest.raises(ValueError, match="autocast_adapter_dtype=False with method='full'"):
+        Stack(autocast_adapter_dtype=False)
+    with pytest.raises(TypeError, match="autocast_adapter_dtype='no'"):
+        Stack(method="lora", autocast_adapter_dtype="no")
     assert torch.get_default_dtype() == torch.float32
 
 

@@ -1,7 +1,8 @@
 """Everything this course measures on a GPU, in one call (a lent GPU is held by the minute).
 
     python bench/gpu_session.py OUT_DIR [--smoke] [--memory-only]
-    python bench/gpu_session.py --record    # raw files -> results/h100/gpu_session.json
+    python bench/gpu_session.py --record [DEVICE]  # results/DEVICE/raw/*.json (default h100)
+                                                   # -> results/DEVICE/gpu_session.json
 
 Writes ``OUT_DIR/gpu_session.json``: what the GPU holds outside PyTorch's allocator (the CUDA
 context and the libraries' kernels), the fake-tensor memory prediction against the real run of
@@ -82,7 +83,8 @@ def fake_vs_real(model, stacks, seq_len, batch, device) -> list[dict]:
         start = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
         r = fake_memory.fake_vs_real(model, stack, seq_len, batch, device)
         used = device_used()  # the step's blocks are still cached: context + reserved
-        rows.append({"stack": stack.label, "seq_len": seq_len, "batch": batch,
+        rows.append({"stack": stack.label, "model": model if isinstance(model, str) else
+                     type(model).__name__, "seq_len": seq_len, "batch": batch,
                      "fake": r["fake"].by_category, "fake_peak": r["fake"].peak_bytes,
                      "real": r["real"].by_category, "real_peak": r["real"].peak_bytes,
                      "allocated_peak": r["real"].allocator_peak_bytes,
@@ -256,33 +258,48 @@ def main(out_dir: str, smoke: bool) -> None:
     print(json.dumps({k: v for k, v in report.items() if k == "seconds"}, indent=1))
 
 
-def record(device_dir: str = "h100") -> Path:
-    """The raw files of ``results/<device_dir>/raw/`` as figures in the results schema
-    (``results/<device_dir>/gpu_session.json``), so the README's table for that device lists
-    them. Every value is read from the raw files; nothing is typed in."""
+def record(device_dir: str = "h100", results_dir: Path | None = None) -> Path:
+    """The raw files of ``<results_dir>/<device_dir>/raw/*.json`` (each a ``gpu_session.json``
+    a GPU call left, whole or in parts: a memory-only call has no sweeps) as figures in the
+    results schema, ``<results_dir>/<device_dir>/gpu_session.json``, so the README's table for
+    that device lists them. Parts a call did not run, or that failed or were skipped there, are
+    left out. Every value is read from the raw files; nothing is typed in.
+
+    Raises:
+        ValueError: naming the folder when it holds no raw file.
+    """
     from recipes_lib import planner, results, sweep
 
-    raw = {n: results.load_raw(device_dir, n) for n in
-           ("gpu_session_memory", "gpu_session_sweeps", "gpu_session_fp8_paged")}
-    out = results.Results("gpu_session", raw["gpu_session_memory"]["device"],
-                          results.RESULTS_DIR / device_dir)
-    memory = raw["gpu_session_memory"]
-    for row in memory["fake_vs_real"]:
+    folder = Path(results_dir or results.RESULTS_DIR) / device_dir
+    files = sorted((folder / "raw").glob("*.json"))
+    if not files:
+        raise ValueError(f"device_dir={device_dir!r}: no raw files in {folder / 'raw'}")
+    raw: dict = {}
+    for f in files:
+        raw |= json.loads(f.read_text())
+    part = {k: v for k, v in raw.items()
+            if not (isinstance(v, dict) and ("error" in v or "skipped" in v))}
+    out = results.Results("gpu_session", raw["device"], folder)
+    for row in part.get("fake_vs_real", []):
+        if not row["allocated_peak"]:
+            continue
         slug = row["stack"].replace(", ", "_").replace(" ", "").replace("=", "")
         out.add("fake_memory", f"fake_over_allocated_{slug}", row["fake_peak"] / row["allocated_peak"],
-                baseline=1.0, unit=f"x max_memory_allocated, Llama-3.2-1B, {row['batch']}x"
-                                    f"{row['seq_len']} tokens")
+                baseline=1.0, unit=f"x max_memory_allocated, {row.get('model', 'Llama-3.2-1B')}, "
+                                   f"{row['batch']}x{row['seq_len']} tokens")
         worst = max(abs(row["fake"][k] - row["real"][k]) for k in row["fake"])
         out.add("fake_memory", f"max_category_diff_bytes_{slug}", worst, baseline=0.0,
                 unit="fake vs the real step under the same tracker")
-    for lib, used in memory.get("outside_allocator", {}).items():
+    for lib, used in part.get("outside_allocator", {}).items():
         if lib != "reserved_at_end" and isinstance(used, int):
             out.add("gpu_overhead", f"outside_allocator_after_{lib}_GiB", used / 2**30,
                     predicted=planner.CUDA_CONTEXT_BYTES / 2**30,
                     unit="GiB the driver counts beyond memory_reserved (predicted: the "
                          "planner's CUDA context)")
-    unsloth = memory.get("unsloth_8b", {})
+    unsloth = part.get("unsloth_8b", {})
     for row in unsloth.get("rows", []):
+        if not row["allocated_peak"]:
+            continue
         where = f"{row['name']}, {row['seq_len']} tokens"
         out.add("unsloth_8b", f"fake_over_allocated, {where}",
                 row["fake_peak"] / row["allocated_peak"], baseline=1.0,
@@ -296,34 +313,35 @@ def record(device_dir: str = "h100") -> Path:
                 unit="MiB; a line through the lengths measured (published.fit_line)")
         out.add("unsloth_8b", f"GiB before the first token, {name}", line["fixed_bytes"] / 2**30,
                 unit="GiB; where that line meets zero tokens")
-    named = {"attention": raw["gpu_session_sweeps"]["attention"],
-             "chunked_ce": raw["gpu_session_sweeps"]["chunked_ce"],
-             "activation_checkpointing": raw["gpu_session_sweeps"]["checkpointing"],
-             "fp8": raw["gpu_session_fp8_paged"]["fp8_tensorwise"],
-             "fp8_rowwise": raw["gpu_session_fp8_paged"]["fp8_rowwise"]}
-    for recipe, d in named.items():
-        sweep.from_rows(recipe, d["dimension"], d["rows"]).record(out)
-    step = raw["gpu_session_sweeps"]["fp8_model_step"]
-    out.add("fp8", "model_step_speedup", step["speedup"], baseline=1.0,
-            unit=f"x bf16, both compiled: {step['params_B']:.2f} B params, {step['layers']} layers "
-                 f"x {step['hidden']}, {step['tokens']} tokens")
-    paged = raw["gpu_session_fp8_paged"]["paged_adamw8bit"]
-    out.add("optim8bit", "state_bytes_ratio_bf16_params",
-            paged["AdamW8bit"]["state_bytes"] / paged["AdamW"]["state_bytes"], baseline=1.0,
-            unit="x AdamW's bf16 states, 0.49 B params")
-    out.add("optim8bit", "paged_allocator_peak_ratio",
-            paged["PagedAdamW8bit"]["allocated_peak"] / paged["AdamW8bit"]["allocated_peak"],
-            baseline=1.0, unit="x AdamW8bit: paged states live outside the allocator")
-    out.add("optim8bit", "paged_step_time_ratio",
-            paged["PagedAdamW8bit"]["step_ms"] / paged["AdamW"]["step_ms"], baseline=1.0,
-            unit="x AdamW step time")
+    named = {"attention": "attention", "chunked_ce": "chunked_ce",
+             "activation_checkpointing": "checkpointing", "fp8": "fp8_tensorwise",
+             "fp8_rowwise": "fp8_rowwise"}
+    for recipe, key in named.items():
+        if key in part:
+            sweep.from_rows(recipe, part[key]["dimension"], part[key]["rows"]).record(out)
+    if "fp8_model_step" in part:
+        step = part["fp8_model_step"]
+        out.add("fp8", "model_step_speedup", step["speedup"], baseline=1.0,
+                unit=f"x bf16, both compiled: {step['params_B']:.2f} B params, {step['layers']} "
+                     f"layers x {step['hidden']}, {step['tokens']} tokens")
+    if "paged_adamw8bit" in part:
+        paged = part["paged_adamw8bit"]
+        out.add("optim8bit", "state_bytes_ratio_bf16_params",
+                paged["AdamW8bit"]["state_bytes"] / paged["AdamW"]["state_bytes"], baseline=1.0,
+                unit="x AdamW's bf16 states, 0.49 B params")
+        out.add("optim8bit", "paged_allocator_peak_ratio",
+                paged["PagedAdamW8bit"]["allocated_peak"] / paged["AdamW8bit"]["allocated_peak"],
+                baseline=1.0, unit="x AdamW8bit: paged states live outside the allocator")
+        out.add("optim8bit", "paged_step_time_ratio",
+                paged["PagedAdamW8bit"]["step_ms"] / paged["AdamW"]["step_ms"], baseline=1.0,
+                unit="x AdamW step time")
     path = out.save()
-    results.update_readme()
+    results.update_readme(results_dir=folder.parent)
     return path
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] == ["--record"]:
-        print(record())
+    if sys.argv[1:2] == ["--record"]:
+        print(record(*sys.argv[2:3]))
     else:
         main(sys.argv[1], "--smoke" in sys.argv)

@@ -178,7 +178,9 @@ def build_tiny_model(
 @contextlib.contextmanager
 def _one_build_at_a_time(out: Path) -> Iterator[None]:
     """Two processes that need the same model (two notebooks, parallel test workers): the second
-    waits for the first's build instead of building it again beside it."""
+    waits for the first's build instead of building it again beside it. The lock's holder
+    removes the partial folders of builds that were killed (builds run under the lock, so no
+    other one is live)."""
     try:
         import fcntl
     except ImportError:  # Windows: each process builds into its own partial folder, see _build
@@ -191,6 +193,8 @@ def _one_build_at_a_time(out: Path) -> Iterator[None]:
         except BlockingIOError:
             print(f"waiting for another process to finish building {out.name} ...", flush=True)
             fcntl.flock(lock, fcntl.LOCK_EX)
+        for stale in out.parent.glob(f"{out.name}.partial-*"):
+            shutil.rmtree(stale, ignore_errors=True)
         try:
             yield
         finally:

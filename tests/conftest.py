@@ -1,6 +1,8 @@
+import importlib.util
 import os
 import random
 import tempfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -84,6 +86,20 @@ def pytest_collection_modifyitems(config, items):
     for item in items:  # the marker, not the keyword: a parameter id "gpu" is a keyword too
         if item.get_closest_marker("gpu"):
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def bench_script():
+    """``bench_script(name)``: ``bench/<name>.py`` imported as a module (bench/ holds scripts,
+    not a package)."""
+    def load(name: str):
+        path = Path(__file__).resolve().parent.parent / "bench" / f"{name}.py"
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    return load
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,6 @@
 """bench/device_site.py: what a lent GPU machine is given to run the notebooks (no downloads here:
 the closure is read from this Python's installed packages)."""
 
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -10,11 +9,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
-def device_site():
-    spec = importlib.util.spec_from_file_location("device_site", ROOT / "bench" / "device_site.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def device_site(bench_script):
+    return bench_script("device_site")
 
 
 def test_the_runtime_closure_carries_what_the_image_lacks_and_leaves_what_it_has(device_site):

@@ -1,15 +1,21 @@
-"""bench/gpu_session.py: the one call a lent GPU runs. Its memory parts are checked here at tiny
-sizes on the CPU (``--smoke``), so a rare GPU session does not find the script broken."""
+"""bench/gpu_session.py and bench/gpu_plan.sh: the call a lent GPU runs. The memory parts are
+checked here at tiny sizes on the CPU (``--smoke``), so a rare GPU session does not find the
+script broken."""
 
 import json
+import os
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_smoke_memory_parts_run_and_the_unsloth_lines_are_fitted(tmp_path):
+def test_smoke_memory_parts_run_and_the_unsloth_lines_are_fitted(tmp_path, bench_script):
     subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_session.py"), str(tmp_path),
                     "--smoke", "--memory-only"], check=True, cwd=ROOT, capture_output=True)
     report = json.loads((tmp_path / "gpu_session.json").read_text())
@@ -22,3 +28,38 @@ def test_smoke_memory_parts_run_and_the_unsloth_lines_are_fitted(tmp_path):
     # on a CPU only the traces make lines (the allocator's and the driver's counts are CUDA's)
     assert set(lines) == {"TRL 2024: fake_peak", "fp32 embeddings and head: fake_peak"}
     assert all(line["bytes_per_token"] > 0 for line in lines.values())
+
+    # a memory-only call records on its own (no sweeps), into its device's folder; on a CPU the
+    # allocator's figures are absent, so only the traces' lines are filed
+    raw = tmp_path / "results" / "cpu-smoke" / "raw"
+    raw.mkdir(parents=True)
+    (tmp_path / "gpu_session.json").rename(raw / "gpu_session_memory.json")
+    path = bench_script("gpu_session").record("cpu-smoke", tmp_path / "results")
+    names = {f["metric"] for f in json.loads(path.read_text())["figures"]}
+    assert names == {f"{kind}, {stack}: fake_peak" for kind in ("MiB a token",
+                                                                "GiB before the first token")
+                     for stack in ("TRL 2024", "fp32 embeddings and head")}
+
+
+def test_record_turns_the_h100_raw_files_into_the_committed_figures(tmp_path, bench_script):
+    shutil.copytree(ROOT / "results" / "h100" / "raw", tmp_path / "h100" / "raw")
+    path = bench_script("gpu_session").record("h100", tmp_path)
+    committed = json.loads((ROOT / "results" / "h100" / "gpu_session.json").read_text())
+    assert json.loads(path.read_text())["figures"] == committed["figures"]
+
+
+def test_record_names_a_device_folder_without_raw_files(tmp_path, bench_script):
+    with pytest.raises(ValueError, match="device_dir='h200'"):
+        bench_script("gpu_session").record("h200", tmp_path)
+
+
+def test_gpu_plan_says_what_it_lacks_and_its_parts_name_notebooks(tmp_path):
+    script = ROOT / "bench" / "gpu_plan.sh"
+    run = subprocess.run(["bash", str(script), str(tmp_path)], check=False, capture_output=True,
+                         text=True,
+                         env={**os.environ, "DEVICE_SITE": str(tmp_path / "none.tar.xz")})
+    assert run.returncode == 2 and "bench/device_site.py" in run.stderr
+    default = re.search(r"parts=\$\{3:-([^}]*)\}", script.read_text()).group(1).split()
+    assert default[0] == "memory"
+    for part in default[1:]:
+        assert len(list((ROOT / "notebooks").glob(f"{part}_*.ipynb"))) == 1, part

@@ -17,6 +17,9 @@ def test_build_is_deterministic(tmp_path):
                                 num_attention_heads=2, num_key_value_heads=1, pretrain_steps=2,
                                 pretrain_batch_size=4, pretrain_seq_len=32)
     a = models.build_tiny_model(tmp_path / "a", spec, progress=False)
+    stale = tmp_path / "b.partial-99999"  # a build that was killed left its folder behind
+    stale.mkdir()
+    (stale / "config.json").write_text("{}")
     b = models.build_tiny_model(tmp_path / "b", spec, progress=False)
     ma, mb = models.load_model(a), models.load_model(b)
     for (n, p), (_, q) in zip(ma.named_parameters(), mb.named_parameters()):

@@ -86,7 +86,8 @@ _TORCHTUNE_CHUNKS = ("torchtune's CEWithChunkedOutputLoss (8 chunks, each chunk'
 class Figure:
     """One published figure and the configuration its source states.
 
-    ``kind="max_context"``: the longest sequence that fits ``gpu_mem`` (tokens).
+    ``kind="max_context"``: the longest sequence that fits ``gpu_mem`` (tokens; 0 where the
+    source says out of memory, which is met when nothing fits here either).
     ``kind="peak"``: a training step's peak memory at ``seq_len`` x ``batch_size``, in units of
     ``unit_bytes`` (1e9 for "GB" as ``max_memory_allocated() / 1e9``; 2**30 for GiB);
     ``reads="allocated"`` compares it with the trace's peak, ``"reserved"`` with the trace plus
@@ -118,6 +119,9 @@ class Figure:
             raise ValueError(f"gpu_mem: a max_context figure ({self.row}) needs the card's memory")
         if self.kind == "peak" and self.seq_len < 1:
             raise ValueError(f"seq_len={self.seq_len}: a peak figure ({self.row}) needs it")
+        if self.published < 0 or (self.published == 0 and self.kind != "max_context"):
+            raise ValueError(f"published={self.published!r}: a {self.kind} figure ({self.row}) "
+                             "is > 0 (0 only for a longest context that ran out of memory)")
 
 
 FIGURES = [
@@ -127,14 +131,15 @@ FIGURES = [
                     "GB read as the card's GiB; measured as TRL's SFTTrainer ran it in "
                     "December 2024",
              alternatives=UNSLOTH_OTHER_STACKS)
-      for gb, tokens in ((12, 932), (16, 2551), (24, 5789), (40, 12264), (48, 15502),
+      for gb, tokens in ((8, 0), (12, 932), (16, 2551), (24, 5789), (40, 12264), (48, 15502),
                          (80, 28454))),
-    Figure(UNSLOTH_LLAMA33, "Llama-3.3-70B QLoRA r=32, HF + FA2, longest context on 80 GB",
-           "Llama-3.1-70B", TRL_2024_QLORA, "max_context", 6916, gpu_mem="80GiB",
-           config="4-bit QLoRA on all linear layers, rank 32, batch 1, A100 80GB (Llama 3.3 "
-                  "70B has Llama 3.1 70B's shape); measured as TRL's SFTTrainer ran it in "
-                  "December 2024",
-           alternatives=UNSLOTH_OTHER_STACKS),
+    *(Figure(UNSLOTH_LLAMA33, f"Llama-3.3-70B QLoRA r=32, HF + FA2, longest context on {gb} GB",
+             "Llama-3.1-70B", TRL_2024_QLORA, "max_context", tokens, gpu_mem=f"{gb}GiB",
+             config="4-bit QLoRA on all linear layers, rank 32, batch 1, A100 80GB (Llama 3.3 "
+                    "70B has Llama 3.1 70B's shape); measured as TRL's SFTTrainer ran it in "
+                    "December 2024",
+             alternatives=UNSLOTH_OTHER_STACKS)
+      for gb, tokens in ((48, 0), (80, 6916))),
     *(Figure(LITGPT, f"{model} LoRA{' ' + q if q else ''}, micro-batch {b}", model,
              Stack(method="qlora" if q else "lora", **_LITGPT), "peak", gb,
              config=f"bf16-true, LoRA r=8 on q and v, micro-batch {b}, longest example 1304 "
@@ -185,10 +190,9 @@ REASONS = {
         "measured as TRL's SFTTrainer ran it when the tables were made, December 2024 (peft's "
         "k-bit preparation, then embeddings and head back to bf16; transformers 4.46-4.47's "
         "loss, which copied the shifted logits, though not for one sequence: the 'today's "
-        "loss' column is the same stack with today's loss). Its rows are not six measurements: "
-        "they lie on one straight line (1,619 tokens more per 4 GB at every step; the 'Unsloth' "
-        "column, 18,876), so they "
-        "test two numbers, the memory each token adds and the memory before the first token. "
+        "loss' column is the same stack with today's loss). Its six rows with a length are not "
+        "six measurements: they lie on one straight line (1,619 tokens more per 4 GB at every "
+        "step; the 'Unsloth' column, 18,876), so they test two numbers, the memory each token adds and the memory before the first token. "
         "A difference in the fixed part weighs most on the smallest card, where the line is "
         "closest to its zero; the line table below the figures has both numbers. Which stack, "
         "and which GB (10^9 bytes or the card's GiB), the source measured with stays open; "
@@ -237,8 +241,8 @@ def lines(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         ``"main"`` is the row's own stack).
     """
     groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
-    for r in rows:
-        if r["kind"] == "max_context" and r.get("gpu_mem"):
+    for r in rows:  # an out-of-memory row says only that the line's zero lies above its card
+        if r["kind"] == "max_context" and r.get("gpu_mem") and r["published"]:
             groups.setdefault((r["source"], r["model"]), []).append(r)
     out = []
     for (source, model), group in groups.items():
@@ -289,10 +293,10 @@ def predict(figures: list[Figure] = FIGURES, step: int = 64) -> list[dict[str, A
     share one search (``planner.max_context``).
 
     Returns:
-        One dict per figure: its fields, ``predicted``, ``error`` (predicted / published - 1),
-        ``met`` (within ``TOLERANCE``), ``alternatives`` (name -> prediction; empty where the
-        source allows one stack)
-        and, for a miss, ``reason``.
+        One dict per figure: its fields, ``predicted``, ``error`` (predicted / published - 1;
+        None for an out-of-memory figure), ``met`` (within ``TOLERANCE``; for out of memory,
+        nothing fits here either), ``alternatives`` (name -> prediction; empty where the source
+        allows one stack) and, for a miss, ``reason``.
     """
     jobs = [(i, f, f.stack, "main") for i, f in enumerate(figures)] + [
         (i, f, stack, name) for i, f in enumerate(figures) for name, stack in f.alternatives]
@@ -313,14 +317,15 @@ def predict(figures: list[Figure] = FIGURES, step: int = 64) -> list[dict[str, A
             values[key] = float(r["max_seq_len"])
     out = []
     for i, f in enumerate(figures):
-        error = values[i, "main"] / f.published - 1
+        error = values[i, "main"] / f.published - 1 if f.published else None
         unit = ("tokens" if f.kind == "max_context" else
                 "GB" if f.unit_bytes == 1e9 else "GiB") + (
                     f" ({f.reads})" if f.kind == "peak" else "")
         row = {"source": f.source, "row": f.row, "kind": f.kind, "config": f.config,
                "model": f.model, "gpu_mem": f.gpu_mem,
                "unit": unit, "published": f.published, "predicted": values[i, "main"],
-               "error": error, "met": abs(error) <= TOLERANCE, "stack": f.stack.label,
+               "error": error, "stack": f.stack.label,
+               "met": values[i, "main"] == 0 if error is None else abs(error) <= TOLERANCE,
                "alternatives": {name: values[i, name] for name, _ in f.alternatives}}
         if not row["met"]:
             row["reason"] = REASONS.get(f.source, "not investigated yet")
@@ -338,8 +343,9 @@ def record(results: Any, rows: list[dict[str, Any]]) -> None:
     the published figure; the unit names the source's address), and each source's line
     (``lines``) as recipe ``published_line``: ours on the rows' stack beside the source's."""
     for r in rows:
+        oom = " (0: out of memory)" if r["kind"] == "max_context" else ""
         results.add("published", r["row"], r["predicted"], baseline=r["published"],
-                    unit=f"{r['unit']}; {r['source']}; measured stack: {r['stack']}")
+                    unit=f"{r['unit']}{oom}; {r['source']}; measured stack: {r['stack']}")
     for line in lines(rows):
         ours, src = line["ours"]["main"], line["published"]
         where = f"{line['source']}; measured stack: {line['stack']}; GB read as GiB"
@@ -351,6 +357,17 @@ def record(results: Any, rows: list[dict[str, Any]]) -> None:
                     unit=f"GiB; {where}")
 
 
+def _value(r: dict[str, Any], v: float) -> str:
+    """A figure as the tables print it: tokens whole ("OOM" for none), memory to 0.01."""
+    if r["kind"] == "max_context":
+        return f"{v:,.0f}" if v else "OOM"
+    return f"{v:,.2f}"
+
+
+def _error(r: dict[str, Any]) -> str:
+    return "" if r["error"] is None else f"{r['error']:+.1%}"
+
+
 def markdown_table(rows: list[dict[str, Any]]) -> str:
     """The rows as the README's table: source, its configuration, the published figure, ours
     (and the other stacks', where the source's words allow several), the error and, for a miss,
@@ -359,16 +376,16 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
            "|---|---:|---:|---:|---:|---|"]
     explained = set()
     for r in rows:
-        digits = 0 if r["kind"] == "max_context" else 2
-        alt = "; ".join(f"{v:,.{digits}f} ({name})" for name, v in r["alternatives"].items())
+        alt = "; ".join(f"{_value(r, v)} ({name})" for name, v in r["alternatives"].items())
         site = r["source"].split()[0]
         verdict = "met"
         if not r["met"]:
             verdict = "MISSED: " + ("as above" if r["source"] in explained else r["reason"])
             explained.add(r["source"])
         out.append(f"| {r['row']} ([source]({site}); {r['config']}) | "
-                   f"{r['published']:,.{digits}f} {r['unit']} | {r['predicted']:,.{digits}f} | "
-                   f"{alt} | {r['error']:+.1%} | {verdict} |")
+                   f"{_value(r, r['published'])}{' ' + r['unit'] if r['published'] else ''} | "
+                   f"{_value(r, r['predicted'])} | "
+                   f"{alt} | {_error(r)} | {verdict} |")
     found = lines(rows)
     if found:
         out += ["", ("Where a source's longest-context rows make a line, the line: memory each "
@@ -400,10 +417,9 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             f"{'error':>7}")
     out = [head]
     for r in rows:
-        digits = 0 if r["kind"] == "max_context" else 2
-        alt = " / ".join(f"{v:,.{digits}f}" for v in r["alternatives"].values())
-        out.append(f"{r['row']:<66} {r['published']:>10,.{digits}f} "
-                   f"{r['predicted']:>10,.{digits}f} {alt:>17} {r['error']:>+7.1%}"
+        alt = " / ".join(_value(r, v) for v in r["alternatives"].values())
+        out.append(f"{r['row']:<66} {_value(r, r['published']):>10} "
+                   f"{_value(r, r['predicted']):>10} {alt:>17} {_error(r):>7}"
                    f"{'' if r['met'] else '  MISSED'}")
     out.extend(line_summary(line) for line in lines(rows))
     return "\n".join(out)

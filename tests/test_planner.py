@@ -122,7 +122,7 @@ def test_max_context_per_step_searches_each_measured_stack_once(tmp_path, small_
     monkeypatch.setattr(planner, "max_context", counting)
     rows = planner.max_context_per_step(str(tmp_path), "0.6GiB", batch_size=1, step=16)
     by_step = {r["step"]: r for r in rows}
-    assert by_step["full fine-tune, FSDP over 1 GPUs + checkpointing"]["measured_stack"] \
+    assert by_step["full fine-tune, FSDP over 1 GPU + checkpointing"]["measured_stack"] \
         .startswith("not measured")
     # with batch 1, accumulation k=1 is the checkpointing row's stack: searched once
     assert by_step["+ gradient accumulation (k=1)"] is not by_step["+ activation checkpointing"]

@@ -71,10 +71,10 @@ def test_model_specs():
 # The parameters each notebook hands to a size sweep (``sweep.check_sizes``: at least three
 # sizes, strictly growing). Checked at every scale, since the "gpu" column only runs on a GPU.
 SWEEP_PARAMETERS = {
-    "01_large_models_limited_hardware": ("CKPT_SWEEP_WIDTHS",),
+    "01_large_models_limited_hardware": ("CKPT_SWEEP_WIDTHS", "CKPT_SWEEP_TOKENS"),
     "02_multi_gpu_training": ("BF16_SWEEP",),
     "03_optimizing_inference_speed": ("ATTN_SEQ_LENS", "ATTN_HEADS", "INT8_DECODE_HIDDEN",
-                                      "INT8_PREFILL_ROWS", "KD_SWEEP_WIDTHS",
+                                      "INT8_PREFILL_ROWS", "KD_SWEEP_WIDTHS", "KD_SWEEP_LAYERS",
                                       "NORM_HIDDEN_SIZES", "KV_SWEEP_TOKENS", "COMPILE_WIDTHS",
                                       "GEN_COMPILE_WIDTHS"),
     "04_training_long_sequences": ("TIME_SEQ_LENS", "CE_SWEEP_TOKENS", "CE_SWEEP_VOCAB"),

@@ -34,7 +34,8 @@ if [ ! -f "$site" ]; then
     exit 2
 fi
 python3 -c "import sys, tarfile; tarfile.open(sys.argv[1]).extractall('/tmp/site')" "$site"
-export PYTHONPATH=/tmp/site:$PWD MPLBACKEND=Agg HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+export PYTHONPATH=/tmp/site:$PWD MPLBACKEND=Agg HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
+    HF_DATASETS_OFFLINE=1
 mkdir -p "$out/raw" "$out/results"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 

@@ -3,17 +3,58 @@
 Without it a layer keeps every intermediate tensor for backward (Korthikanti et al. count
 ``s*b*h*(34 + 5*a*s/h)`` bytes in 16-bit per layer); with it only the layer input (``2*s*b*h``
 bytes) stays, at the cost of one extra forward per layer (training FLOPs 6N -> 8N per token).
+*Selective* checkpointing sits between the two: inside each layer it keeps the outputs of the
+expensive ops (every other matmul, attention) and recomputes the cheap element-wise rest.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
+from collections import defaultdict
 
 import torch
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+# The ops whose outputs selective checkpointing keeps (the policy torchtitan applies per block
+# with selective_ac_option="op", written out here): matmuls (every other one) and the fused
+# attention kernels, whose recomputation costs the most FLOPs per byte kept, and ``max``, which
+# float8 scaling reads. Element-wise ops, norms and activations are recomputed.
+SELECTIVE_SAVE_OPS = frozenset(
+    getattr(torch.ops.aten, name).default for name in (
+        "mm", "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
+        "max")
+    if hasattr(torch.ops.aten, name))
 
 
-def enable_activation_checkpointing(model: torch.nn.Module, every_n_layers: int = 1
-                                    ) -> torch.nn.Module:
+def _selective_policy(counts: dict[str, int], ctx, func, *args, **kwargs) -> CheckpointPolicy:
+    # matmuls are counted apart in forward and in the recomputation, so both pass the same
+    # verdict to the same matmul: the odd-numbered ones are kept, the even ones recomputed
+    mode = "recompute" if ctx.is_recompute else "forward"
+    if func is torch.ops.aten.mm.default:
+        counts[mode] += 1
+        keep = counts[mode] % 2 == 1
+    else:
+        keep = func in SELECTIVE_SAVE_OPS
+    return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def selective_context():
+    """``context_fn`` for ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``: per
+    checkpointed call, keep the outputs of every other matmul and of the attention kernels
+    (``SELECTIVE_SAVE_OPS``), recompute the rest.
+
+    Example:
+        >>> out = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False,
+        ...                                         context_fn=selective_context)  # doctest: +SKIP
+    """
+    return create_selective_checkpoint_contexts(
+        functools.partial(_selective_policy, defaultdict(int)))
+
+
+def enable_activation_checkpointing(model: torch.nn.Module, every_n_layers: int = 1,
+                                    selective: bool = False) -> torch.nn.Module:
     """Checkpoint every decoder layer of a transformers (or peft) model, non-reentrant.
 
     Non-reentrant checkpointing (``use_reentrant=False``) is PyTorch's recommended mode: it works
@@ -23,6 +64,9 @@ def enable_activation_checkpointing(model: torch.nn.Module, every_n_layers: int 
         model: a transformers model, or a peft model wrapping one.
         every_n_layers: checkpoint every n-th decoder layer only (transformers >= 5.16), trading
             memory back for speed; 1 checkpoints every layer.
+        selective: inside each checkpointed layer, keep what :func:`selective_context` keeps
+            (every other matmul's output, attention's) and recompute only the rest: more memory
+            than full checkpointing, less recomputation.
 
     transformers 5.23 renamed ``gradient_checkpointing_enable`` to
     ``activation_checkpointing_enable`` (the old name stays, deprecated, until v6); 5.16 added
@@ -31,13 +75,18 @@ def enable_activation_checkpointing(model: torch.nn.Module, every_n_layers: int 
     Raises:
         ValueError: if the model does not support gradient checkpointing, every_n_layers < 1, or
             every_n_layers > 1 before transformers 5.16.
+        TypeError: if selective is not a bool.
     """
     if not isinstance(every_n_layers, int) or every_n_layers < 1:
         raise ValueError(f"every_n_layers={every_n_layers!r}: must be an integer >= 1")
+    if not isinstance(selective, bool):
+        raise TypeError(f"selective={selective!r}: True or False")
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     if not getattr(base, "supports_gradient_checkpointing", False):
         raise ValueError(f"model: {type(base).__name__} does not support gradient checkpointing")
     kwargs = {"use_reentrant": False}
+    if selective:
+        kwargs["context_fn"] = selective_context
     if hasattr(base, "activation_checkpointing_enable"):  # transformers >= 5.23
         base.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs,
                                              every_n_layers=every_n_layers)

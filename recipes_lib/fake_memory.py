@@ -70,6 +70,10 @@ class Stack:
     ``Trainer`` does with ``bf16=True`` (ZeRO's 16 bytes per parameter, plus the bf16 copies of the
     weights autocast caches until the forward pass ends).
 
+    ``selective_checkpointing=True`` (with ``checkpointing``) keeps, inside each checkpointed
+    layer, every other matmul's output and attention's (``checkpointing.selective_context``, the
+    policy torchtitan applies with ``selective_ac_option="op"``) and recomputes the rest.
+
     ``method="qlora"`` is QLoRA as the course and the QLoRA paper run it: every linear layer but
     the head in NF4 with double quantization (bitsandbytes' own quantize and 4-bit matmul ops),
     LoRA adapters on all of them; with "bf16-mixed" peft's ``prepare_model_for_kbit_training``
@@ -91,6 +95,7 @@ class Stack:
     method: str = "full"
     precision: str = "bf16"
     checkpointing: bool = False
+    selective_checkpointing: bool = False
     optimizer: str = "adamw"
     grad_accum_steps: int = 1
     lora_rank: int = 16
@@ -136,6 +141,9 @@ class Stack:
             raise ValueError(f"bf16_embeddings=True with method={self.method!r}, precision="
                              f"{self.precision!r}: it undoes part of peft's k-bit preparation, "
                              "which only method='qlora' with precision='bf16-mixed' runs")
+        if self.selective_checkpointing and not self.checkpointing:
+            raise ValueError("selective_checkpointing=True with checkpointing=False: selective "
+                             "checkpointing chooses what a checkpointed layer keeps; set both")
         if not isinstance(self.autocast_adapter_dtype, bool):
             raise TypeError(f"autocast_adapter_dtype={self.autocast_adapter_dtype!r}: True "
                             "(adapters in fp32, peft's default) or False (the base's dtype)")
@@ -157,7 +165,8 @@ class Stack:
         parts = [method if self.method == "full" else f"{method} r={self.lora_rank}{targets}",
                  self.precision, self.optimizer]
         if self.checkpointing:
-            parts.append("checkpointing")
+            parts.append("selective checkpointing" if self.selective_checkpointing
+                         else "checkpointing")
         if self.grad_accum_steps > 1:
             parts.append(f"accumulation x{self.grad_accum_steps}")
         if self.chunked_loss:
@@ -342,7 +351,7 @@ def build_model(config, stack: Stack, device: torch.device | str, fake: bool = T
         if not fake:  # fake tensors hold no values to restore
             _restore_buffers(model)
     if stack.checkpointing:
-        enable_activation_checkpointing(model)
+        enable_activation_checkpointing(model, selective=stack.selective_checkpointing)
     model.train()
     return model, mode
 

@@ -1,3 +1,5 @@
+from collections import defaultdict
+
 import pytest
 import torch
 
@@ -18,17 +20,40 @@ def test_checkpointing_gives_identical_gradients_and_less_activation_memory(smal
     assert ckpt.activation_bytes < plain.activation_bytes
 
 
-def test_every_other_layer_keeps_the_gradients_and_half_the_saved_layers(small_llama,
-                                                                        varlen_batch):
+@pytest.mark.parametrize("partial", [{"every_n_layers": 2}, {"selective": True}],
+                         ids=["every other layer", "selective"])
+def test_partial_checkpointing_keeps_the_gradients_between_full_and_none(small_llama,
+                                                                       varlen_batch, partial):
+    """Checkpointing every other layer, or selectively inside each layer (every other matmul's
+    output and attention's kept), recomputes exactly (the gradients of the plain step) and keeps
+    more than full checkpointing, less than none."""
     ref = batch_gradients(small_llama, varlen_batch)
     plain = measure_training_step(small_llama, varlen_batch, repeats=1).memory
-    checkpointing.enable_activation_checkpointing(small_llama, every_n_layers=2)
+    checkpointing.enable_activation_checkpointing(small_llama, **partial)
     got = batch_gradients(small_llama, varlen_batch)
-    half = measure_training_step(small_llama, varlen_batch, repeats=1).memory
+    between = measure_training_step(small_llama, varlen_batch, repeats=1).memory
     checkpointing.enable_activation_checkpointing(small_llama)
     full = measure_training_step(small_llama, varlen_batch, repeats=1).memory
     assert max_abs_diff(got, ref) <= 1e-6
-    assert full.activation_bytes < half.activation_bytes < plain.activation_bytes
+    assert full.activation_bytes < between.activation_bytes < plain.activation_bytes
+
+
+def test_selective_must_be_a_bool(small_llama):
+    with pytest.raises(TypeError, match="selective='op'"):
+        checkpointing.enable_activation_checkpointing(small_llama, selective="op")
+
+
+def test_the_selective_policy_keeps_every_other_matmul_in_forward_and_recompute_alike():
+    keep = torch.utils.checkpoint.CheckpointPolicy.MUST_SAVE
+    counts = defaultdict(int)
+    mm, add = torch.ops.aten.mm.default, torch.ops.aten.add.Tensor
+    for recompute in (False, True):
+        ctx = type("Ctx", (), {"is_recompute": recompute})()
+        verdicts = [checkpointing._selective_policy(counts, ctx, f) == keep
+                    for f in (mm, add, mm, mm, add, mm)]
+        assert verdicts == [True, False, False, True, False, False]
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    assert checkpointing._selective_policy(counts, ctx, flash) == keep
 
 
 class _OlderModel(torch.nn.Module):

@@ -27,7 +27,8 @@ def config():
           loss="transformers-4.46"),
     Stack(method="qlora", precision="bf16-mixed", optimizer="adamw-8bit", checkpointing=True,
           grad_accum_steps=2, chunked_loss=32),
-    Stack(method="qlora", precision="bf16", checkpointing=True, autocast_adapter_dtype=False)],
+    Stack(method="qlora", precision="bf16", checkpointing=True, autocast_adapter_dtype=False),
+    Stack(precision="bf16-mixed", checkpointing=True, selective_checkpointing=True)],
     ids=lambda s: s.label)
 def test_fake_step_equals_the_real_step_in_every_category(config, stack):
     r = fake_memory.fake_vs_real(config, stack, seq_len=128, batch_size=2)
@@ -217,6 +218,8 @@ def test_bad_inputs_name_the_parameter(config, tmp_path):
         Stack(offload_optimizer=True, fsdp_ranks=2)
     with pytest.raises(ValueError, match="method='qlora' with fsdp_ranks"):
         Stack(method="qlora", fsdp_ranks=2)
+    with pytest.raises(ValueError, match="selective_checkpointing=True with checkpointing="):
+        Stack(selective_checkpointing=True)
     with pytest.raises(ValueError, match="bf16_embeddings=True with method='lora'"):
         Stack(method="lora", precision="bf16-mixed", bf16_embeddings=True)
     with pytest.raises(ValueError, match="batch_size=0"):

@@ -39,6 +39,16 @@ def test_torchtunes_qlora_row_stays_within_its_band():
     assert r["alternatives"]["peft's default: fp32 adapters"] > r["predicted"]
 
 
+def test_torchtitans_selective_checkpointing_row_stays_within_its_band():
+    """torchtitan's Table 1 (Llama 3.1 8B, FSDP over 8 H100s, local batch 2, selective AC by op,
+    max reserved GiB): rank 0 of a fake process group, ~10 s."""
+    row = next(f for f in published.FIGURES if f.source == published.TORCHTITAN_FSDP
+               and f.stack.fsdp_ranks == 8)
+    assert row.stack.selective_checkpointing and row.reads == "reserved"
+    (r,) = published.predict([row])
+    assert r["met"], r
+
+
 def test_longest_context_rows_of_one_stack_share_one_search(tmp_path, small_llama, monkeypatch):
     small_llama.config.save_pretrained(tmp_path)
     calls = []

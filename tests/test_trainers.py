@@ -3,7 +3,7 @@ loop, measured with the course's meter, and the settings that conflict said alou
 
 import pytest
 
-from recipes_lib import data, trainers
+from recipes_lib import checkpointing, data, trainers
 from recipes_lib import model as models
 
 
@@ -22,6 +22,22 @@ def test_checkpointing_setting_cuts_the_trainers_activations_and_keeps_its_losse
                                 trainers.SETTINGS["activation_checkpointing"], steps=1)
     assert ckpt.step.activation_bytes < 0.6 * plain.step.activation_bytes
     assert ckpt.losses == plain.losses
+
+
+def test_selective_checkpointing_reaches_trainer_through_the_model(small):
+    """No TrainingArguments field sets the policy (a function in activation_checkpointing_kwargs
+    trains, but TrainingArguments.to_json_string, which tensorboard's callback calls, cannot
+    write it): enabled on the model, with the trainer's own flag off, it is what runs."""
+    path, tok, examples = small
+    plain = trainers.run_trainer(models.load_model(path), examples, tok, steps=1)
+    full = trainers.run_trainer(models.load_model(path), examples, tok,
+                                trainers.SETTINGS["activation_checkpointing"], steps=1)
+    model = checkpointing.enable_activation_checkpointing(models.load_model(path),
+                                                          selective=True)
+    selective = trainers.run_trainer(model, examples, tok, steps=1)
+    assert (full.step.activation_bytes < selective.step.activation_bytes
+            < plain.step.activation_bytes)
+    assert selective.losses == plain.losses
 
 
 def test_trainer_accumulation_equals_one_batch_on_variable_lengths(small):

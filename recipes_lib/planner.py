@@ -32,7 +32,7 @@ def gpu_overhead(allocated_bytes: float) -> float:
     return CUDA_CONTEXT_BYTES + ALLOCATOR_RESERVE * allocated_bytes
 
 
-def fsdp_step(gpus: int) -> str:
+def _fsdp_step(gpus: int) -> str:
     """The escalation's last row: a full fine-tune sharded over ``gpus`` GPUs."""
     return f"full fine-tune, FSDP over {gpus} GPU{'' if gpus == 1 else 's'} + checkpointing"
 
@@ -55,8 +55,8 @@ def _measured_stack(step: str, grad_accum_steps: int, gpus: int = 1) -> Any:
                   qlora, checkpointing=True, grad_accum_steps=grad_accum_steps,
                   offload_optimizer=True)}
     if gpus > 1:  # rank 0 of a fake process group
-        stacks[fsdp_step(gpus)] = Stack(
-            precision="bf16-mixed", checkpointing=True, fsdp_ranks=gpus)
+        stacks[_fsdp_step(gpus)] = Stack(precision="bf16-mixed", checkpointing=True,
+                                         fsdp_ranks=gpus)
     reasons = {"FSDP": "FSDP over one GPU is the full fine-tune"}
     if step in stacks:
         return stacks[step]
@@ -154,7 +154,7 @@ def plan(model: str, gpu_mem: str | float, seq_len: int = 2048, batch_size: int 
     budget = parse_bytes(gpu_mem)
     rows = calc.escalation_table(shape, seq_len, batch_size, budget, grad_accum_steps)
     fs = calc.data_parallel_bytes(shape, gpus, "fsdp", seq_len, max(1, batch_size // gpus))
-    rows.append({"step": fsdp_step(gpus),
+    rows.append({"step": _fsdp_step(gpus),
                  "state_GiB": (fs["state"] + fs["gathered"]) / 2**30,
                  "activations_GiB": fs["activations"] / 2**30,
                  "total_GiB": fs["gpu_total"] / 2**30, "fits": fs["gpu_total"] <= budget})

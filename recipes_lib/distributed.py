@@ -16,10 +16,12 @@ whole process group of the launcher is killed on timeout or interruption, so no 
 from __future__ import annotations
 
 import argparse
+import atexit
 import importlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -43,6 +45,7 @@ _NOISE = ("is an Enum subclass", "Failed to load", "OMP_NUM_THREADS", "*****",
 
 
 _LOG_LINE = re.compile(r"^(\[rank\d+\]:)?[EWI]\d{4} ")
+_STORE: dist.Store | None = None  # this rank's rendezvous store (set by init_distributed)
 
 
 class DistributedRunError(RuntimeError):
@@ -134,10 +137,24 @@ def init_distributed(backend: str | None = None, pg_timeout_s: float = 300.0) ->
         # the previous attempt (seen: "Gloo connectFullMesh failed ... Connect timeout").
         store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        dist.init_process_group(backend, store=dist.PrefixStore(f"attempt{attempt}", store),
-                                rank=int(os.environ["RANK"]), world_size=world_size,
-                                timeout=timeout, **kwargs)
+        global _STORE
+        _STORE = dist.PrefixStore(f"attempt{attempt}", store)
+        dist.init_process_group(backend, store=_STORE, rank=int(os.environ["RANK"]),
+                                world_size=world_size, timeout=timeout, **kwargs)
     return RankInfo(dist.get_rank(), dist.get_world_size(), local_rank, backend, device)
+
+
+def _leave_together(timeout_s: float) -> None:
+    """Wait, on the rendezvous store rather than on gloo, until every rank has finished its last
+    collective, before this one tears its process group down. A gloo rank whose peer closes the
+    connection while one of its own operations is still pending aborts (SIGABRT, after both had
+    written their results: seen in 1 of about 60 two-rank runs on this 2-core machine, and once
+    in CI)."""
+    rank, world_size = world()
+    if _STORE is None or world_size == 1:
+        return
+    _STORE.set(f"finished/{rank}", "1")
+    _STORE.wait([f"finished/{r}" for r in range(world_size)], timedelta(seconds=timeout_s))
 
 
 def world() -> tuple[int, int]:
@@ -203,6 +220,7 @@ def _worker_main(argv: list[str] | None = None) -> None:
         tmp = out / f"rank{rank}.json.tmp"
         tmp.write_text(json.dumps(results))
         os.replace(tmp, out / f"rank{rank}.json")
+        _leave_together(args.pg_timeout)
     except BaseException as err:
         (out / f"rank{rank}.error.json").write_text(json.dumps({
             "rank": rank, "type": type(err).__name__, "message": str(err),
@@ -227,24 +245,48 @@ def _kill_group(proc: subprocess.Popen) -> None:
             continue
 
 
-def _failure_message(out: Path, world_size: int, rc: int, tail: deque) -> str:
+# torchrun's summary of a worker that died: "exitcode  : -6 (pid: 123)" under "rank : 1 (...)".
+_EXITCODE = re.compile(r"rank\s*:\s*(\d+) \(local_rank[^\n]*\n\s*exitcode\s*:\s*(-?\d+)")
+
+
+def _rank_log_tail(logs: Path, rank: int, n: int = 8) -> list[str]:
+    """The last ``n`` meaningful lines rank ``rank`` wrote to stderr (torchrun's ``--tee`` files;
+    the last attempt's), for a rank that died before it could write its error (a C++ abort)."""
+    files = sorted(logs.glob(f"*/attempt_*/{rank}/stderr.log"), key=lambda f: f.stat().st_mtime)
+    if not files:
+        return []
+    text = files[-1].read_text(errors="replace").splitlines()
+    keep = [ln for ln in text if ln.strip() and not any(x in ln for x in _NOISE)]
+    return keep[-n:]
+
+
+def _failure_message(out: Path, world_size: int, rc: int, tail: deque,
+                     logs: Path | None = None) -> str:
     lines = [f"distributed run failed (torchrun exit code {rc}):"]
     errors = {}
     for r in range(world_size):
         f = out / f"rank{r}.error.json"
         if f.exists():
             errors[r] = json.loads(f.read_text())
+    killed = {int(r): signal.Signals(-int(c)).name
+              for r, c in _EXITCODE.findall("".join(tail))
+              if int(c) < 0 and -int(c) != signal.SIGTERM and int(r) not in errors}
     for r in range(world_size):
         if r in errors:
             lines.append(f"  rank {r}: {errors[r]['type']}: {errors[r]['message']}")
+        elif r in killed:  # a C++ abort or a signal: no Python error was written
+            lines.append(f"  rank {r}: killed by {killed[r]}; its last output:")
+            lines.extend(f"    {ln}" for ln in (_rank_log_tail(logs, r) if logs else []))
         elif not (out / f"rank{r}.json").exists():
             lines.append(f"  rank {r}: stopped by torchrun after another rank failed"
-                         if errors else f"  rank {r}: exited without a result")
+                         if errors or killed else f"  rank {r}: exited without a result")
     if any("Timed out" in e["message"] for e in errors.values()):
         lines.append("  (a rank did not join a collective within pg_timeout_s: it crashed, hung "
                      "or took a different code path)")
-    if not errors:
+    if not errors and not killed:
         lines.append("last output:\n" + "".join(tail))
+    if logs is not None:
+        lines.append(f"  (every rank's output: {logs})")
     return "\n".join(lines)
 
 
@@ -309,7 +351,7 @@ def launch(
     out = work / "out"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={world_size}", f"--max-restarts={max_restarts}",
-           "--local-ranks-filter=0",
+           "--local-ranks-filter=0", f"--log-dir={work / 'logs'}", "--tee=3",
            "-m", "recipes_lib.distributed", f"@{work / 'calls.json'}", "--out", str(out),
            "--backend", backend, "--pg-timeout", str(pg_timeout_s)]
     # no blanket PYTHONWARNINGS=ignore: the ranks say their fallbacks aloud (known_warnings)
@@ -348,9 +390,16 @@ def launch(
         if proc.poll() is None:  # interrupted (KeyboardInterrupt): leave no rank behind
             _kill_group(proc)
         reader.join(timeout=5)
-    if rc != 0:
-        raise DistributedRunError(_failure_message(out, world_size, rc, tail))
+    finished = all((out / f"rank{r}.json").exists() for r in range(world_size))
+    if rc != 0 and not finished:
+        raise DistributedRunError(_failure_message(out, world_size, rc, tail, work / "logs"))
+    if rc != 0:  # every rank wrote its whole result, then one died tearing down: say it aloud
+        print(_failure_message(out, world_size, rc, tail, work / "logs").replace(
+            "distributed run failed", "every rank finished its work, then a rank failed while "
+            "shutting down").split("\nlast output:")[0], file=sys.stderr)
     per_rank = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world_size)]
+    if rc == 0:
+        shutil.rmtree(work, ignore_errors=True)  # kept when a rank failed: its logs are named
     if verbose:
         print(f"[{world_size} ranks, {backend}, {time.monotonic() - start:.0f} s]")
     return [[per_rank[r][i] for r in range(world_size)] for i in range(len(calls))]
@@ -373,14 +422,24 @@ def fail_on_rank(rank: int, mode: str = "raise") -> dict:
 
     ``mode="raise"``: ``rank`` raises before any collective. ``mode="hang"``: ``rank`` never joins
     the all-reduce the others wait in, so they fail after the process-group timeout.
+    ``mode="abort"``: ``rank`` prints a line to stderr and aborts the process (SIGABRT), as a C++
+    library does on an uncaught exception: no Python error is left behind.
+    ``mode="abort_at_exit"``: ``rank`` does its work, then aborts while the process exits.
     """
     me, _ = world()
-    if mode not in ("raise", "hang"):
-        raise ValueError(f"mode={mode!r}: expected 'raise' or 'hang'")
+    modes = ("raise", "hang", "abort", "abort_at_exit")
+    if mode not in modes:
+        raise ValueError(f"mode={mode!r}: expected one of {', '.join(modes)}")
+    if me == rank and mode == "abort_at_exit":
+        atexit.register(os.abort)
     if me == rank:
         if mode == "raise":
             raise RuntimeError(f"rank {rank} failed on purpose")
-        time.sleep(3600)
+        if mode == "abort":
+            print(f"rank {rank} aborts on purpose", file=sys.stderr, flush=True)
+            os.abort()
+        if mode == "hang":
+            time.sleep(3600)
     t = torch.ones(1)
     dist.all_reduce(t)
     return {"rank": me, "sum": float(t.item())}

@@ -82,8 +82,7 @@ def execute(paths: list[Path], out_dir: Path = EXECUTED, parameters: dict[str, A
                                        execution_timeout=timeout, progress_bar=True)
             status[path.stem] = "ok"
         except PapermillExecutionError as err:
-            first = (str(err.evalue).splitlines() or [""])[0][:200]
-            status[path.stem] = f"failed: {err.ename}: {first}"
+            status[path.stem] = f"failed: {err.ename}: {_error_summary(err.evalue)}"
         except (CellTimeoutError, DeadKernelError) as err:
             status[path.stem] = f"failed: {type(err).__name__}: {str(err).splitlines()[-1][:200]}"
     return status
@@ -186,6 +185,14 @@ def matrix_table(matrix: dict[str, dict[str, str]]) -> str:
     return "\n".join(lines)
 
 
+def _error_summary(message: object, limit: int = 600) -> str:
+    """An error message on one line: its non-blank lines joined with " | ", cut at ``limit``
+    characters (a distributed run's first line only says that it failed; the next say why)."""
+    lines = [ln.strip() for ln in str(message).splitlines() if ln.strip()]
+    text = " | ".join(lines)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 def executed_status(path: Path | str) -> str:
     """A papermill-executed notebook's outcome, read from the cells' papermill metadata: "ok",
     "failed: <error>" (the first failed cell's), or "not finished" (stopped before the end)."""
@@ -197,7 +204,6 @@ def executed_status(path: Path | str) -> str:
         if state == "failed":
             for out in cell.get("outputs", []):
                 if out.get("output_type") == "error":
-                    first = (str(out.get("evalue", "")).splitlines() or [""])[0][:200]
-                    return f"failed: {out.get('ename')}: {first}"
+                    return f"failed: {out.get('ename')}: {_error_summary(out.get('evalue', ''))}"
             return "failed"
     return "ok" if all(s == "completed" for s in states) else "not finished"

@@ -1,6 +1,7 @@
 """Real 2-rank runs on CPU (gloo): loss parity with one process, per-rank bytes, faults."""
 
 import os
+import tempfile
 import uuid
 from pathlib import Path
 
@@ -11,11 +12,13 @@ from recipes_lib import distributed, fsdp, train_state
 
 
 @pytest.fixture
-def launch_tag(monkeypatch) -> str:
+def launch_tag(monkeypatch, tmp_path) -> str:
     """A variable every process this test launches inherits (and keeps, orphaned or not), so
-    that ranks launched at the same time by another test worker are not counted as its own."""
+    that ranks launched at the same time by another test worker are not counted as its own.
+    The launches' folders, kept when a run fails, go under the test's own tmp_path."""
     tag = f"test-{os.getpid()}-{uuid.uuid4().hex}"
     monkeypatch.setenv("RECIPES_TEST_LAUNCH", tag)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     return tag
 
 
@@ -64,6 +67,31 @@ def test_a_rank_that_raises_is_reported_and_nothing_is_left_running(launch_tag):
                        "failed on purpose"):
         distributed.launch([("recipes_lib.distributed:fail_on_rank", {"rank": 1})],
                            verbose=False)
+    assert _rank_processes(launch_tag) == []
+
+
+def test_a_rank_killed_by_a_signal_is_named_with_its_last_output(launch_tag):
+    """A C++ abort (seen once in CI: a gloo rank, SIGABRT) leaves no Python error: the message
+    names the signal and shows what the rank wrote to stderr before it died."""
+    with pytest.raises(distributed.DistributedRunError) as err:
+        distributed.launch([("recipes_lib.distributed:fail_on_rank",
+                             {"rank": 1, "mode": "abort"})], pg_timeout_s=20, verbose=False)
+    message = str(err.value)
+    assert "rank 1: killed by SIGABRT; its last output:\n    rank 1 aborts on purpose" in message
+    assert "\n  rank 0: " in message  # its gloo error (peer gone), or stopped by torchrun
+    assert _rank_processes(launch_tag) == []
+
+
+def test_a_rank_that_dies_after_its_result_is_written_leaves_the_results_and_says_so(
+        launch_tag, capfd):
+    """Every rank finished its work, then one aborted while exiting (a gloo teardown abort,
+    seen once in CI): the results are whole, so they are returned, and the crash is printed."""
+    [results] = distributed.launch([("recipes_lib.distributed:fail_on_rank",
+                                     {"rank": 1, "mode": "abort_at_exit"})], verbose=False)
+    assert results == [{"rank": 0, "sum": 2.0}, {"rank": 1, "sum": 2.0}]
+    err = capfd.readouterr().err
+    assert "every rank finished its work, then a rank failed while shutting down" in err
+    assert "rank 1: killed by SIGABRT" in err
     assert _rank_processes(launch_tag) == []
 
 

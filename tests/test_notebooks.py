@@ -204,8 +204,9 @@ def test_executed_status_reads_papermills_cell_metadata(tmp_path):
         return notebooks.executed_status(path)
 
     assert run("completed", "completed") == "ok"
-    assert run("completed", "failed", "pending", error="0.56\nmore") == \
-        "failed: AssertionError: 0.56"
+    assert run("completed", "failed", "pending", error="0.56\n\nmore") == \
+        "failed: AssertionError: 0.56 | more"  # every line: a distributed error's first says little
+    assert len(run("failed", error="x" * 2000)) == len("failed: AssertionError: ") + 600
     assert run("completed", "running") == "not finished"
 
 

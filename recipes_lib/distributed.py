@@ -284,7 +284,7 @@ def _failure_message(out: Path, world_size: int, rc: int, tail: deque,
         lines.append("  (a rank did not join a collective within pg_timeout_s: it crashed, hung "
                      "or took a different code path)")
     if not errors and not killed:
-        lines.append("last output:\n" + "".join(tail))
+        lines.append("last output:\n" + "".join(list(tail)[-40:]))
     if logs is not None:
         lines.append(f"  (every rank's output: {logs})")
     return "\n".join(lines)
@@ -358,7 +358,7 @@ def launch(
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false",
                TRANSFORMERS_VERBOSITY="error",
                TORCH_CPP_LOG_LEVEL="ERROR", PYTHONUNBUFFERED="1")
-    tail: deque[str] = deque(maxlen=40)
+    tail: deque[str] = deque(maxlen=200)  # torchrun's summary: ~8 lines per failed rank
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
                             start_new_session=True, cwd=Path(__file__).resolve().parent.parent)
 

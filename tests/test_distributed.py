@@ -82,6 +82,23 @@ def test_a_rank_killed_by_a_signal_is_named_with_its_last_output(launch_tag):
     assert _rank_processes(launch_tag) == []
 
 
+def test_every_killed_rank_of_a_wide_job_is_named(tmp_path):
+    """torchrun's failure summary (as printed in the reproduced CI failure), eight ranks each
+    killed by a signal but rank 3 stopped by torchrun: each is read off the summary, beyond the
+    40 lines that are echoed as the last output."""
+    from collections import deque
+    entry = ("[{i}]:\n  time      : 2026-11-26_04:44:06\n  host      : localhost\n"
+             "  rank      : {i} (local_rank: {i})\n  exitcode  : {code} (pid: 23{i})\n"
+             "  error_file: <N/A>\n  traceback : Signal {sig} received by PID 23{i}\n")
+    summary = "".join(entry.format(i=i, code=-15 if i == 3 else -6, sig=15 if i == 3 else 6)
+                      for i in range(8))
+    tail = deque((ln + "\n" for ln in summary.splitlines()), maxlen=200)
+    message = distributed._failure_message(tmp_path, 8, 1, tail)
+    assert [f"  rank {i}: killed by SIGABRT; its last output:" in message.splitlines()
+            for i in range(8)] == [i != 3 for i in range(8)]
+    assert "  rank 3: stopped by torchrun after another rank failed" in message
+
+
 def test_a_rank_that_dies_after_its_result_is_written_leaves_the_results_and_says_so(
         launch_tag, capfd):
     """Every rank finished its work, then one aborted while exiting (a gloo teardown abort,

@@ -261,8 +261,9 @@ def _rank_log_tail(logs: Path, rank: int, n: int = 8) -> list[str]:
 
 
 def _failure_message(out: Path, world_size: int, rc: int, tail: deque,
-                     logs: Path | None = None) -> str:
-    lines = [f"distributed run failed (torchrun exit code {rc}):"]
+                     logs: Path | None = None,
+                     headline: str = "distributed run failed") -> str:
+    lines = [f"{headline} (torchrun exit code {rc}):"]
     errors = {}
     for r in range(world_size):
         f = out / f"rank{r}.error.json"
@@ -394,9 +395,9 @@ def launch(
     if rc != 0 and not finished:
         raise DistributedRunError(_failure_message(out, world_size, rc, tail, work / "logs"))
     if rc != 0:  # every rank wrote its whole result, then one died tearing down: say it aloud
-        print(_failure_message(out, world_size, rc, tail, work / "logs").replace(
-            "distributed run failed", "every rank finished its work, then a rank failed while "
-            "shutting down").split("\nlast output:")[0], file=sys.stderr)
+        print(_failure_message(out, world_size, rc, tail, work / "logs", headline=(
+            "every rank finished its work, then a rank failed while shutting down")),
+            file=sys.stderr)
     per_rank = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world_size)]
     if rc == 0:
         shutil.rmtree(work, ignore_errors=True)  # kept when a rank failed: its logs are named
@@ -430,9 +431,9 @@ def fail_on_rank(rank: int, mode: str = "raise") -> dict:
     modes = ("raise", "hang", "abort", "abort_at_exit")
     if mode not in modes:
         raise ValueError(f"mode={mode!r}: expected one of {', '.join(modes)}")
-    if me == rank and mode == "abort_at_exit":
-        atexit.register(os.abort)
     if me == rank:
+        if mode == "abort_at_exit":
+            atexit.register(os.abort)
         if mode == "raise":
             raise RuntimeError(f"rank {rank} failed on purpose")
         if mode == "abort":

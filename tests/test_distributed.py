@@ -83,9 +83,9 @@ def test_a_rank_killed_by_a_signal_is_named_with_its_last_output(launch_tag):
 
 
 def test_every_killed_rank_of_a_wide_job_is_named(tmp_path):
-    """torchrun's failure summary (as printed in the reproduced CI failure), eight ranks each
-    killed by a signal but rank 3 stopped by torchrun: each is read off the summary, beyond the
-    40 lines that are echoed as the last output."""
+    """torchrun's failure summary (as it printed it when the CI failure was reproduced here),
+    eight ranks each killed by a signal but rank 3 stopped by torchrun: each is read off the
+    summary, beyond the 40 lines that are echoed as the last output."""
     from collections import deque
     entry = ("[{i}]:\n  time      : 2026-11-26_04:44:06\n  host      : localhost\n"
              "  rank      : {i} (local_rank: {i})\n  exitcode  : {code} (pid: 23{i})\n"

@@ -222,29 +222,142 @@ def activation_bytes(shape: ModelShape, seq_len: int, batch_size: int, recompute
     return {"layers": layers, "logits": logits, "total": layers + logits}
 
 
+LLAMA_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LAYER_METHODS = ("full", "lora", "qlora")
+LAYER_PRECISIONS = ("fp32", "bf16", "fp16", "bf16-mixed")
+
+
+def llama_layer_bytes(shape: ModelShape, seq_len: int, batch_size: int, method: str = "full",
+                      precision: str = "bf16", *, lora_rank: int = 16,
+                      lora_targets: tuple[str, ...] = LLAMA_LINEARS, fp32_adapters: bool = True,
+                      lora_dropout: float = 0.0, checkpointing: bool = False
+                      ) -> dict[str, float]:
+    """What autograd keeps for one transformers Llama decoder layer in a training step, op by op.
+
+    Counted as the layer runs (SDPA's flash kernel, every layer after the first), for a full
+    fine-tune, LoRA on a frozen base (peft: ``lora_targets``, rank ``lora_rank``) or QLoRA (an
+    NF4 base whose 4-bit matmul keeps nothing and returns its input's dtype). ``precision`` is
+    the weights' dtype ("fp32", "bf16", "fp16") or "bf16-mixed": fp32 weights (for QLoRA, the
+    fp32 norms and embeddings of peft's k-bit preparation) under bf16 autocast. Per token, with
+    ``p`` the residual stream's bytes and ``c`` the matmuls':
+
+    - each RMSNorm keeps its input upcast to fp32 (``4h``), one fp32 rsqrt (``4``) and, when its
+      weight trains, the normalised input (``p h``);
+    - a trained linear keeps its input: the very tensor where no cast intervenes (q, k and v
+      share the norm's output, o_proj shares SDPA's output), a copy per module where autocast
+      casts it;
+    - SDPA keeps q, k, v and its output (``c (2h + 2 kv)``) and an fp32 log-sum-exp per head;
+    - SwiGLU keeps gate, silu(gate) and up (``3 I``, in the dtype the gate comes out in);
+    - a peft adapter keeps its own input cast to the adapter's dtype (``4 in`` with peft's fp32
+      adapters over a 16-bit base: a copy per module, q, k and v included), the rank-``r``
+      output of ``lora_A``, and with dropout its output and a 1-byte mask per module.
+
+    Under autocast each matmul also keeps the bf16 copy of an fp32 weight (2 bytes per weight,
+    frozen or not, NF4 excepted): a term of the layer, not of its tokens. A full fine-tune in
+    16-bit keeps ``20h + 4 kv + 8I + 4 heads + 8`` bytes a token, peft's LoRA on all seven
+    linears ``36h + 4 kv + 10I + 4 heads + 28r + 8``: more than the full fine-tune it replaces.
+    With ``checkpointing`` a layer keeps only its input (``p h``). On this CPU the fake-tensor
+    meter finds these bytes exactly for every stack above (``tests/test_fake_memory.py``).
+
+    Returns:
+        ``{"per_token", "weight_copies", "total"}``: bytes a token, bytes independent of the
+        tokens, and ``per_token * seq_len * batch_size + weight_copies``.
+
+    Raises:
+        ValueError: for an unknown ``method``, ``precision`` or target, or a LoRA setting out of
+            range.
+
+    Example:
+        >>> s = PRESETS["Llama-3.2-1B"]
+        >>> full, lora = (llama_layer_bytes(s, 2048, 1, m)["per_token"] / 2048 for m in
+        ...               ("full", "lora"))
+        >>> round(full, 1), round(lora, 1)  # bytes per token per hidden unit
+        (53.1, 77.3)
+    """
+    if method not in LAYER_METHODS:
+        raise ValueError(f"method={method!r}: expected one of {LAYER_METHODS}")
+    if precision not in LAYER_PRECISIONS:
+        raise ValueError(f"precision={precision!r}: expected one of {LAYER_PRECISIONS}")
+    unknown = set(lora_targets) - set(LLAMA_LINEARS)
+    if unknown or not lora_targets:
+        raise ValueError(f"lora_targets={lora_targets!r}: expected some of {LLAMA_LINEARS}")
+    if not isinstance(lora_rank, int) or lora_rank < 1:
+        raise ValueError(f"lora_rank={lora_rank!r}: must be an integer >= 1")
+    if not 0 <= lora_dropout < 1:
+        raise ValueError(f"lora_dropout={lora_dropout!r}: must be in [0, 1)")
+    h, inter, heads = shape.hidden_size, shape.intermediate_size, shape.num_attention_heads
+    kv = shape.num_key_value_heads * shape.head_dim
+    autocast = precision == "bf16-mixed"
+    p = 4 if precision in ("fp32", "bf16-mixed") else 2  # the residual stream (and the norms)
+    c = 4 if precision == "fp32" else 2  # what the matmuls compute in
+    if checkpointing:
+        return {"per_token": float(p * h), "weight_copies": 0.0,
+                "total": float(p * h * seq_len * batch_size)}
+    trains_base = method == "full"
+    adapted = set() if trains_base else set(lora_targets)
+    a = 4 if (fp32_adapters or p == 4) else 2  # peft's adapters: fp32 unless told otherwise
+    gate_bytes = p if method == "qlora" else c  # a 4-bit matmul returns its input's dtype
+    shapes = {"q_proj": (h, h), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (h, h),
+              "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}
+    # the tensor each linear reads, its dtype, and whether something else keeps it already
+    inputs = {"q_proj": ("attn_norm", p, False), "k_proj": ("attn_norm", p, False),
+              "v_proj": ("attn_norm", p, False), "o_proj": ("sdpa_out", c, True),
+              "gate_proj": ("mlp_norm", p, False), "up_proj": ("mlp_norm", p, False),
+              "down_proj": ("swiglu", gate_bytes, False)}
+    per_token = 2 * (4 * h + 4 + (p * h if trains_base else 0))  # two RMSNorms
+    per_token += c * (2 * h + 2 * kv) + 4 * heads + 3 * gate_bytes * inter  # SDPA, SwiGLU
+    weight_copies, shared = 0, set()
+    for name, (d_in, d_out) in shapes.items():
+        x, x_bytes, kept = inputs[name]
+        if trains_base:
+            if autocast and x_bytes != 2:
+                per_token += 2 * d_in  # autocast's bf16 copy of the input, one per module
+            elif not kept:
+                shared.add((x, x_bytes * d_in))
+        if autocast and method != "qlora":
+            weight_copies += 2 * d_in * d_out  # bf16 copy of the fp32 weight
+        if name in adapted:
+            saved = 2 if autocast else a
+            if lora_dropout:  # CPU's dropout keeps its noise, in the adapter's dtype
+                per_token += a * d_in + saved * d_in
+            elif a != x_bytes or saved != x_bytes:
+                per_token += saved * d_in  # a cast of the input, one per module
+            elif not kept:
+                shared.add((x, x_bytes * d_in))
+            per_token += saved * lora_rank  # lora_A's output, kept for lora_B
+            if autocast:
+                weight_copies += 2 * lora_rank * (d_in + d_out)
+    per_token += sum(nbytes for _, nbytes in shared)
+    tokens = seq_len * batch_size
+    return {"per_token": float(per_token), "weight_copies": float(weight_copies),
+            "total": float(per_token * tokens + weight_copies)}
+
+
 def llama_activation_bytes(shape: ModelShape, seq_len: int, batch_size: int,
                            bytes_per_value: int = 4) -> dict[str, float]:
-    """What autograd saves in a Llama training step (transformers, SDPA, no recomputation).
+    """What autograd saves in a Llama full fine-tune (transformers, SDPA, no recomputation), in
+    fp32 (``bytes_per_value=4``) or 16-bit weights (2).
 
-    Counted op by op, per token: each RMSNorm keeps its input, the normalised input, its output
-    (the next matmul's input) and one rsqrt (``3h + 1``); SDPA's flash kernel keeps q, k, v, the
-    output and one log-sum-exp per head (``2h + 2 kv_dim + heads``); o_proj keeps its input
-    (``h``); SwiGLU keeps gate, up, silu(gate) and their product (``4 I``); RoPE keeps cos and
-    sin (``2 head_dim``). Per layer ``9h + 2 kv_dim + 4I + heads + 2 head_dim``, plus the final
-    norm (``3h``) and the loss's log-probabilities (``V``, fp32). Korthikanti's ``34 s b h``
-    (GPT, 16-bit) undercounts a Llama layer, whose SwiGLU and RMSNorms keep more.
+    Every layer as ``llama_layer_bytes`` counts it, ``(8 + 6p) h + 2p kv + 4p I + 4 heads + 8``
+    bytes a token (``p = bytes_per_value``), plus the final norm (``3h``) and the loss's
+    log-probabilities (``V``, fp32). Korthikanti's ``34 s b h`` (GPT, 16-bit) undercounts a Llama
+    layer, whose SwiGLU and RMSNorms keep more.
+
+    Raises:
+        ValueError: for ``bytes_per_value`` other than 2 or 4.
 
     Example:
         >>> s = ModelShape(32000, 4096, 11008, 32, 32, 32)
         >>> round(llama_activation_bytes(s, 4096, 1, 2)["total"] / 2**30, 1)  # Llama-2-7B, bf16
-        22.4
+        23.3
     """
-    h, kv_dim = shape.hidden_size, shape.num_key_value_heads * shape.head_dim
-    per_layer = (9 * h + 2 * kv_dim + 4 * shape.intermediate_size + shape.num_attention_heads
-                 + 2 * shape.head_dim)
+    if bytes_per_value not in (2, 4):
+        raise ValueError(f"bytes_per_value={bytes_per_value!r}: expected 2 (16-bit) or 4 (fp32)")
+    precision = "fp32" if bytes_per_value == 4 else "bf16"
     tokens = seq_len * batch_size
-    layers = shape.num_hidden_layers * per_layer * tokens * bytes_per_value
-    final = 3 * h * tokens * bytes_per_value + tokens * shape.vocab_size * 4
+    layers = shape.num_hidden_layers * llama_layer_bytes(shape, seq_len, batch_size, "full",
+                                                         precision)["total"]
+    final = 3 * shape.hidden_size * tokens * bytes_per_value + tokens * shape.vocab_size * 4
     return {"layers": float(layers), "logits": float(final), "total": float(layers + final)}
 
 

@@ -727,7 +727,7 @@ def activation_anatomy(model: Any, stack: Stack = Stack(), seq_len: int = 2048,
     ``small_vocab``-entry vocabulary. Their activation peaks differ by what the removed layers and
     vocabulary entries held, so the per-layer bytes can be set beside Korthikanti et al.'s
     ``34 s b h`` (a GPT layer in 16-bit; ``calc.activation_bytes_per_layer``) and the op-by-op
-    Llama count (``calc.llama_activation_bytes``), and the loss's bytes per logit beside the
+    Llama count (``calc.llama_layer_bytes``), and the loss's bytes per logit beside the
     calculator's three fp32 copies (12). Differences of peaks are valid where each peak falls at
     the same point of the step, as it does for the stacks of notebook 01; ``rest_bytes`` (the
     embeddings' output, the final norm, the loss's per-token terms) must then be positive.
@@ -776,13 +776,50 @@ def activation_anatomy(model: Any, stack: Stack = Stack(), seq_len: int = 2048,
             "per_logit_bytes": per_logit, "rest_bytes": rest}
 
 
+# Decoders whose layers are a transformers Llama layer as ``calc.llama_layer_bytes`` counts it
+# (Qwen2's q, k and v biases keep nothing more).
+_COUNTED_LAYERS = ("llama", "mistral", "qwen2")
+
+
+def counted_layer_bytes(model: Any, stack: Stack, seq_len: int = 2048, batch_size: int = 1
+                        ) -> float | None:
+    """The bytes one decoder layer keeps in this stack's step, by ``calc.llama_layer_bytes``'
+    op-by-op count (a micro-batch's tokens), or None where the count does not model the stack:
+    another architecture, selective checkpointing, offloaded activations, FSDP, LoRA targets
+    that are not Llama's linears.
+
+    Example:
+        >>> counted_layer_bytes("Llama-3.2-1B", Stack(method="lora"), 2048) / 2048**2
+        77.28515625
+    """
+    config = model_config(model)
+    targets = (calc.LLAMA_LINEARS if stack.lora_targets == "all-linear"
+               else stack.lora_targets)
+    if (config.model_type not in _COUNTED_LAYERS or stack.selective_checkpointing
+            or stack.offload_activations or stack.fsdp_ranks > 1
+            or getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False)
+            or not set(targets) <= set(calc.LLAMA_LINEARS)):
+        return None
+    shape = calc.ModelShape.from_config(config.to_dict())
+    counted = calc.llama_layer_bytes(
+        shape, seq_len, batch_size // stack.grad_accum_steps, stack.method, stack.precision,
+        lora_rank=stack.lora_rank, lora_targets=tuple(targets),
+        fp32_adapters=stack.autocast_adapter_dtype, lora_dropout=stack.lora_dropout,
+        checkpointing=stack.checkpointing)["total"]
+    if config.model_type == "qwen2" and stack.method == "qlora":
+        # a 16-bit copy of q, k and v's biases per layer, checkpointed or not (measured): what
+        # bitsandbytes' 4-bit layer casts for its matmul
+        counted += 2 * (shape.hidden_size + 2 * shape.num_key_value_heads * shape.head_dim)
+    return counted
+
+
 def anatomy_table(model: Any, stacks: dict[str, Stack], seq_len: int = 2048,
                   batch_size: int = 1) -> list[dict[str, Any]]:
     """:func:`activation_anatomy` for each named stack, beside what the calculator's escalation
     assumes: Korthikanti's bytes per token per hidden unit per layer (34 in 16-bit with a flash
-    kernel; 2, the layer input, with checkpointing), the Llama op-by-op count
-    (``calc.llama_activation_bytes``, 16-bit, no checkpointing) and three fp32 copies of the
-    logits (12 bytes per logit).
+    kernel; 2, the layer input, with checkpointing), the same stack's op-by-op count
+    (:func:`counted_layer_bytes`, ``calc.llama_layer_bytes``; None where it does not model the
+    stack) and three fp32 copies of the logits (12 bytes per logit).
 
     Returns:
         One row per stack: ``stack``, ``layer_coefficient``, ``calculator_coefficient``,
@@ -791,20 +828,19 @@ def anatomy_table(model: Any, stacks: dict[str, Stack], seq_len: int = 2048,
     """
     shape = calc.ModelShape.from_config(model_config(model).to_dict())
     tokens_h = batch_size * seq_len * shape.hidden_size
-    llama = calc.llama_activation_bytes(shape, seq_len, batch_size, 2)["layers"] / (
-        shape.num_hidden_layers * tokens_h)
     per_logit = calc.activation_bytes(shape, seq_len, batch_size)["logits"] / (
         batch_size * seq_len * shape.vocab_size)
     rows = []
     for name, stack in stacks.items():
         a = activation_anatomy(model, stack, seq_len, batch_size)
+        counted = counted_layer_bytes(model, stack, seq_len, batch_size)
         recompute = "full" if stack.checkpointing else "none"
         korthikanti = calc.activation_bytes_per_layer(
             seq_len, batch_size, shape.hidden_size, shape.num_attention_heads, recompute,
             flash_attention=True) / tokens_h
         rows.append({"stack": name, "layer_coefficient": a["layer_coefficient"],
                      "calculator_coefficient": korthikanti,
-                     "llama_count_coefficient": None if stack.checkpointing else llama,
+                     "llama_count_coefficient": None if counted is None else counted / tokens_h,
                      "per_logit_bytes": a["per_logit_bytes"],
                      "calculator_per_logit_bytes": per_logit,
                      "per_layer_GiB": a["per_layer_bytes"] / 2**30,

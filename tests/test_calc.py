@@ -44,7 +44,36 @@ def test_activation_formula_terms():
     assert calc.kv_cache_bytes(LLAMA2_7B, 4096, 1) == 2 * 32 * 4096 * 4096 * 2
 
 
+def test_the_llama_layer_count_in_closed_form():
+    """The op-by-op count's closed forms (``calc.llama_layer_bytes``' docstring), and peft's
+    fp32 adapters keeping more than the full fine-tune they replace."""
+    s = calc.PRESETS["Llama-3.2-1B"]
+    h, kv, inter, heads = 2048, 512, 8192, 32
+    full = calc.llama_layer_bytes(s, 2048, 1)
+    lora = calc.llama_layer_bytes(s, 2048, 1, "lora", lora_rank=16)
+    assert full["per_token"] == 20 * h + 4 * kv + 8 * inter + 4 * heads + 8
+    assert lora["per_token"] == 36 * h + 4 * kv + 10 * inter + 4 * heads + 28 * 16 + 8
+    assert full["total"] == 2048 * full["per_token"] and full["weight_copies"] == 0
+    assert lora["per_token"] / 2048 == pytest.approx(77.285, abs=1e-3)
+    bf16_adapters = calc.llama_layer_bytes(s, 2048, 1, "lora", fp32_adapters=False)
+    assert bf16_adapters["per_token"] < full["per_token"] < lora["per_token"]
+    mixed = calc.llama_layer_bytes(s, 2048, 1, "full", "bf16-mixed")
+    assert mixed["weight_copies"] == 2 * calc.param_count(s)["linear"] / s.num_hidden_layers
+    ckpt = calc.llama_layer_bytes(s, 2048, 1, "qlora", "bf16-mixed", checkpointing=True)
+    assert ckpt["per_token"] == 4 * h
+    fp32 = calc.llama_activation_bytes(s, 2048, 1, 4)["layers"] / s.num_hidden_layers
+    assert fp32 == 2048 * (32 * h + 8 * kv + 16 * inter + 4 * heads + 8)
+
+
 @pytest.mark.parametrize("call, match", [
+    (lambda: calc.llama_layer_bytes(LLAMA2_7B, 8, 1, "dora"), "method='dora'"),
+    (lambda: calc.llama_layer_bytes(LLAMA2_7B, 8, 1, precision="fp8"), "precision='fp8'"),
+    (lambda: calc.llama_layer_bytes(LLAMA2_7B, 8, 1, "lora", lora_targets=("qkv_proj",)),
+     "lora_targets=\\('qkv_proj',\\)"),
+    (lambda: calc.llama_layer_bytes(LLAMA2_7B, 8, 1, "lora", lora_rank=0), "lora_rank=0"),
+    (lambda: calc.llama_layer_bytes(LLAMA2_7B, 8, 1, "lora", lora_dropout=1.0),
+     "lora_dropout=1.0"),
+    (lambda: calc.llama_activation_bytes(LLAMA2_7B, 8, 1, 1), "bytes_per_value=1"),
     (lambda: calc.bytes_per_param("int3"), "fmt='int3'"),
     (lambda: calc.optimizer_bytes(1, "lion"), "optimizer='lion'"),
     (lambda: calc.activation_bytes_per_layer(0, 1, 1, 1), "seq_len=0"),

@@ -230,7 +230,8 @@ LAYER_PRECISIONS = ("fp32", "bf16", "fp16", "bf16-mixed")
 def llama_layer_bytes(shape: ModelShape, seq_len: int, batch_size: int, method: str = "full",
                       precision: str = "bf16", *, lora_rank: int = 16,
                       lora_targets: tuple[str, ...] = LLAMA_LINEARS, fp32_adapters: bool = True,
-                      lora_dropout: float = 0.0, checkpointing: bool = False
+                      lora_dropout: float = 0.0, gpu_dropout: bool = False,
+                      nf4_keeps_input: bool = False, checkpointing: bool = False
                       ) -> dict[str, float]:
     """What autograd keeps for one transformers Llama decoder layer in a training step, op by op.
 
@@ -250,7 +251,12 @@ def llama_layer_bytes(shape: ModelShape, seq_len: int, batch_size: int, method: 
     - SwiGLU keeps gate, silu(gate) and up (``3 I``, in the dtype the gate comes out in);
     - a peft adapter keeps its own input cast to the adapter's dtype (``4 in`` with peft's fp32
       adapters over a 16-bit base: a copy per module, q, k and v included), the rank-``r``
-      output of ``lora_A``, and with dropout its output and a 1-byte mask per module.
+      output of ``lora_A``, and with dropout its output and what the dropout keeps, per module:
+      CPU's noise in the adapter's dtype, or with ``gpu_dropout`` the 1-byte mask of CUDA's
+      fused kernel;
+    - with ``nf4_keeps_input`` (QLoRA on bitsandbytes before 0.43.2), each 4-bit matmul keeps its
+      input in the compute dtype: the shared tensor where it already is one, a cast per module
+      where the layer casts it.
 
     Under autocast each matmul also keeps the bf16 copy of an fp32 weight (2 bytes per weight,
     frozen or not, NF4 excepted): a term of the layer, not of its tokens. A full fine-tune in
@@ -285,14 +291,14 @@ def llama_layer_bytes(shape: ModelShape, seq_len: int, batch_size: int, method: 
         raise ValueError(f"lora_rank={lora_rank!r}: must be an integer >= 1")
     if not 0 <= lora_dropout < 1:
         raise ValueError(f"lora_dropout={lora_dropout!r}: must be in [0, 1)")
+    if nf4_keeps_input and method != "qlora":
+        raise ValueError(f"nf4_keeps_input=True with method={method!r}: only QLoRA has 4-bit "
+                         "layers")
     h, inter, heads = shape.hidden_size, shape.intermediate_size, shape.num_attention_heads
     kv = shape.num_key_value_heads * shape.head_dim
     autocast = precision == "bf16-mixed"
     p = 4 if precision in ("fp32", "bf16-mixed") else 2  # the residual stream (and the norms)
     c = 4 if precision == "fp32" else 2  # what the matmuls compute in
-    if checkpointing:
-        return {"per_token": float(p * h), "weight_copies": 0.0,
-                "total": float(p * h * seq_len * batch_size)}
     trains_base = method == "full"
     adapted = set() if trains_base else set(lora_targets)
     a = 4 if (fp32_adapters or p == 4) else 2  # peft's adapters: fp32 unless told otherwise
@@ -304,6 +310,12 @@ def llama_layer_bytes(shape: ModelShape, seq_len: int, batch_size: int, method: 
               "v_proj": ("attn_norm", p, False), "o_proj": ("sdpa_out", c, True),
               "gate_proj": ("mlp_norm", p, False), "up_proj": ("mlp_norm", p, False),
               "down_proj": ("swiglu", gate_bytes, False)}
+    if checkpointing:  # the layer's input; bitsandbytes' old 4-bit matmul kept its own too
+        kept_inputs = {(x if x_bytes == c else name, c * shapes[name][0])
+                       for name, (x, x_bytes, _) in inputs.items()} if nf4_keeps_input else set()
+        per_token = p * h + sum(nbytes for _, nbytes in kept_inputs)
+        return {"per_token": float(per_token), "weight_copies": 0.0,
+                "total": float(per_token * seq_len * batch_size)}
     per_token = 2 * (4 * h + 4 + (p * h if trains_base else 0))  # two RMSNorms
     per_token += c * (2 * h + 2 * kv) + 4 * heads + 3 * gate_bytes * inter  # SDPA, SwiGLU
     weight_copies, shared = 0, set()
@@ -314,12 +326,17 @@ def llama_layer_bytes(shape: ModelShape, seq_len: int, batch_size: int, method: 
                 per_token += 2 * d_in  # autocast's bf16 copy of the input, one per module
             elif not kept:
                 shared.add((x, x_bytes * d_in))
+        if nf4_keeps_input:  # bitsandbytes' 4-bit matmul before 0.43.2 kept its input
+            if x_bytes != c:
+                per_token += c * d_in  # the layer's cast to the compute dtype, one per module
+            elif not kept:
+                shared.add((x, x_bytes * d_in))
         if autocast and method != "qlora":
             weight_copies += 2 * d_in * d_out  # bf16 copy of the fp32 weight
         if name in adapted:
             saved = 2 if autocast else a
-            if lora_dropout:  # CPU's dropout keeps its noise, in the adapter's dtype
-                per_token += a * d_in + saved * d_in
+            if lora_dropout:  # CPU's noise in the adapter's dtype, or a GPU's 1-byte mask
+                per_token += (1 if gpu_dropout else a) * d_in + saved * d_in
             elif a != x_bytes or saved != x_bytes:
                 per_token += saved * d_in  # a cast of the input, one per module
             elif not kept:

@@ -89,7 +89,14 @@ class Stack:
     ``"transformers-4.46"`` (``TransformersLoss``: 4.46 until #35646, late 2024), for measuring
     a stack as it ran then. ``autocast_adapter_dtype`` is peft's ``get_peft_model`` argument:
     True (peft's default) keeps LoRA adapters in fp32 over a 16-bit base; False keeps them in
-    the base's dtype, as torchtune does with ``dtype: bf16``.
+    the base's dtype, as torchtune does with ``dtype: bf16``. ``gpu_dropout=True`` (with
+    ``lora_dropout``) runs dropout as a GPU does: CUDA's fused kernel (``aten.native_dropout``)
+    keeps a 1-byte mask for backward, where CPU's keeps its noise in the input's dtype; the
+    trace and a real run on this CPU both call that kernel (``gpu_dropout_context``).
+    ``nf4_keeps_input=True`` (QLoRA) runs bitsandbytes' 4-bit matmul as it was until 0.43.2
+    (bitsandbytes #1270, July 2024), keeping each 4-bit layer's input for backward, which only a
+    trainable 4-bit weight would need (``nf4_keeps_input_context``): what a QLoRA step measured
+    before then held.
     """
 
     method: str = "full"
@@ -108,6 +115,8 @@ class Stack:
     bf16_embeddings: bool = False
     loss: str = "course"
     autocast_adapter_dtype: bool = True
+    gpu_dropout: bool = False
+    nf4_keeps_input: bool = False
 
     def __post_init__(self) -> None:
         if "qlora" in str(self.method) and "full" in str(self.method):
@@ -150,6 +159,18 @@ class Stack:
         if not self.autocast_adapter_dtype and self.method == "full":
             raise ValueError("autocast_adapter_dtype=False with method='full': it sets the "
                              "LoRA adapters' dtype, and a full fine-tune has none")
+        if not isinstance(self.gpu_dropout, bool):
+            raise TypeError(f"gpu_dropout={self.gpu_dropout!r}: True (a GPU's 1-byte mask) or "
+                            "False (CPU's noise)")
+        if self.gpu_dropout and not self.lora_dropout:
+            raise ValueError("gpu_dropout=True with lora_dropout=0: it chooses how the adapters' "
+                             "dropout keeps its mask, and there is no dropout")
+        if not isinstance(self.nf4_keeps_input, bool):
+            raise TypeError(f"nf4_keeps_input={self.nf4_keeps_input!r}: True (bitsandbytes before "
+                            "0.43.2) or False")
+        if self.nf4_keeps_input and self.method != "qlora":
+            raise ValueError(f"nf4_keeps_input=True with method={self.method!r}: it is how a "
+                             "4-bit layer's matmul kept its input, and only QLoRA has 4-bit layers")
         if self.chunked_loss and self.loss != "course":
             raise ValueError(f"loss={self.loss!r} with chunked_loss={self.chunked_loss}: the "
                              "chunked loss never forms the logits that loss holds; choose one")
@@ -183,6 +204,11 @@ class Stack:
             parts.append(f"{self.loss}'s loss")
         if not self.autocast_adapter_dtype:
             parts.append("adapters in the base's dtype")
+        if self.lora_dropout:
+            parts.append(f"dropout {self.lora_dropout:g}"
+                         + (" (a GPU's 1-byte mask)" if self.gpu_dropout else ""))
+        if self.nf4_keeps_input:
+            parts.append("4-bit layers keep their input (bitsandbytes < 0.43.2)")
         return ", ".join(parts)
 
 
@@ -212,6 +238,74 @@ class TransformersLoss:
         return F.cross_entropy(shifted.view(-1, shifted.shape[-1]),
                                batch["labels"][..., 1:].contiguous().view(-1),
                                ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+@contextlib.contextmanager
+def gpu_dropout_context():
+    """Run ``torch.nn.functional.dropout`` (what ``nn.Dropout`` and peft's adapters call) as CUDA
+    does, with the fused ``aten.native_dropout``, on any device.
+
+    ATen's dropout takes the fused kernel only for CUDA tensors; elsewhere it multiplies by a
+    noise tensor in the input's dtype and keeps it for backward. The fused kernel returns a bool
+    mask and keeps that: 1 byte an element where the noise kept 2 or 4. It exists on CPU too, with
+    the same outputs' distribution, so a fake trace and a real CPU run under this context both
+    keep what a GPU keeps.
+
+    Example:
+        >>> with gpu_dropout_context():  # doctest: +SKIP
+        ...     loss = model(**batch).loss
+    """
+    original = F.dropout
+
+    def dropout(input: torch.Tensor, p: float = 0.5, training: bool = True,
+                inplace: bool = False) -> torch.Tensor:
+        if not training or p in (0, 1) or inplace:  # ATen's own answer for these
+            return original(input, p, training, inplace)
+        return torch.ops.aten.native_dropout(input, p, True)[0]
+
+    torch.nn.functional.dropout = dropout
+    try:
+        yield
+    finally:
+        torch.nn.functional.dropout = original
+
+
+class _KeptInput(torch.autograd.Function):
+    """The identity on a 4-bit matmul's output, whose graph node holds the matmul's input as a
+    plain attribute until the graph is freed: what bitsandbytes' ``MatMul4Bit`` did until #1270
+    (``ctx.tensors = (A, B)``; out of reach of checkpointing's saved-tensor hooks, as there)."""
+
+    @staticmethod
+    def forward(ctx, output: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+        ctx.kept = kept
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+@contextlib.contextmanager
+def nf4_keeps_input_context():
+    """Run bitsandbytes' 4-bit matmul (``bnb.matmul_4bit``, what ``Linear4bit`` calls) as it ran
+    until bitsandbytes 0.43.2: each call keeps its input ``A`` (in the compute dtype) for
+    backward, which only a trainable 4-bit weight would need. bitsandbytes #1270 (July 2024)
+    stopped it; "the bug that caused a lot of memory issues with QLoRA", in its author's words.
+    Outputs and gradients are unchanged.
+    """
+    import bitsandbytes as bnb
+
+    original = bnb.matmul_4bit
+
+    def matmul_4bit(A: torch.Tensor, B: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        out = original(A, B, *args, **kwargs)
+        return _KeptInput.apply(out, A) if torch.is_grad_enabled() and A.requires_grad else out
+
+    bnb.matmul_4bit = matmul_4bit
+    try:
+        yield
+    finally:
+        bnb.matmul_4bit = original
 
 
 def model_config(model: Any):
@@ -500,6 +594,20 @@ def _saved_on(host: str):
     return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
 
+@contextlib.contextmanager
+def _step_context(stack: Stack, host: str):
+    """What a step of ``stack`` runs under: its activations saved on ``host``, a GPU's dropout,
+    bitsandbytes' 4-bit matmul of before 0.43.2, as the stack asks."""
+    with contextlib.ExitStack() as contexts:
+        if stack.offload_activations:
+            contexts.enter_context(_saved_on(host))
+        if stack.gpu_dropout:
+            contexts.enter_context(gpu_dropout_context())
+        if stack.nf4_keeps_input:
+            contexts.enter_context(nf4_keeps_input_context())
+        yield
+
+
 def _create_optimizer_states(model: torch.nn.Module, optimizer: Any) -> None:
     """One optimizer step on zero gradients, then the gradients freed: the states a first
     training step leaves behind, at half the cost of running that step (on fake tensors the
@@ -607,8 +715,7 @@ class _Prepared:
             batch = {"input_ids": ids, "labels": ids}
 
             def step() -> None:
-                with (_saved_on(self.host) if stack.offload_activations
-                      else contextlib.nullcontext()):
+                with _step_context(stack, self.host):
                     forward_backward(net, batch, stack.grad_accum_steps, autocast,
                                      num_target_tokens=targets, loss_fn=self.loss_fn)
                 optimizer_step(net, opt, max_grad_norm=None)
@@ -805,6 +912,7 @@ def counted_layer_bytes(model: Any, stack: Stack, seq_len: int = 2048, batch_siz
         shape, seq_len, batch_size // stack.grad_accum_steps, stack.method, stack.precision,
         lora_rank=stack.lora_rank, lora_targets=tuple(targets),
         fp32_adapters=stack.autocast_adapter_dtype, lora_dropout=stack.lora_dropout,
+        gpu_dropout=stack.gpu_dropout, nf4_keeps_input=stack.nf4_keeps_input,
         checkpointing=stack.checkpointing)["total"]
     if config.model_type == "qwen2" and stack.method == "qlora":
         # a 16-bit copy of q, k and v's biases per layer, checkpointed or not (measured): what

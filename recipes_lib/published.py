@@ -59,9 +59,26 @@ UNSLOTH_OTHER_STACKS = (("fp32 embeddings and head", HF_QLORA), ("bf16 base", BF
 # litgpt (October 2023): --precision bf16-true, LoRA r=8 on the query and value projections
 # (4,194,304 trainable parameters for Llama 2 7B), dropout 0.05, no activation checkpointing;
 # "Max GPU RAM" is torch.cuda.max_memory_allocated() / 1e9 at the longest Alpaca example,
-# 1304 tokens with the Llama 2 tokenizer.
+# 1304 tokens with the Llama 2 tokenizer. Measured as the source ran: bf16-true makes every
+# parameter bf16, adapters included; on an A100 dropout keeps CUDA's 1-byte mask; and the
+# bitsandbytes of that time (0.41) kept each 4-bit layer's input for backward until #1270
+# (0.43.2, July 2024). peft's default fp32 adapters and today's bitsandbytes are measured beside.
 _LITGPT = {"precision": "bf16", "lora_rank": 8, "lora_targets": ("q_proj", "v_proj"),
-           "lora_dropout": 0.05}
+           "lora_dropout": 0.05, "autocast_adapter_dtype": False, "gpu_dropout": True}
+
+
+def _litgpt_stack(quantized: bool) -> Stack:
+    return Stack(method="qlora" if quantized else "lora", nf4_keeps_input=quantized, **_LITGPT)
+
+
+def _litgpt_other_stacks(quantized: bool) -> tuple[tuple[str, Stack], ...]:
+    stack = _litgpt_stack(quantized)
+    others = [("peft's default: fp32 adapters", replace(stack, autocast_adapter_dtype=True))]
+    if quantized:
+        others.append(("today's bitsandbytes", replace(stack, nf4_keeps_input=False)))
+    return tuple(others)
+
+
 # torchtune (2025 README): Llama 3.2 3B, batch 2, max sequence 4096, dtype bf16 (weights,
 # gradients and optimizer states), A100; "Peak Memory Active" is torchtune's get_memory_stats,
 # active_bytes.all.peak / 1024**3, reset at every logged step. From "+ Packed Dataset" on every
@@ -142,10 +159,13 @@ FIGURES = [
              alternatives=UNSLOTH_OTHER_STACKS)
       for gb, tokens in ((48, 0), (80, 6916))),
     *(Figure(LITGPT, f"{model} LoRA{' ' + q if q else ''}, micro-batch {b}", model,
-             Stack(method="qlora" if q else "lora", **_LITGPT), "peak", gb,
-             config=f"bf16-true, LoRA r=8 on q and v, micro-batch {b}, longest example 1304 "
-                    f"tokens{', quantize ' + q if q else ''}; lm_head stays 16-bit here",
-             seq_len=1304, batch_size=b, reads="allocated", unit_bytes=1e9)
+             _litgpt_stack(bool(q)), "peak", gb,
+             config=f"bf16-true (adapters bf16 too), LoRA r=8 on q and v, dropout 0.05, "
+                    f"micro-batch {b}, longest example 1304 tokens"
+                    + (f", quantize {q} (bitsandbytes 0.41, which kept each 4-bit layer's input)"
+                       if q else "") + "; lm_head stays 16-bit here",
+             seq_len=1304, batch_size=b, reads="allocated", unit_bytes=1e9,
+             alternatives=_litgpt_other_stacks(bool(q)))
       for model, q, b, gb in (("Llama-2-7B", "", 1, 21.30), ("Llama-2-7B", "", 2, 29.07),
                               ("Llama-2-7B", "bnb.nf4-dq", 1, 13.84),
                               ("Llama-2-13B", "", 1, 38.12),

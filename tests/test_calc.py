@@ -65,6 +65,35 @@ def test_the_llama_layer_count_in_closed_form():
     assert fp32 == 2048 * (32 * h + 8 * kv + 16 * inter + 4 * heads + 8)
 
 
+def test_the_layer_count_of_a_gpus_dropout_and_of_bitsandbytes_before_0_43_2():
+    """A GPU's dropout keeps a 1-byte mask where CPU's keeps fp32 noise (3 bytes less per
+    adapted input); bitsandbytes' old 4-bit matmul kept each 4-bit layer's input, in bf16: the
+    norms' outputs (one each, q, k and v share theirs, as gate and up do) and SwiGLU's product
+    (SDPA's output, o_proj's input, is kept already), and under checkpointing SDPA's output
+    too."""
+    s = calc.PRESETS["Llama-3.2-1B"]
+    h, inter = 2048, 8192
+    qv = {"lora_targets": ("q_proj", "v_proj"), "lora_dropout": 0.05}
+    cpu = calc.llama_layer_bytes(s, 2048, 1, "lora", **qv)["per_token"]
+    gpu = calc.llama_layer_bytes(s, 2048, 1, "lora", gpu_dropout=True, **qv)["per_token"]
+    assert cpu - gpu == 3 * 2 * h
+    new = calc.llama_layer_bytes(s, 2048, 1, "qlora", fp32_adapters=False)["per_token"]
+    old = calc.llama_layer_bytes(s, 2048, 1, "qlora", fp32_adapters=False,
+                                 nf4_keeps_input=True)["per_token"]
+    assert old == new  # bf16 adapters on every linear keep each input already
+    q_only = {"lora_targets": ("q_proj",), "fp32_adapters": False}
+    new = calc.llama_layer_bytes(s, 2048, 1, "qlora", "bf16", **q_only)["per_token"]
+    old = calc.llama_layer_bytes(s, 2048, 1, "qlora", "bf16", nf4_keeps_input=True,
+                                 **q_only)["per_token"]
+    assert old - new == 2 * h + 2 * inter  # the MLP norm's output and SwiGLU's product
+    ckpt = calc.llama_layer_bytes(s, 2048, 1, "qlora", "bf16", checkpointing=True,
+                                  nf4_keeps_input=True)["per_token"]
+    assert ckpt == 2 * h + (2 * h + 2 * h + 2 * h + 2 * inter)
+    mixed = calc.llama_layer_bytes(s, 2048, 1, "qlora", "bf16-mixed", checkpointing=True,
+                                   nf4_keeps_input=True)["per_token"]
+    assert mixed == 4 * h + 2 * (3 * h + h + 2 * h + inter)  # a bf16 cast per module but o_proj
+
+
 @pytest.mark.parametrize("call, match", [
     (lambda: calc.llama_layer_bytes(LLAMA2_7B, 8, 1, "dora"), "method='dora'"),
     (lambda: calc.llama_layer_bytes(LLAMA2_7B, 8, 1, precision="fp8"), "precision='fp8'"),
@@ -73,6 +102,8 @@ def test_the_llama_layer_count_in_closed_form():
     (lambda: calc.llama_layer_bytes(LLAMA2_7B, 8, 1, "lora", lora_rank=0), "lora_rank=0"),
     (lambda: calc.llama_layer_bytes(LLAMA2_7B, 8, 1, "lora", lora_dropout=1.0),
      "lora_dropout=1.0"),
+    (lambda: calc.llama_layer_bytes(LLAMA2_7B, 8, 1, "lora", nf4_keeps_input=True),
+     "nf4_keeps_input=True with method='lora'"),
     (lambda: calc.llama_activation_bytes(LLAMA2_7B, 8, 1, 1), "bytes_per_value=1"),
     (lambda: calc.bytes_per_param("int3"), "fmt='int3'"),
     (lambda: calc.optimizer_bytes(1, "lion"), "optimizer='lion'"),

@@ -28,7 +28,10 @@ def config():
     Stack(method="qlora", precision="bf16-mixed", optimizer="adamw-8bit", checkpointing=True,
           grad_accum_steps=2, chunked_loss=32),
     Stack(method="qlora", precision="bf16", checkpointing=True, autocast_adapter_dtype=False),
-    Stack(precision="bf16-mixed", checkpointing=True, selective_checkpointing=True)],
+    Stack(precision="bf16-mixed", checkpointing=True, selective_checkpointing=True),
+    Stack(method="qlora", precision="bf16-mixed", lora_dropout=0.1, gpu_dropout=True,
+          nf4_keeps_input=True),
+    Stack(method="qlora", precision="bf16", checkpointing=True, nf4_keeps_input=True)],
     ids=lambda s: s.label)
 def test_fake_step_equals_the_real_step_in_every_category(config, stack):
     r = fake_memory.fake_vs_real(config, stack, seq_len=128, batch_size=2)
@@ -230,6 +233,10 @@ def test_bad_inputs_name_the_parameter(config, tmp_path):
         Stack(autocast_adapter_dtype=False)
     with pytest.raises(TypeError, match="autocast_adapter_dtype='no'"):
         Stack(method="lora", autocast_adapter_dtype="no")
+    with pytest.raises(ValueError, match="gpu_dropout=True with lora_dropout=0"):
+        Stack(method="lora", gpu_dropout=True)
+    with pytest.raises(ValueError, match="nf4_keeps_input=True with method='lora'"):
+        Stack(method="lora", nf4_keeps_input=True)
     assert torch.get_default_dtype() == torch.float32
 
 
@@ -315,7 +322,11 @@ def anatomy_config():
     Stack(method="lora", lora_targets=("q_proj", "v_proj")),
     Stack(method="qlora", precision="bf16-mixed"),
     Stack(method="qlora", precision="bf16-mixed", bf16_embeddings=True),
-    Stack(method="qlora", precision="bf16-mixed", checkpointing=True)], ids=lambda s: s.label)
+    Stack(method="qlora", precision="bf16-mixed", checkpointing=True),
+    Stack(method="qlora", precision="bf16", lora_targets=("q_proj", "v_proj"),
+          autocast_adapter_dtype=False, nf4_keeps_input=True),
+    Stack(method="qlora", precision="bf16-mixed", checkpointing=True, nf4_keeps_input=True)],
+    ids=lambda s: s.label)
 def test_a_layer_keeps_what_the_op_count_says_to_the_byte(anatomy_config, stack):
     """The bytes a decoder layer keeps, measured by difference on fake tensors, equal
     ``calc.llama_layer_bytes``' count exactly: peft's fp32 adapters (a cast of each adapted
@@ -341,19 +352,82 @@ def test_the_op_count_of_qlora_on_qwen2_counts_its_biases():
     assert measured["per_layer_bytes"] == fake_memory.counted_layer_bytes(cfg, stack, 512, 2)
 
 
-def test_the_op_count_of_adapter_dropout_on_this_cpu():
-    """CPU's dropout keeps its noise in the input's dtype (CUDA's fused kernel keeps a 1-byte
-    mask): per adapted module, that noise in fp32 and autocast's bf16 copy of its output."""
+@pytest.mark.parametrize("gpu_dropout", [False, True])
+def test_the_op_count_of_adapter_dropout(gpu_dropout):
+    """CPU's dropout keeps its noise in the input's dtype, CUDA's fused kernel a 1-byte mask
+    (``gpu_dropout``): per adapted module, that and autocast's bf16 copy of its output."""
     from transformers import LlamaConfig
 
     cfg = LlamaConfig(vocab_size=4096, hidden_size=512, intermediate_size=1408,
                       num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
                       max_position_embeddings=4096)
-    stack = Stack(method="qlora", precision="bf16-mixed", lora_dropout=0.05)
+    stack = Stack(method="qlora", precision="bf16-mixed", lora_dropout=0.05,
+                  gpu_dropout=gpu_dropout)
     measured = fake_memory.activation_anatomy(cfg, stack, 2048, 2, small_vocab=1024)
     assert measured["per_layer_bytes"] == fake_memory.counted_layer_bytes(cfg, stack, 2048, 2)
     assert fake_memory.counted_layer_bytes(cfg, Stack(method="lora", offload_activations=True,
                                                       checkpointing=True)) is None
+
+
+def test_the_op_count_of_litgpts_2023_stack():
+    """litgpt's rows as the source ran them: bf16 adapters on q and v with a GPU's dropout mask,
+    4-bit layers that keep their input (bitsandbytes 0.41)."""
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=1024, hidden_size=512, intermediate_size=1408,
+                      num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
+                      max_position_embeddings=4096)
+    stack = Stack(method="qlora", precision="bf16", lora_rank=8,
+                  lora_targets=("q_proj", "v_proj"), lora_dropout=0.05,
+                  autocast_adapter_dtype=False, gpu_dropout=True, nf4_keeps_input=True)
+    measured = fake_memory.activation_anatomy(cfg, stack, 2048, 2, small_vocab=512)
+    assert measured["per_layer_bytes"] == fake_memory.counted_layer_bytes(cfg, stack, 2048, 2)
+
+
+def test_a_gpus_dropout_keeps_a_one_byte_mask_and_drops_what_dropout_drops():
+    """``gpu_dropout_context`` runs CUDA's fused kernel: outputs are the input times a kept
+    bool mask over ``1 - p``, gradients the mask over ``1 - p``, about ``p`` dropped."""
+    import torch.nn.functional as F
+
+    original = F.dropout
+    x = torch.randn(256, 512, requires_grad=True)
+    with fake_memory.gpu_dropout_context():
+        y = torch.nn.Dropout(0.25)(x)
+    assert F.dropout is original
+    mask = y.grad_fn._saved_result1
+    assert mask.dtype == torch.bool and mask.shape == x.shape
+    torch.testing.assert_close(y, x * mask / 0.75)
+    y.backward(torch.ones_like(y))
+    torch.testing.assert_close(x.grad, mask / 0.75)
+    assert abs(1 - mask.float().mean().item() - 0.25) < 0.01
+    with fake_memory.gpu_dropout_context():  # eval mode and p = 0 are the identity, as ATen's
+        assert torch.nn.Dropout(0.25).eval()(x) is x
+
+
+def test_bitsandbytes_before_0_43_2_kept_the_4bit_layers_input_and_nothing_else_changes():
+    """``nf4_keeps_input_context``: the same outputs and gradients, and the 4-bit matmul's
+    graph node holds its input, as bitsandbytes' ``ctx.tensors = (A, B)`` did until #1270."""
+    pytest.importorskip("bitsandbytes")
+    import bitsandbytes as bnb
+
+    torch.manual_seed(0)
+    layer = bnb.nn.Linear4bit(64, 32, bias=False, compute_dtype=torch.float32,
+                              quant_type="nf4")
+    layer.weight = bnb.nn.Params4bit(torch.randn(32, 64) * 0.1, requires_grad=False,
+                                     quant_type="nf4")._quantize("cpu")
+    x = torch.randn(8, 64, requires_grad=True)
+    out_new = layer(x)
+    out_new.sum().backward()
+    grad_new, x.grad = x.grad, None
+    original = bnb.matmul_4bit
+    with fake_memory.nf4_keeps_input_context():
+        out_old = layer(x)
+    assert bnb.matmul_4bit is original
+    torch.testing.assert_close(out_old, out_new, rtol=0, atol=0)
+    node = out_old.grad_fn
+    assert node.kept is x
+    out_old.sum().backward()
+    torch.testing.assert_close(x.grad, grad_new, rtol=0, atol=0)
 
 
 def test_the_activation_anatomy_refuses_what_it_cannot_split(config):

@@ -15,7 +15,11 @@ the step may depend on their values.
 
 What a fake trace cannot see (the CUDA context, the caching allocator's rounding and
 fragmentation, library workspaces) is added by ``gpu_overhead`` as its own row, never hidden in
-the measured figure.
+the measured figure. Where a CPU and a GPU kernel keep different tensors for backward, the stack
+says which runs: dropout keeps CPU's noise unless ``Stack(gpu_dropout=True)`` runs CUDA's fused
+kernel (a 1-byte mask); SDPA runs CPU's flash kernel, whose backward keeps what CUDA's flash
+kernel's keeps (q, k, v, the output and a log-sum-exp per head: PyTorch's derivatives.yaml; CUDA's
+adds a few bytes of RNG state).
 """
 
 from __future__ import annotations

@@ -295,7 +295,9 @@ def nf4_keeps_input_context():
     until bitsandbytes 0.43.2: each call keeps its input ``A`` (in the compute dtype) for
     backward, which only a trainable 4-bit weight would need. bitsandbytes #1270 (July 2024)
     stopped it; "the bug that caused a lot of memory issues with QLoRA", in its author's words.
-    Outputs and gradients are unchanged.
+    Outputs and gradients are unchanged. The input is held as bitsandbytes held it, a plain
+    attribute of the graph node, so non-reentrant checkpointing (the course's) cannot free it
+    either; reentrant checkpointing's forward runs without a graph and kept nothing.
     """
     import bitsandbytes as bnb
 

@@ -52,7 +52,12 @@ PRECISIONS = ("fp32", "bf16", "fp16", "bf16-mixed")
 OPTIMIZERS = ("adamw", "adamw-8bit", "sgd")
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
            "bf16-mixed": torch.float32}
-_AUTOCAST = {"bf16-mixed": "bf16"}  # precision -> the training loop's autocast precision
+_AUTOCAST = {"bf16-mixed": "bf16"}
+# Stack's switches that must be bools, and what each value means (for the error)
+_SWITCHES = {"autocast_adapter_dtype": "True (adapters in fp32, peft's default) or False (the "
+                                       "base's dtype)",
+             "gpu_dropout": "True (a GPU's 1-byte mask) or False (CPU's noise)",
+             "nf4_keeps_input": "True (bitsandbytes before 0.43.2) or False"}  # precision -> the training loop's autocast precision
 # How the full causal-LM loss holds the logits: "course", the course's loop and today's
 # transformers; "transformers-4.46", transformers' loss from 4.46 until #35646
 # (``TransformersLoss``: with several sequences, one more fp32 copy of the logits in forward).
@@ -157,21 +162,15 @@ class Stack:
         if self.selective_checkpointing and not self.checkpointing:
             raise ValueError("selective_checkpointing=True with checkpointing=False: selective "
                              "checkpointing chooses what a checkpointed layer keeps; set both")
-        if not isinstance(self.autocast_adapter_dtype, bool):
-            raise TypeError(f"autocast_adapter_dtype={self.autocast_adapter_dtype!r}: True "
-                            "(adapters in fp32, peft's default) or False (the base's dtype)")
+        for name, meaning in _SWITCHES.items():
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name}={getattr(self, name)!r}: {meaning}")
         if not self.autocast_adapter_dtype and self.method == "full":
             raise ValueError("autocast_adapter_dtype=False with method='full': it sets the "
                              "LoRA adapters' dtype, and a full fine-tune has none")
-        if not isinstance(self.gpu_dropout, bool):
-            raise TypeError(f"gpu_dropout={self.gpu_dropout!r}: True (a GPU's 1-byte mask) or "
-                            "False (CPU's noise)")
         if self.gpu_dropout and not self.lora_dropout:
             raise ValueError("gpu_dropout=True with lora_dropout=0: it chooses how the adapters' "
                              "dropout keeps its mask, and there is no dropout")
-        if not isinstance(self.nf4_keeps_input, bool):
-            raise TypeError(f"nf4_keeps_input={self.nf4_keeps_input!r}: True (bitsandbytes before "
-                            "0.43.2) or False")
         if self.nf4_keeps_input and self.method != "qlora":
             raise ValueError(f"nf4_keeps_input=True with method={self.method!r}: it is how a "
                              "4-bit layer's matmul kept its input, and only QLoRA has 4-bit layers")

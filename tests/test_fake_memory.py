@@ -233,6 +233,10 @@ def test_bad_inputs_name_the_parameter(config, tmp_path):
         Stack(autocast_adapter_dtype=False)
     with pytest.raises(TypeError, match="autocast_adapter_dtype='no'"):
         Stack(method="lora", autocast_adapter_dtype="no")
+    with pytest.raises(TypeError, match="gpu_dropout=1: True"):
+        Stack(method="lora", lora_dropout=0.1, gpu_dropout=1)
+    with pytest.raises(TypeError, match="nf4_keeps_input='yes': True"):
+        Stack(method="qlora", nf4_keeps_input="yes")
     with pytest.raises(ValueError, match="gpu_dropout=True with lora_dropout=0"):
         Stack(method="lora", gpu_dropout=True)
     with pytest.raises(ValueError, match="nf4_keeps_input=True with method='lora'"):

@@ -6,11 +6,18 @@ STAMP := $(VENV)/.installed
 
 .PHONY: run run-avx2 bench archs test lab lint clean
 
+# TORCH_INDEX: where the pinned torch comes from when set, e.g. PyTorch's CPU-only index
+# (make test TORCH_INDEX=https://download.pytorch.org/whl/cpu); unset, pip's own indexes decide,
+# and PyPI's Linux wheel of the pinned version is the CUDA build (it runs on a CPU too).
+TORCH_INDEX ?=
+
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q --no-deps -e .  # first: a Python it does not support is named here
+	$(if $(TORCH_INDEX),$(PY) -m pip install -q "$$(grep '^torch==' requirements.txt)" \
+		--index-url $(TORCH_INDEX))
 	$(PY) -m pip install -q -r requirements.txt
-	$(PY) -m pip install -q -e .
 	touch $(STAMP)
 
 # Executes the notebooks with papermill, writes results/, the README table and the report.

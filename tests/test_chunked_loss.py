@@ -134,9 +134,8 @@ def test_a_chunk_leaves_its_logits_gradient_in_place_of_its_logits(compiled):
         ref = F.cross_entropy(chunked_loss.softcap(leaf, cap), y, reduction="sum")
         (ref_grad,) = torch.autograd.grad(ref, leaf)
         buf = z.clone()
-        fn = (chunked_loss.compiled_ce_chunk(logit_softcap=cap) if compiled
-              else lambda b, t, cap=cap: chunked_loss._ce_chunk_(b, t, chunked_loss.IGNORE_INDEX,
-                                                                 cap))
+        fn = (chunked_loss.compiled_ce_chunk if compiled else chunked_loss.ce_chunk)(
+            logit_softcap=cap)
         loss = fn(buf, y)
         torch.testing.assert_close(loss, ref.detach(), rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(buf, ref_grad, rtol=1e-10, atol=1e-12)

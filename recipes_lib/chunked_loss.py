@@ -115,8 +115,9 @@ def compiled_ce_chunk(ignore_index: int = IGNORE_INDEX, logit_softcap: float | N
     The labels' logits are gathered eagerly, outside the compiled function: compiled with it,
     torch 2.11's Inductor fused that gather into one C++ kernel after the loop that writes the
     gradient over the logits, so it read gradients instead of logits and returned wrong losses
-    (7.149 for 5.996 in ``tests/test_chunked_loss.py``; torch 2.12.1 and 2.13 order it right). Read outside, it costs one small eager gather per chunk and no time measured
-    (19.8 ms either way for a 512 x 32,000 fp32 chunk, one thread, torch 2.13).
+    (7.149 for 5.996 in ``tests/test_chunked_loss.py``; torch 2.12.1 and 2.13 order it right).
+    Read outside, it costs one small eager gather per chunk and no time measured (19.8 ms either
+    way for a 512 x 32,000 fp32 chunk, one thread, torch 2.13).
 
     Raises:
         ValueError: where ``torch.compile`` cannot run (no C++ compiler, no Triton).

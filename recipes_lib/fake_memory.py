@@ -52,12 +52,12 @@ PRECISIONS = ("fp32", "bf16", "fp16", "bf16-mixed")
 OPTIMIZERS = ("adamw", "adamw-8bit", "sgd")
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
            "bf16-mixed": torch.float32}
-_AUTOCAST = {"bf16-mixed": "bf16"}
+_AUTOCAST = {"bf16-mixed": "bf16"}  # precision -> the training loop's autocast precision
 # Stack's switches that must be bools, and what each value means (for the error)
 _SWITCHES = {"autocast_adapter_dtype": "True (adapters in fp32, peft's default) or False (the "
                                        "base's dtype)",
              "gpu_dropout": "True (a GPU's 1-byte mask) or False (CPU's noise)",
-             "nf4_keeps_input": "True (bitsandbytes before 0.43.2) or False"}  # precision -> the training loop's autocast precision
+             "nf4_keeps_input": "True (bitsandbytes before 0.43.2) or False"}
 # How the full causal-LM loss holds the logits: "course", the course's loop and today's
 # transformers; "transformers-4.46", transformers' loss from 4.46 until #35646
 # (``TransformersLoss``: with several sequences, one more fp32 copy of the logits in forward).

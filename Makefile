@@ -56,7 +56,7 @@ lab: $(STAMP)
 	$(VENV)/bin/jupyter lab notebooks/
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check recipes_lib tests
+	$(VENV)/bin/ruff check recipes_lib tests bench notebooks
 
 clean:
 	rm -rf notebooks/executed .cache

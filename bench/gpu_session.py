@@ -284,7 +284,8 @@ def record(device_dir: str = "h100", results_dir: Path | None = None) -> Path:
         if not row["allocated_peak"]:
             continue
         slug = row["stack"].replace(", ", "_").replace(" ", "").replace("=", "")
-        out.add("fake_memory", f"fake_over_allocated_{slug}", row["fake_peak"] / row["allocated_peak"],
+        out.add("fake_memory", f"fake_over_allocated_{slug}",
+                row["fake_peak"] / row["allocated_peak"],
                 baseline=1.0, unit=f"x max_memory_allocated, {row.get('model', 'Llama-3.2-1B')}, "
                                    f"{row['batch']}x{row['seq_len']} tokens")
         worst = max(abs(row["fake"][k] - row["real"][k]) for k in row["fake"])

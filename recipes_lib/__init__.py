@@ -5,8 +5,8 @@ Core (every notebook uses these; they never import a recipe or a tooling module)
     distributed, train_state, train, evaluation, model, architectures, compare,
     known_warnings, scale.
 Recipes (one module per idea; may import core and other recipes, never tooling):
-    quantization, checkpointing, offload, optim8bit, fsdp, fsdp_qlora, data_loading, comm_bench, ptq,
-    latency, distillation, chunked_loss, attention, norms, kv_cache, gemm_bench,
+    quantization, checkpointing, offload, optim8bit, fsdp, fsdp_qlora, data_loading, comm_bench,
+    ptq, latency, distillation, chunked_loss, attention, norms, kv_cache, gemm_bench,
     sparse_attention, curriculum, max_context, passkey, fp8, fake_memory, packing,
     context_parallel, trainers, compiling.
 Tooling (the command line and what it drives; may import anything):

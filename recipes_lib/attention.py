@@ -1,4 +1,5 @@
-"""Attention implementations side by side: eager (materialised softmax), SDPA's backends, flash-attn.
+"""Attention implementations side by side: eager (materialised softmax), SDPA's backends,
+flash-attn.
 
 Eager attention builds the (s x s) score matrix per head, softmaxes it and keeps it for backward:
 ``O(s^2)`` memory and memory traffic. FlashAttention (Dao et al., 2022) tiles q, k and v, keeps a
@@ -305,7 +306,8 @@ def heads_sweep(head_counts: list[int], seq_len: int = 1024, impl: str = "sdpa",
 
 
 def _attention_sweep(recipe: str, dimension: str, sizes: list[int],
-                     shape_at: Callable[[int], tuple[int, int]], impl: str, baseline: str, batch_size: int, head_dim: int,
+                     shape_at: Callable[[int], tuple[int, int]], impl: str, baseline: str,
+                     batch_size: int, head_dim: int,
                      dtype: torch.dtype, device: torch.device | str, repeats: int):
     """Forward + backward of ``impl`` against ``baseline`` at each size, whose (heads, length)
     ``shape_at`` gives."""

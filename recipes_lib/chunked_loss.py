@@ -386,7 +386,8 @@ def compare_with_full(tokens: int, vocab_size: int, hidden_size: int, chunk_size
     steps = {name: (lambda f=f: f().backward()) for name, f in losses.items()}
     device = torch.device(device)
     peaks = {name: measure_memory(step, device=device).peak_bytes for name, step in steps.items()}
-    times = time_interleaved(steps, warmup=0, repeats=repeats, device=device)  # memory runs warmed up
+    # the memory runs above were the warm-up
+    times = time_interleaved(steps, warmup=0, repeats=repeats, device=device)
     grads = {}
     for name, f in losses.items():  # backward(), not autograd.grad: Liger's hooks refuse the latter
         h.grad = w.grad = None

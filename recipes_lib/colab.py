@@ -24,15 +24,16 @@ BADGE_TAG, INSTALL_TAG = "colab-badge", "colab-install"
 COLAB_PACKAGES = ("transformers>=5.23,<6", "peft>=0.19", "bitsandbytes>=0.50", "accelerate>=1.7",
                   "trl>=0.26", "datasets", "torchao>=0.18", "safetensors", "tqdm", "tensorboard")
 COLAB_SHIPS = ("torch", "tokenizers", "numpy", "pandas", "matplotlib", "ipykernel", "ipywidgets")
-NOT_ON_COLAB = ("jupyterlab", "nbval", "nbclient", "nbformat", "papermill", "pytest", "pytest-xdist",
-                "ruff")
+NOT_ON_COLAB = ("jupyterlab", "nbval", "nbclient", "nbformat", "papermill", "pytest",
+                "pytest-xdist", "ruff")
 _REPO = re.compile(r"^[A-Za-z0-9_.-]+/[A-Za-z0-9_.-]+$")
 _REF = re.compile(r"^[A-Za-z0-9_./-]+$")
 
 
 def _check(repo: str, ref: str) -> None:
     if not isinstance(repo, str) or not _REPO.match(repo) or repo.endswith(".git"):
-        raise ValueError(f"repo={repo!r}: expected the GitHub 'owner/name', e.g. 'acme/llm-recipes'")
+        raise ValueError(f"repo={repo!r}: expected the GitHub 'owner/name', "
+                         "e.g. 'acme/llm-recipes'")
     if not isinstance(ref, str) or not _REF.match(ref) or ".." in ref:
         raise ValueError(f"ref={ref!r}: expected a branch or tag name, e.g. 'main'")
 

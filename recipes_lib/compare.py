@@ -71,7 +71,8 @@ def measure_training_steps(
     (``timing.time_interleaved``), so machine drift does not favour the one measured first.
 
     Example:
-        >>> m = measure_training_steps({"plain": plain, "checkpointed": ckpt}, batch)  # doctest: +SKIP
+        >>> steps = {"plain": plain, "checkpointed": ckpt}
+        >>> m = measure_training_steps(steps, batch)  # doctest: +SKIP
         >>> m["checkpointed"].timing.median_s / m["plain"].timing.median_s  # doctest: +SKIP
     """
     optimizers, loss_fns = optimizers or {}, loss_fns or {}

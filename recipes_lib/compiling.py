@@ -161,8 +161,9 @@ class CompileComparison:
         speed-up, compile time, break-even and the largest output difference."""
         even = self.break_even * calls
         repaid = f"repaid after {even:,.0f} {per}" if even < math.inf else "never repaid"
-        return (f"eager {calls / self.eager_s:,.0f} {per}/s, compiled {calls / self.compiled_s:,.0f}"
-                f" {per}/s ({self.speedup:.2f}x); compile {self.compile_s:.1f} s, {repaid}; "
+        return (f"eager {calls / self.eager_s:,.0f} {per}/s, "
+                f"compiled {calls / self.compiled_s:,.0f} {per}/s ({self.speedup:.2f}x); "
+                f"compile {self.compile_s:.1f} s, {repaid}; "
                 f"largest output difference {self.max_abs_diff:.1e}")
 
 

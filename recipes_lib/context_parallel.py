@@ -277,7 +277,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
         ValueError: outside a process group, with one rank, or for shapes that do not match.
 
     Example:
-        >>> out = ring_attention(shard(q, r, n, 2), shard(k, r, n, 2), shard(v, r, n, 2))  # doctest: +SKIP
+        >>> q_r, k_r, v_r = (shard(t, r, n, 2) for t in (q, k, v))
+        >>> out = ring_attention(q_r, k_r, v_r)  # doctest: +SKIP
     """
     if not (dist.is_available() and dist.is_initialized()):
         raise ValueError("ring_attention: needs a process group (start the ranks with "
@@ -477,7 +478,8 @@ def summarize(attention: list[dict[str, dict[str, float]]], model: dict[str, Any
     ring = f"ring, {model['world_size']} ranks"
     return {
         "max_error": {dt: max(e[dt][w] for e in attention for w in e[dt]) for dt in attention[0]},
-        "activation_ratio": model["activation_bytes"]["ring"] / model["activation_bytes"]["one rank"],
+        "activation_ratio": (model["activation_bytes"]["ring"]
+                             / model["activation_bytes"]["one rank"]),
         "max_seq_gain": (model["longest"]["ring"]["max_seq_len"]
                          / model["longest"]["one rank"]["max_seq_len"]),
         "traffic_ratio": sum(model["sent_bytes"].values()) / predicted_bytes,

@@ -156,7 +156,8 @@ def padding_fraction(batches: dict[str, torch.Tensor] | list[dict[str, torch.Ten
         if "attention_mask" in b:
             pad += int((b["attention_mask"] == 0).sum())
         elif pad_token_id is not None:
-            pad += int(((b["input_ids"] == pad_token_id) & (b["labels"] == data.IGNORE_INDEX)).sum())
+            padded = (b["input_ids"] == pad_token_id) & (b["labels"] == data.IGNORE_INDEX)
+            pad += int(padded.sum())
         else:
             raise ValueError("pad_token_id: needed for batches without an attention_mask "
                              "(padding-free rows)")

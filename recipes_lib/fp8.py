@@ -1,4 +1,5 @@
-"""FP8 training: the linear layers' matmuls in float8, with torchao's ``convert_to_float8_training``.
+"""FP8 training: the linear layers' matmuls in float8, with torchao's
+``convert_to_float8_training``.
 
 Where mixed precision went after bf16. Each ``nn.Linear`` becomes a ``Float8Linear``: before each
 of its three matmuls (output, grad-input, grad-weight) the operands are scaled into float8's
@@ -36,8 +37,9 @@ def hardware_support(device: torch.device | str) -> tuple[bool, str]:
         return False, f"{device.type}: no float8 matmul; torchao's emulation checks numerics only"
     cap = torch.cuda.get_device_capability(device)
     if cap < MIN_CAPABILITY:
-        return False, (f"compute capability {cap[0]}.{cap[1]} < 8.9 ({torch.cuda.get_device_name(device)}"
-                       "): no float8 tensor cores; skipped")
+        name = torch.cuda.get_device_name(device)
+        return False, (f"compute capability {cap[0]}.{cap[1]} < 8.9 ({name}): no float8 tensor "
+                       "cores; skipped")
     return True, f"compute capability {cap[0]}.{cap[1]}: float8 tensor cores"
 
 

@@ -224,8 +224,9 @@ def train_sharded(
     torch.manual_seed(seed)
     model = wrap_model(models.load_model(model_path), strategy, precision)
     # fp16 needs the (sharded) loss scaler, which the training loop adds for precision="fp16".
-    config = TrainConfig(steps=steps, micro_batch_size=micro, lr=lr, schedule="constant_with_warmup",
-                         max_grad_norm=None, seed=seed, desc=f"{strategy} {precision}",
+    config = TrainConfig(steps=steps, micro_batch_size=micro, lr=lr,
+                         schedule="constant_with_warmup", max_grad_norm=None, seed=seed,
+                         desc=f"{strategy} {precision}",
                          precision="fp16" if precision == "fp16" else "fp32",
                          checkpoint_dir=resume_dir, checkpoint_every=checkpoint_every)
     optimizer = make_optimizer(model, config)

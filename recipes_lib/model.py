@@ -91,7 +91,8 @@ def train_tokenizer(texts: list[str], vocab_size: int, max_length: int):
 # What each architecture changes beside Llama, at the tiny size (from its transformers config):
 # Qwen2 and Qwen3 tie the head to the embeddings as their small checkpoints do (Qwen3 adds q/k
 # RMSNorm), Mistral is Llama with a sliding window option, Phi-3 fuses qkv_proj and gate_up_proj,
-# Gemma-2 ties, soft-caps attention and final logits, and alternates sliding (half the context, as Gemma-2's 4096 of 8192) and global layers.
+# Gemma-2 ties, soft-caps attention and final logits, and alternates sliding (half the context,
+# as Gemma-2's 4096 of 8192) and global layers.
 _EXTRA: dict[str, dict[str, Any]] = {
     "llama": {"tie_word_embeddings": False},
     "qwen2": {"tie_word_embeddings": True},

@@ -3,8 +3,8 @@
 ``python -m recipes_lib plan --model Llama-2-7B --gpu-mem 16GB --seq 2048 --batch 8`` lists, in
 the order practitioners escalate, the predicted memory of each step (full fine-tune -> with 8-bit
 AdamW states -> LoRA -> QLoRA -> activation checkpointing -> gradient accumulation -> optimizer
-offload -> FSDP across the GPUs) and names the first that fits. Built-in shapes (``calc.PRESETS``) work offline; any
-transformers ``config.json`` works too.
+offload -> FSDP across the GPUs) and names the first that fits. Built-in shapes
+(``calc.PRESETS``) work offline; any transformers ``config.json`` works too.
 """
 
 from __future__ import annotations

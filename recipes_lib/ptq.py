@@ -1,9 +1,10 @@
 """INT8 post-training quantization of Linear layers, and which layers it hurts.
 
 Weights are stored as int8 with one fp32 scale and int32 zero point per output channel: 1 byte
-per weight plus ``8 / in_features``, about 0.25x fp32 (``calc.int8_linear_bytes``). *Dynamic* quantization also
-quantizes each activation on the fly (per tensor) and runs the matmul in int8 with int32
-accumulation, so it saves compute as well as bytes where the CPU has fast int8 instructions.
+per weight plus ``8 / in_features``, about 0.25x fp32 (``calc.int8_linear_bytes``). *Dynamic*
+quantization also quantizes each activation on the fly (per tensor) and runs the matmul in int8
+with int32 accumulation, so it saves compute as well as bytes where the CPU has fast int8
+instructions.
 
 - CPU: PyTorch's dynamic quantization (``torch.ao.quantization.quantize_dynamic``, fbgemm / x86
   kernels). PyTorch deprecates it in favour of torchao's ``quantize_`` with

@@ -230,7 +230,8 @@ def reload_adapter(base_path: str | Path, adapter_dir: str | Path, quantization_
 
     from recipes_lib.model import load_model
 
-    base = load_model(base_path, dtype=dtype, quantization_config=quantization_config, device=device)
+    base = load_model(base_path, dtype=dtype, quantization_config=quantization_config,
+                      device=device)
     if quantization_config is not None and not merge:
         # the base as ``add_lora`` trained it: peft's k-bit preparation keeps the norms, the
         # embeddings and the head in fp32, so the reloaded model computes what the trained one did

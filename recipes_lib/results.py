@@ -41,7 +41,8 @@ class Figure:
 
 @dataclass
 class Claim:
-    """A speed claim checked in a run (``checks.check_speed``): the figure, its target, its verdict."""
+    """A speed claim checked in a run (``checks.check_speed``): the figure, its target, its
+    verdict."""
 
     recipe: str
     claim: str

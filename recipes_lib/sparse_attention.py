@@ -8,10 +8,10 @@ beginning of the sequence.
 
 Both patterns are computed here block by block with PyTorch's SDPA: queries are split into blocks
 of ``W``; each block attends only to the keys its pattern can reach (the global prefix plus the
-previous and its own block), with a boolean mask inside, in one batched call. Forward and backward are ordinary
-autograd through SDPA, so they run on CPU and GPU alike. FlexAttention expresses the same
-patterns as a ``mask_mod`` and skips empty blocks in a fused kernel; on CPU its backward is not
-available, so it is an option on GPUs only (``flex_available``).
+previous and its own block), with a boolean mask inside, in one batched call. Forward and
+backward are ordinary autograd through SDPA, so they run on CPU and GPU alike. FlexAttention
+expresses the same patterns as a ``mask_mod`` and skips empty blocks in a fused kernel; on CPU its
+backward is not available, so it is an option on GPUs only (``flex_available``).
 """
 
 from __future__ import annotations
@@ -257,7 +257,8 @@ def benchmark(seq_lens: list[int], window: int, n_global: int = 0, num_heads: in
         g = torch.Generator().manual_seed(s)
         q, k, v = (torch.randn(1, num_heads, s, head_dim, generator=g).to(device).requires_grad_()
                    for _ in range(3))
-        patterns = {"full causal (SDPA flash)": (None, 0), f"sliding window W={window}": (window, 0),
+        patterns = {"full causal (SDPA flash)": (None, 0),
+                    f"sliding window W={window}": (window, 0),
                     f"local W={window} + {n_global} global": (window, n_global)}
 
         def step(w, g_, q=q, k=k, v=v):

@@ -173,7 +173,8 @@ def train(
             checkpoint that does not match the model.
 
     Example:
-        >>> result = train(model, examples, tok.pad_token_id, TrainConfig(steps=50))  # doctest: +SKIP
+        >>> config = TrainConfig(steps=50)
+        >>> result = train(model, examples, tok.pad_token_id, config)  # doctest: +SKIP
     """
     from tqdm.auto import tqdm
     from transformers import get_scheduler
@@ -241,8 +242,9 @@ def train(
                 done % config.eval_every == 0 or done == config.steps):
             result.evals.append((done, result.target_tokens, float(eval_fn(model))))
             model.train()
+        every = config.checkpoint_every
         if config.checkpoint_dir is not None and (
-                done == config.steps or (config.checkpoint_every and done % config.checkpoint_every == 0)):
+                done == config.steps or (every and done % every == 0)):
             train_state.save(config.checkpoint_dir, done, model, optimizer, scheduler, scaler,
                              {"losses": result.losses, "step_times": result.step_times,
                               "target_tokens": result.target_tokens})

@@ -409,7 +409,8 @@ def fsdp_rank_state(model_path: str, steps: int = 2, micro_batch_size: int = 2,
     """Run on every rank of a ``torchrun`` / ``accelerate launch`` job (``distributed.launch``):
     ``Trainer`` with :func:`fsdp_settings` on the topic task; this rank's bytes of parameters,
     gradients and optimizer state after training (``fsdp.local_state_bytes``), the model's
-    parameter bytes before wrapping, its losses, and how accelerate ran it (``distributed_type``). With one process it is the unsharded baseline.
+    parameter bytes before wrapping, its losses, and how accelerate ran it
+    (``distributed_type``). With one process it is the unsharded baseline.
 
     accelerate (1.x) turns FSDP on only for accelerator ranks (GPU, NPU, XPU, HPU...): on CPU
     ranks the same settings run as DDP (``MULTI_CPU``), each rank keeping the whole state, and

@@ -152,7 +152,8 @@ def sharded_runs(tiny_model_path, tmp_path_factory):
             "model": FSDP_FAKE_CONFIG, "stack": stack, "seq_len": 64, "batch_size": 4})
            for i, stack in enumerate(FSDP_FAKE_STACKS)}},
         verbose=False)
-    assert list(runs)[:3] == ["ddp", "fsdp", "fsdp_qlora"] and all(len(r) == 2 for r in runs.values())
+    assert list(runs)[:3] == ["ddp", "fsdp", "fsdp_qlora"]
+    assert all(len(r) == 2 for r in runs.values())
     single = fsdp.train_sharded(strategy="single", measure_repeats=0, **kw)
     return {**runs, "single": single, "tmp": tmp, "kw": kw}
 

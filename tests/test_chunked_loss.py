@@ -79,7 +79,8 @@ def test_bad_arguments_name_the_parameter(kwargs, match):
 
 def test_mismatched_shapes_are_refused():
     with pytest.raises(ValueError, match="labels"):
-        chunked_cross_entropy(torch.randn(4, 8), torch.randn(10, 8), torch.zeros(5, dtype=torch.long))
+        chunked_cross_entropy(torch.randn(4, 8), torch.randn(10, 8),
+                              torch.zeros(5, dtype=torch.long))
     with pytest.raises(ValueError, match="weight"):
         chunked_linear_loss(torch.randn(4, 8), torch.randn(10, 9), lambda z: z.sum(), 2)
 

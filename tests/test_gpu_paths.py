@@ -79,8 +79,8 @@ def test_chunked_cross_entropy_agrees_with_liger_fused_linear_cross_entropy():
 def test_llm_int8_load_on_cuda_stays_close_to_fp16(tiny_model_path):
     pytest.importorskip("bitsandbytes")
     tok = models.load_tokenizer(tiny_model_path)
-    batch = data.collate(data.tokenize_examples(data.load_corpus("base", "test"), tok, 64, "lm")[:8],
-                         tok.pad_token_id)
+    examples = data.tokenize_examples(data.load_corpus("base", "test"), tok, 64, "lm")
+    batch = data.collate(examples[:8], tok.pad_token_id)
     batch = {k: v.to(CUDA) for k, v in batch.items()}
     fp16 = models.load_model(tiny_model_path, dtype=torch.float16, device=CUDA)
     int8 = ptq.load_int8(tiny_model_path, CUDA)

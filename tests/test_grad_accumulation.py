@@ -47,9 +47,10 @@ def test_no_targets_is_a_clear_error(small_llama, varlen_batch):
 def test_the_loss_stays_on_the_device_until_read(small_llama, varlen_batch):
     loss = ga.forward_backward(small_llama, varlen_batch, 4)  # no host sync per micro-batch
     assert isinstance(loss, torch.Tensor) and loss.dim() == 0 and not loss.requires_grad
-    ref = ga.causal_lm_loss_sum(small_llama(input_ids=varlen_batch["input_ids"],
-                                            attention_mask=varlen_batch["attention_mask"]).logits,
-                                varlen_batch["labels"]) / ga.count_target_tokens(varlen_batch["labels"])
+    logits = small_llama(input_ids=varlen_batch["input_ids"],
+                         attention_mask=varlen_batch["attention_mask"]).logits
+    labels = varlen_batch["labels"]
+    ref = ga.causal_lm_loss_sum(logits, labels) / ga.count_target_tokens(labels)
     assert abs(float(loss) - ref.item()) <= 1e-5
 
 

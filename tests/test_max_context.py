@@ -28,7 +28,8 @@ def test_bad_search_settings(kwargs, match):
 
 
 def test_sequence_beyond_positions_says_how_rope_scaling_extends_it(small_llama):
-    with pytest.raises(ValueError, match=r"seq_len=512: beyond .*max_position_embeddings=128.*rope"):
+    with pytest.raises(ValueError,
+                       match=r"seq_len=512: beyond .*max_position_embeddings=128.*rope"):
         mc.check_positions(small_llama.config, 512)
     with pytest.raises(ValueError, match="seq_len"):
         mc.training_step_peak(small_llama, 512)

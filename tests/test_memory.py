@@ -70,7 +70,8 @@ def test_tensor_bytes_looks_inside_nf4_tensors():
     w = to_nf4(torch.randn(128, 256, dtype=torch.bfloat16))
     packed = 128 * 256 // 2
     assert packed < memory.tensor_bytes([w]) < packed * 1.1
-    assert memory.tensor_bytes([torch.nn.Parameter(w, requires_grad=False)]) == memory.tensor_bytes([w])
+    frozen = torch.nn.Parameter(w, requires_grad=False)
+    assert memory.tensor_bytes([frozen]) == memory.tensor_bytes([w])
 
 
 def test_saved_tensor_bytes_by_dtype():

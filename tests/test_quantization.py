@@ -42,7 +42,8 @@ def test_lora_adapter_roundtrip_is_bit_identical(tiny_model_path, tokenizer, tmp
             if "lora_B" in n:
                 p.normal_(0, 0.02)
     rows = data.load_corpus("topic", "test").select(range(4))
-    batch = data.collate(data.tokenize_examples(rows, tokenizer, 128, "sft"), tokenizer.pad_token_id)
+    examples = data.tokenize_examples(rows, tokenizer, 128, "sft")
+    batch = data.collate(examples, tokenizer.pad_token_id)
     model.save_pretrained(tmp_path)
     reloaded = quantization.reload_adapter(tiny_model_path, tmp_path, cfg, dtype=torch.float32)
     merged = quantization.reload_adapter(tiny_model_path, tmp_path, cfg, dtype=torch.float32,
@@ -129,7 +130,8 @@ def test_lora_with_checkpointing_trains(tiny_model_path, tokenizer):
                                   gradient_checkpointing=True)
     assert model.get_base_model().is_activation_checkpointing
     rows = data.load_corpus("topic", "test").select(range(4))
-    batch = data.collate(data.tokenize_examples(rows, tokenizer, 128, "sft"), tokenizer.pad_token_id)
+    examples = data.tokenize_examples(rows, tokenizer, 128, "sft")
+    batch = data.collate(examples, tokenizer.pad_token_id)
     model.train()
     forward_backward(model, batch)
     assert all(p.grad is not None for n, p in model.named_parameters() if "lora_" in n)

@@ -44,7 +44,8 @@ def test_report_lists_status_and_figures(tmp_path):
     r = results.Results("01_x", "cpu", tmp_path)
     r.add("qlora", "task_accuracy", 0.9, baseline=0.0)
     r.save()
-    text = results.write_report({"01_x": "ok", "02_y": "failed: AssertionError"}, tmp_path).read_text()
+    report = results.write_report({"01_x": "ok", "02_y": "failed: AssertionError"}, tmp_path)
+    text = report.read_text()
     assert "| 02_y | failed: AssertionError |" in text and "task_accuracy" in text
 
 

@@ -161,9 +161,9 @@ def _oom_above(limit, fn):
 
 def test_a_size_out_of_memory_stops_there_keeps_what_fit_and_says_so():
     tried = []
+    fn = _oom_above(2, lambda n: tried.append(n) or n)
     with pytest.warns(UserWarning, match="demo: out of cpu memory at 4 .*keeping the 2 sizes"):
-        done, stop = until_out_of_memory([1, 2, 4, 8], _oom_above(2, lambda n: tried.append(n) or n),
-                                         what="demo")
+        done, stop = until_out_of_memory([1, 2, 4, 8], fn, what="demo")
     assert done == [1, 2] and tried == [1, 2]  # 8 is not tried: it would not fit either
     assert stop == OutOfMemory(4, "CUDA out of memory. Tried to allocate 4 GiB.")
     assert until_out_of_memory([1, 2], lambda n: n) == ([1, 2], None)
@@ -198,7 +198,8 @@ def test_the_attention_benchmarks_keep_the_lengths_that_fit(monkeypatch):
     eager = attention.eager_attention
     monkeypatch.setattr(attention, "eager_attention", lambda q, *a, **k: _oom_above(
         64, lambda s: eager(q, *a, **k))(q.shape[-2]))
-    with pytest.warns(UserWarning, match="attention benchmark over seq_len: out of cpu memory at 128"):
+    with pytest.warns(UserWarning,
+                      match="attention benchmark over seq_len: out of cpu memory at 128"):
         rows = attention.benchmark_attention([32, 64, 128, 256], ["eager", "sdpa"], num_heads=2,
                                              head_dim=16, repeats=1, progress=False)
     assert sorted({(r["impl"], r["seq_len"]) for r in rows}) == [
@@ -206,7 +207,8 @@ def test_the_attention_benchmarks_keep_the_lengths_that_fit(monkeypatch):
     blockwise = sparse_attention.blockwise_attention
     monkeypatch.setattr(sparse_attention, "blockwise_attention", lambda q, *a, **k: _oom_above(
         64, lambda s: blockwise(q, *a, **k))(q.shape[-2]))
-    with pytest.warns(UserWarning, match="attention patterns over seq_len: out of cpu memory at 128"):
+    with pytest.warns(UserWarning,
+                      match="attention patterns over seq_len: out of cpu memory at 128"):
         rows = sparse_attention.benchmark([48, 64, 128], 16, 4, num_heads=2, head_dim=16,
                                           repeats=1, progress=False)
     assert {r["seq_len"] for r in rows} == {48, 64} and len(rows) == 6

@@ -52,6 +52,38 @@ def training_step_peak(model: torch.nn.Module, seq_len: int, batch_size: int = 1
     return measure_memory(step, model, device=device).peak_bytes
 
 
+def checkpointing_peaks(model: torch.nn.Module, seq_lens: list[int]) -> list[dict[str, float]]:
+    """Measured peak of one training step at each length, without and with activation
+    checkpointing (``training_step_peak``), beside the calculator's ratio.
+
+    The prediction adds ``calc.activation_bytes`` (fp32, flash attention; nothing recomputed
+    against full recomputation) to the fp32 weights and gradients, 8 bytes a parameter: what
+    checkpointing leaves alone. The model leaves without checkpointing, as it came.
+
+    Returns:
+        One dict per length: ``seq_len``, ``plain MiB``, ``checkpointed MiB``, ``ratio``
+        (checkpointed / plain) and ``predicted ratio``.
+    """
+    from recipes_lib import calc, checkpointing
+
+    shape = calc.ModelShape.from_config(model.config)
+    fixed = 8 * sum(p.numel() for p in model.parameters())  # fp32 weights + gradients
+    rows = []
+    for s in seq_lens:
+        plain = training_step_peak(model, s)
+        checkpointing.enable_activation_checkpointing(model)
+        try:
+            ckpt = training_step_peak(model, s)
+        finally:
+            checkpointing.disable_activation_checkpointing(model)
+        pred = {r: calc.activation_bytes(shape, s, 1, r, 4, flash_attention=True)["total"]
+                for r in ("none", "full")}
+        rows.append({"seq_len": s, "plain MiB": plain / 2**20, "checkpointed MiB": ckpt / 2**20,
+                     "ratio": ckpt / plain,
+                     "predicted ratio": (fixed + pred["full"]) / (fixed + pred["none"])})
+    return rows
+
+
 def max_seq_len(peak_at: Callable[[int], float], budget_bytes: float, start: int = 256,
                 limit: int = 65536, multiple_of: int = 128,
                 probes: dict[int, float] | None = None) -> dict[str, Any]:

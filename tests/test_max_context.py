@@ -90,3 +90,13 @@ def test_search_recipes_rows():
     assert [r["variant"] for r in rows] == ["base", "combined"]
     assert rows[1]["max seq_len (measured)"] >= rows[0]["max seq_len (measured)"] > 0
     assert all(r["predicted"] > 0 for r in rows)
+
+
+def test_checkpointing_peaks_measure_both_and_leave_the_model_as_it_came(small_llama):
+    rows = mc.checkpointing_peaks(small_llama, [64, 128])
+    assert [r["seq_len"] for r in rows] == [64, 128]
+    assert not small_llama.is_activation_checkpointing
+    for r in rows:
+        assert r["plain MiB"] == mc.training_step_peak(small_llama, r["seq_len"]) / 2**20
+        assert r["ratio"] == r["checkpointed MiB"] / r["plain MiB"] < 1
+        assert 0 < r["predicted ratio"] < 1

@@ -118,7 +118,17 @@ def softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
 
 def supports_sdpa(config: Any) -> bool:
     """Whether transformers has an SDPA attention path for ``config``'s causal LM (Gemma-2, for
-    one, has not: its attention soft-capping needs the scores written out)."""
+    one, has not: its attention soft-capping needs the scores written out).
+
+    Args:
+        config: a transformers model config.
+
+    Returns:
+        True where ``attn_implementation="sdpa"`` loads.
+
+    Raises:
+        ValueError: if ``config`` is not a causal LM's config.
+    """
     from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
 
     try:

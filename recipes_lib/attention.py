@@ -99,7 +99,15 @@ def backend_available(backend: str, device_type: str, dtype: torch.dtype) -> boo
 
 def available_backends(device: torch.device | str, dtype: torch.dtype = torch.float32
                        ) -> list[str]:
-    """SDPA backends that run on ``device`` in ``dtype``, e.g. ``['flash', 'math']`` on CPU."""
+    """SDPA backends that run on ``device`` in ``dtype``.
+
+    Args:
+        device: where attention would run.
+        dtype: the inputs' dtype.
+
+    Returns:
+        The backends' names, e.g. ``['flash', 'math']`` on a CPU.
+    """
     device_type = torch.device(device).type
     return [b for b in SDPA_BACKENDS if backend_available(b, device_type, dtype)]
 
@@ -120,6 +128,12 @@ def sdpa_backend_used(fn: Callable[[], object]) -> str:
     "math" means attention was computed from plain matmuls and softmax (eager attention or SDPA's
     math fallback); "none" means no softmax ran at all.
 
+    Args:
+        fn: the call to watch, e.g. a model's forward.
+
+    Returns:
+        The kernel's name: "flash", "efficient", "cudnn", "math" or "none".
+
     Example:
         >>> q = torch.randn(1, 2, 8, 16)
         >>> sdpa_backend_used(lambda: sdpa_attention(q, q, q, backend="math"))
@@ -135,7 +149,14 @@ def sdpa_backend_used(fn: Callable[[], object]) -> str:
 
 
 def flash_attn_available(device: torch.device | str) -> bool:
-    """flash-attn (Dao-AILab) is installed and ``device`` is a CUDA GPU."""
+    """Whether flash-attn (Dao-AILab) can run: installed, and ``device`` is a CUDA GPU.
+
+    Args:
+        device: where attention would run.
+
+    Returns:
+        True where ``attn_implementation="flash_attention_2"`` can be asked for.
+    """
     return torch.device(device).type == "cuda" and has_module("flash_attn")
 
 
@@ -248,7 +269,23 @@ def benchmark_attention(
 def max_abs_error(impl: str, reference: str = "eager", seq_len: int = 256, num_heads: int = 4,
                   head_dim: int = 64, device: torch.device | str = "cpu",
                   dtype: torch.dtype = torch.float32) -> dict[str, float]:
-    """Largest |difference| of output and input gradients between two implementations."""
+    """Largest |difference| of output and input gradients between two implementations.
+
+    Causal attention on seeded random inputs of shape ``(2, num_heads, seq_len, head_dim)``.
+
+    Args:
+        impl: the implementation checked (see :func:`attention_fn`).
+        reference: the implementation it is compared with.
+        seq_len: tokens per sequence.
+        num_heads: attention heads.
+        head_dim: width of each head.
+        device: where both run.
+        dtype: the inputs' dtype.
+
+    Returns:
+        ``{"output", "grad"}``: the largest difference of the outputs, and of the gradients of
+        q, k and v.
+    """
     g = torch.Generator().manual_seed(0)
     base = [torch.randn(2, num_heads, seq_len, head_dim, generator=g).to(device, dtype)
             for _ in range(3)]
@@ -293,6 +330,17 @@ def heads_sweep(head_counts: list[int], seq_len: int = 1024, impl: str = "sdpa",
     is more of the same independent work (the s x s scores once per head), so the speed-up
     should hold steady once the work fills the machine; a small head count at a short length is
     where per-call overhead shows.
+
+    Args:
+        head_counts: the head counts, at least three, growing.
+        seq_len: tokens per sequence.
+        impl: the attention timed as the recipe (see :func:`attention_fn`).
+        baseline: the attention it is timed against.
+        batch_size: sequences per call.
+        head_dim: width of each head.
+        dtype: the inputs' dtype.
+        device: where it runs.
+        repeats: timed calls of each, in alternation.
 
     Returns:
         A ``sweep.Sweep`` (recipe "flash_attention", as notebook 03 names it; dimension

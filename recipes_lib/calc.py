@@ -29,7 +29,22 @@ ADAMW_8BIT_BLOCK = 256  # bitsandbytes' block size for 8-bit optimizer states
 
 @dataclass(frozen=True)
 class ModelShape:
-    """The sizes that memory depends on (a Llama-style decoder)."""
+    """The sizes that memory depends on (a Llama-style decoder).
+
+    Args:
+        vocab_size: tokens in the vocabulary (rows of the embedding and the LM head).
+        hidden_size: width of the residual stream.
+        intermediate_size: width of the MLP's hidden layer.
+        num_hidden_layers: decoder layers.
+        num_attention_heads: query heads.
+        num_key_value_heads: key/value heads (fewer than the query heads with grouped-query
+            attention).
+        tie_word_embeddings: the LM head shares the embedding's weight.
+
+    Example:
+        >>> ModelShape(32000, 4096, 11008, 32, 32, 32).head_dim  # Llama-2-7B
+        128
+    """
 
     vocab_size: int
     hidden_size: int
@@ -61,7 +76,16 @@ class ModelShape:
 
 
 def bytes_per_param(fmt: str) -> float:
-    """Bytes per weight for a storage format ("fp32", "bf16", "fp16", "int8", "nf4", "nf4_dq").
+    """Bytes per weight for a storage format.
+
+    Args:
+        fmt: "fp32", "bf16", "fp16", "int8", "nf4" or "nf4_dq" (NF4 with double quantization).
+
+    Returns:
+        Bytes per weight, scales and absmax values included.
+
+    Raises:
+        ValueError: for an unknown ``fmt``.
 
     Example:
         >>> round(bytes_per_param("nf4_dq"), 4)
@@ -79,6 +103,23 @@ def nf4_tensor_bytes(out_features: int, in_features: int, double_quant: bool = T
     Packed 4-bit weights, one absmax per block (fp32, or uint8 + fp32 scale per ``dq_blocksize``
     blocks + a 256-entry fp32 code table + an fp32 offset with double quantization) and the
     16-entry fp32 NF4 code table.
+
+    Args:
+        out_features: rows of the weight.
+        in_features: columns of the weight.
+        double_quant: quantize the absmax values too (QLoRA's double quantization).
+        blocksize: weights per absmax.
+        dq_blocksize: absmax values per second-level scale with ``double_quant``.
+
+    Returns:
+        Bytes stored for the weight.
+
+    Raises:
+        ValueError: for a size below 1.
+
+    Example:
+        >>> round(nf4_tensor_bytes(4096, 4096) / (4096 * 4096), 4)  # bytes per weight
+        0.5159
     """
     n = out_features * in_features
     if n <= 0:
@@ -93,7 +134,14 @@ def nf4_tensor_bytes(out_features: int, in_features: int, double_quant: bool = T
 
 
 def param_count(shape: ModelShape) -> dict[str, int]:
-    """Parameter count by part: embeddings, attention, mlp, norms, lm_head, total, linear.
+    """Parameter count by part.
+
+    Args:
+        shape: the model's sizes.
+
+    Returns:
+        ``{"embeddings", "attention", "mlp", "norms", "lm_head", "total", "linear"}``: counts
+        by part, their total, and the parameters in the decoder layers' linear layers.
 
     Example:
         >>> s = ModelShape(32000, 4096, 11008, 32, 32, 32)  # Llama-2-7B
@@ -112,7 +160,19 @@ def param_count(shape: ModelShape) -> dict[str, int]:
 
 
 def gradient_bytes(n_trainable: int, dtype: str = "fp32") -> float:
-    """Gradients are stored in the trainable weights' dtype."""
+    """Gradient bytes: gradients are stored in the trainable weights' dtype.
+
+    Args:
+        n_trainable: trainable parameters.
+        dtype: their storage format (see :func:`bytes_per_param`).
+
+    Returns:
+        Bytes of the gradients.
+
+    Example:
+        >>> gradient_bytes(1000, "bf16")
+        2000.0
+    """
     return n_trainable * bytes_per_param(dtype)
 
 
@@ -122,7 +182,23 @@ def optimizer_bytes(n_trainable: int, optimizer: str = "adamw", master_weights: 
     (two uint8 moments, an fp32 absmax per 256-value block each), SGD 0; plus a 4-byte fp32
     master copy per param when training in 16-bit (``master_weights``).
 
-    A rule of thumb for large tensors; ``adamw_8bit_state_bytes`` counts exactly."""
+    A rule of thumb for large tensors; ``adamw_8bit_state_bytes`` counts exactly.
+
+    Args:
+        n_trainable: trainable parameters.
+        optimizer: "adamw", "adamw_8bit" or "sgd".
+        master_weights: add an fp32 master copy of each trainable parameter.
+
+    Returns:
+        Bytes of the optimizer states.
+
+    Raises:
+        ValueError: for an unknown ``optimizer``.
+
+    Example:
+        >>> optimizer_bytes(1000), optimizer_bytes(1000, master_weights=True)
+        (8000.0, 12000.0)
+    """
     per = {"adamw": 8.0, "adamw_8bit": 2.0 + 2 * 4 / ADAMW_8BIT_BLOCK, "sgd": 0.0}
     if optimizer not in per:
         raise ValueError(f"optimizer={optimizer!r}: expected one of {OPTIMIZERS}")
@@ -136,6 +212,14 @@ def adamw_8bit_state_bytes(numels: list[int], min_8bit_size: int = 4096,
     A tensor of at least ``min_8bit_size`` values keeps two uint8 moments and an fp32 absmax per
     ``block_size`` values for each; a smaller one keeps two fp32 moments, as AdamW. The two
     256-entry fp32 quantization maps are shared by every tensor: 2 KiB once.
+
+    Args:
+        numels: the number of values of each trainable tensor.
+        min_8bit_size: smallest tensor whose states are kept in 8 bits (bitsandbytes' default).
+        block_size: values per absmax.
+
+    Returns:
+        Bytes of the optimizer states.
 
     Raises:
         ValueError: for a negative size or a block size < 1.
@@ -164,6 +248,15 @@ def training_state_bytes(n_params: int, weights: str = "bf16", optimizer: str = 
 
     Full mixed-precision AdamW gives ZeRO's 16 bytes/param (2 + 2 + 4 + 8).
 
+    Args:
+        n_params: parameters of the model.
+        weights: the weights' storage format (see :func:`bytes_per_param`).
+        optimizer: "adamw", "adamw_8bit" or "sgd".
+        n_trainable: trainable parameters (default: all of them).
+
+    Returns:
+        ``{"weights", "gradients", "optimizer", "total"}`` in bytes.
+
     Example:
         >>> training_state_bytes(1, "bf16")["total"]
         16.0
@@ -186,6 +279,25 @@ def activation_bytes_per_layer(seq_len: int, batch_size: int, hidden_size: int, 
     term (attention scores, softmax, dropout mask) is gone with selective recomputation or a
     flash kernel; full recomputation keeps only the layer input, ``2*s*b*h``. ``bytes_per_value``
     scales the count to fp32 (4).
+
+    Args:
+        seq_len: tokens per sequence (``s``).
+        batch_size: sequences per step (``b``).
+        hidden_size: the layer's width (``h``).
+        num_heads: attention heads (``a``).
+        recompute: "none", "selective" or "full".
+        bytes_per_value: 2 for 16-bit activations, 4 for fp32.
+        flash_attention: a fused attention kernel that keeps no score matrix.
+
+    Returns:
+        Bytes one layer keeps for backward.
+
+    Raises:
+        ValueError: for an unknown ``recompute``.
+
+    Example:
+        >>> activation_bytes_per_layer(2048, 1, 4096, 32) / 2**20  # GPT-style layer, bf16 (MiB)
+        912.0
     """
     if recompute not in RECOMPUTE:
         raise ValueError(f"recompute={recompute!r}: expected one of {RECOMPUTE}")
@@ -211,6 +323,26 @@ def activation_bytes(shape: ModelShape, seq_len: int, batch_size: int, recompute
     activations, alive while that layer is recomputed in backward. Logits: the output head's
     logits, their fp32 copy for the loss and the log-probabilities (3 tensors of ``s*b*V``);
     with a chunked loss (``loss_chunk`` tokens at a time) only one chunk's.
+
+    Args:
+        shape: the model's sizes.
+        seq_len: tokens per sequence.
+        batch_size: sequences per step.
+        recompute: "none", "selective" or "full".
+        bytes_per_value: 2 for 16-bit activations, 4 for fp32.
+        flash_attention: a fused attention kernel that keeps no score matrix.
+        loss_chunk: tokens per chunk of a chunked loss (None: the full loss).
+
+    Returns:
+        ``{"layers", "logits", "total"}`` in bytes.
+
+    Raises:
+        ValueError: for an unknown ``recompute``.
+
+    Example:
+        >>> s = ModelShape(32000, 4096, 11008, 32, 32, 32)
+        >>> round(activation_bytes(s, 2048, 1, "full", flash_attention=True)["total"] / 2**30, 2)
+        1.5
     """
     L = shape.num_hidden_layers
     args = (seq_len, batch_size, shape.hidden_size, shape.num_attention_heads)
@@ -360,6 +492,15 @@ def llama_activation_bytes(shape: ModelShape, seq_len: int, batch_size: int,
     log-probabilities (``V``, fp32). Korthikanti's ``34 s b h`` (GPT, 16-bit) undercounts a Llama
     layer, whose SwiGLU and RMSNorms keep more.
 
+    Args:
+        shape: the model's sizes.
+        seq_len: tokens per sequence.
+        batch_size: sequences per step.
+        bytes_per_value: 4 for fp32 weights, 2 for 16-bit ones.
+
+    Returns:
+        ``{"layers", "logits", "total"}`` in bytes.
+
     Raises:
         ValueError: for ``bytes_per_value`` other than 2 or 4.
 
@@ -385,6 +526,20 @@ def max_seq_len(shape: ModelShape, budget_bytes: float, fixed_bytes: float = 0.0
     """Longest sequence whose predicted activations plus ``fixed_bytes`` (weights, gradients,
     optimizer) fit ``budget_bytes``; 0 if none does.
 
+    Args:
+        shape: the model's sizes.
+        budget_bytes: the memory available.
+        fixed_bytes: bytes that do not grow with the sequence (weights, gradients, optimizer).
+        batch_size: sequences per step.
+        recompute: "none", "selective" or "full".
+        bytes_per_value: 2 for 16-bit activations, 4 for fp32.
+        flash_attention: a fused attention kernel that keeps no score matrix.
+        loss_chunk: tokens per chunk of a chunked loss (None: the full loss).
+        limit: the longest sequence tried.
+
+    Returns:
+        The longest sequence length that fits, in tokens.
+
     Example:
         >>> s = ModelShape(32000, 4096, 11008, 32, 32, 32)
         >>> max_seq_len(s, 80e9, flash_attention=True, recompute="full", bytes_per_value=2) > 8192
@@ -406,7 +561,21 @@ def max_seq_len(shape: ModelShape, budget_bytes: float, fixed_bytes: float = 0.0
 
 def kv_cache_bytes(shape: ModelShape, seq_len: int, batch_size: int, bytes_per_value: int = 2
                    ) -> float:
-    """Keys and values of every layer: ``2 * L * kv_heads * head_dim * s * b * bytes``."""
+    """Keys and values of every layer: ``2 * L * kv_heads * head_dim * s * b * bytes``.
+
+    Args:
+        shape: the model's sizes.
+        seq_len: tokens cached per sequence.
+        batch_size: sequences.
+        bytes_per_value: 2 for a 16-bit cache, 4 for fp32.
+
+    Returns:
+        Bytes of the cache.
+
+    Example:
+        >>> kv_cache_bytes(ModelShape(32000, 4096, 11008, 32, 32, 32), 4096, 1) / 2**30
+        2.0
+    """
     return (2 * shape.num_hidden_layers * shape.num_key_value_heads * shape.head_dim
             * seq_len * batch_size * bytes_per_value)
 
@@ -419,6 +588,16 @@ def ring_attention_bytes(shape: ModelShape, seq_len: int, batch_size: int, world
     a block of ``2 b (s/N) h_kv d`` values. Forward: the block makes ``N - 1`` hops. Backward:
     keys, values and their two gradient accumulators make ``N - 1`` hops, then the gradients one
     more, home. Per layer, ``(2 (N-1) + 4 (N-1) + 2) b (s/N) h_kv d`` values.
+
+    Args:
+        shape: the model's sizes.
+        seq_len: tokens per sequence, over all ranks.
+        batch_size: sequences per step.
+        world_size: ranks in the ring (``N``).
+        bytes_per_value: 2 for 16-bit keys and values, 4 for fp32.
+
+    Returns:
+        ``{"forward", "backward", "total"}``: bytes one rank sends.
 
     Raises:
         ValueError: for fewer than 2 ranks or a length the ``2N`` chunks do not divide.
@@ -440,7 +619,17 @@ def ring_attention_bytes(shape: ModelShape, seq_len: int, batch_size: int, world
 
 
 def int8_linear_bytes(out_features: int, in_features: int) -> int:
-    """A Linear layer in int8 with a per-output-channel fp32 scale and int32 zero point.
+    """Bytes of a Linear layer in int8 with a per-output-channel fp32 scale and int32 zero point.
+
+    Args:
+        out_features: rows of the weight.
+        in_features: columns of the weight.
+
+    Returns:
+        Bytes of the weight, its scales and zero points.
+
+    Raises:
+        ValueError: for a size below 1.
 
     Example:
         >>> int8_linear_bytes(256, 256) / (4 * 256 * 256)  # vs fp32: 1/4 + 2/in_features
@@ -454,6 +643,16 @@ def int8_linear_bytes(out_features: int, in_features: int) -> int:
 def amdahl_speedup(fraction: float, part_speedup: float) -> float:
     """Whole-program speed-up when a ``fraction`` of the time gets ``part_speedup`` x faster.
 
+    Args:
+        fraction: share of the time spent in the part that speeds up, in [0, 1].
+        part_speedup: how many times faster that part gets (> 0).
+
+    Returns:
+        ``1 / ((1 - fraction) + fraction / part_speedup)``.
+
+    Raises:
+        ValueError: for a ``fraction`` outside [0, 1] or a ``part_speedup`` <= 0.
+
     Example:
         >>> round(amdahl_speedup(0.6, 1.5), 3)  # 60 % of the time in Linear layers, 1.5x int8
         1.25
@@ -466,13 +665,38 @@ def amdahl_speedup(fraction: float, part_speedup: float) -> float:
 
 
 def kv_cache_bytes_per_token(shape: ModelShape, bytes_per_value: int = 2) -> float:
-    """KV cache bytes one token adds: ``2 (k and v) * L * kv_heads * head_dim * bytes``."""
+    """KV cache bytes one token adds: ``2 (k and v) * L * kv_heads * head_dim * bytes``.
+
+    Args:
+        shape: the model's sizes.
+        bytes_per_value: 2 for a 16-bit cache, 4 for fp32.
+
+    Returns:
+        Bytes per token of one sequence.
+
+    Example:
+        >>> kv_cache_bytes_per_token(ModelShape(128256, 4096, 14336, 32, 32, 8)) / 2**10  # 8B
+        128.0
+    """
     return kv_cache_bytes(shape, 1, 1, bytes_per_value)
 
 
 def flops_per_token(n_params: int, training: bool = True, recompute: bool = False) -> float:
     """Matmul FLOPs per token: 2N forward, 6N training (forward + 2x backward), 8N with full
-    recomputation (one more forward)."""
+    recomputation (one more forward).
+
+    Args:
+        n_params: parameters in the matmuls (``N``).
+        training: forward and backward (else forward only).
+        recompute: training with full activation recomputation.
+
+    Returns:
+        FLOPs per token.
+
+    Example:
+        >>> flops_per_token(10**9), flops_per_token(10**9, recompute=True)
+        (6000000000.0, 8000000000.0)
+    """
     if not training:
         return 2.0 * n_params
     return (8.0 if recompute else 6.0) * n_params
@@ -499,6 +723,28 @@ def escalation_table(shape: ModelShape, seq_len: int, batch_size: int, budget_by
     offload of optimizer states. A full fine-tune with 8-bit AdamW states sits after the first
     row: the step before giving up on full fine-tuning. Each row says whether it fits
     ``budget_bytes``.
+
+    Args:
+        shape: the model's sizes.
+        seq_len: tokens per sequence.
+        batch_size: sequences per optimizer step.
+        budget_bytes: the memory available.
+        grad_accum_steps: micro-batches per step in the gradient-accumulation row.
+        lora_fraction: trainable share of the parameters with LoRA.
+        bytes_per_value: 2 for 16-bit activations, 4 for fp32.
+
+    Returns:
+        One dict per row: ``step``, ``state_GiB`` (weights, gradients, optimizer),
+        ``activations_GiB``, ``total_GiB`` and ``fits``.
+
+    Raises:
+        ValueError: for a ``budget_bytes`` <= 0 or a ``grad_accum_steps`` that does not divide
+            ``batch_size``.
+
+    Example:
+        >>> rows = escalation_table(ModelShape(32000, 4096, 11008, 32, 32, 32), 2048, 4, 24 * 2**30)
+        >>> next(r["step"] for r in rows if r["fits"])  # Llama-2-7B, 4 x 2048 tokens, 24 GiB
+        '+ activation checkpointing'
     """
     if budget_bytes <= 0:
         raise ValueError(f"budget_bytes={budget_bytes}: must be > 0")
@@ -571,8 +817,24 @@ def data_parallel_bytes(shape: ModelShape, world_size: int, strategy: str, seq_l
 
     Activations come from :func:`activation_bytes` with flash attention and ``recompute``.
 
+    Args:
+        shape: the model's sizes.
+        world_size: data-parallel ranks (``N``).
+        strategy: "ddp", "zero2", "fsdp" or "fsdp_offload".
+        seq_len: tokens per sequence.
+        micro_batch_size: sequences per rank per step.
+        recompute: "none", "selective" or "full".
+
     Returns:
         ``{"state", "gathered", "activations", "gpu_total", "cpu_total"}`` in bytes.
+
+    Raises:
+        ValueError: for an unknown ``strategy`` or a ``world_size`` below 1.
+
+    Example:
+        >>> s = ModelShape(128256, 4096, 14336, 32, 32, 8)  # Llama-3.1-8B
+        >>> round(data_parallel_bytes(s, 8, "fsdp", 4096, 1)["state"] / 2**30, 1)  # per rank
+        15.0
     """
     if strategy not in DATA_PARALLEL:
         raise ValueError(f"strategy={strategy!r}: expected one of {DATA_PARALLEL}")
@@ -597,6 +859,21 @@ def parallelism_table(world_size: int, gpu_bytes: float, seq_len: int = 4096,
 
     Layouts are tried from least to most communication (DDP, ZeRO-2, FSDP, FSDP + CPU offload):
     shard only as much as memory forces. A 10 % margin is kept for the allocator and buffers.
+
+    Args:
+        world_size: GPUs (``N``).
+        gpu_bytes: memory per GPU.
+        seq_len: tokens per sequence.
+        micro_batch_size: sequences per GPU per step.
+        models: name -> sizes (default: the Llama 3 presets, 1B to 70B).
+        recompute: "none", "selective" or "full".
+
+    Returns:
+        One dict per model: ``model``, the per-GPU GiB of each layout, and ``choose``: the first
+        layout that fits (or "none").
+
+    Raises:
+        ValueError: for a ``gpu_bytes`` <= 0.
 
     Example:
         >>> rows = parallelism_table(8, 80 * 2**30)

@@ -72,6 +72,9 @@ def enable_activation_checkpointing(model: torch.nn.Module, every_n_layers: int 
     ``activation_checkpointing_enable`` (the old name stays, deprecated, until v6); 5.16 added
     ``every_n_layers`` to it. Whichever the installed version has is called.
 
+    Returns:
+        ``model`` itself, checkpointed.
+
     Raises:
         ValueError: if the model does not support gradient checkpointing, every_n_layers < 1, or
             every_n_layers > 1 before transformers 5.16.
@@ -148,6 +151,16 @@ def width_sweep(hidden_sizes: list[int], seq_len: int = 1024, batch_size: int = 
     compute-bound it should approach the FLOP ratio 6N / 8N = 0.75 (one extra forward); at small
     widths launch and Python overhead make it worse.
 
+    Args:
+        hidden_sizes: the widths, at least three, growing.
+        seq_len: tokens per sequence.
+        batch_size: sequences per step.
+        num_layers: decoder layers.
+        vocab_size: the model's vocabulary.
+        dtype: the model's dtype.
+        device: where it trains.
+        repeats: timed steps of each, in alternation.
+
     Returns:
         A ``sweep.Sweep`` (recipe "activation_checkpointing", dimension "hidden").
 
@@ -169,6 +182,11 @@ def tokens_sweep(seq_lens: list[int], hidden_size: int = 256, batch_size: int = 
     should fall towards the FLOP ratio 8N / 6N = 1.33x as the step leaves the overhead-bound
     regime; attention's s^2 share grows too, and it is recomputed as well (the FLOP count of
     the work column leaves it out, as 6N does).
+
+    Args:
+        seq_lens: tokens per sequence, at least three, growing.
+        hidden_size: the model's width.
+        batch_size, num_layers, vocab_size, dtype, device, repeats: as in :func:`width_sweep`.
 
     Returns:
         A ``sweep.Sweep`` (recipe "activation_checkpointing", dimension "tokens": tokens per

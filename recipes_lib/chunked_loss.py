@@ -200,6 +200,14 @@ def default_chunk_size(tokens: int, vocab_size: int, hidden_size: int) -> int:
     """Liger-Kernel's rule: chunks whose logits are about as large as the hidden states,
     ``next_pow2(ceil(tokens / ceil(vocab / hidden)))``.
 
+    Args:
+        tokens: tokens in the batch.
+        vocab_size: the vocabulary.
+        hidden_size: the hidden states' width.
+
+    Returns:
+        Tokens per chunk, a power of 2.
+
     Example:
         >>> default_chunk_size(2048, 32000, 256)  # 125x more vocab than hidden: 32-token chunks
         32
@@ -320,6 +328,12 @@ class ChunkedCausalLMLoss:
     """``loss_fn`` for ``train.train``: next-token cross-entropy from the final hidden states,
     chunked so the tokens x vocab logits never exist. Returns the sum over target tokens.
 
+    Args:
+        chunk_size: tokens whose logits exist at a time.
+
+    Raises:
+        ValueError: for a ``chunk_size`` that is not an integer > 0.
+
     Example:
         >>> train.train(model, examples, pad_id, config,
         ...             loss_fn=ChunkedCausalLMLoss(1024))  # doctest: +SKIP
@@ -343,7 +357,14 @@ class ChunkedCausalLMLoss:
 
 
 def liger_available(device: torch.device | str) -> bool:
-    """Liger-Kernel's fused linear cross-entropy can run here: installed, and a CUDA device."""
+    """Whether Liger-Kernel's fused linear cross-entropy can run: installed, and a CUDA device.
+
+    Args:
+        device: where the loss would run.
+
+    Returns:
+        True where ``include_liger`` can be asked for.
+    """
     from recipes_lib.device import has_module
 
     return torch.device(device).type == "cuda" and has_module("liger_kernel")
@@ -360,6 +381,22 @@ def compare_with_full(tokens: int, vocab_size: int, hidden_size: int, chunk_size
     A tenth of the labels are ``-100``, so ignored positions are part of the comparison. With
     ``include_liger`` (CUDA, Liger-Kernel installed) Liger's ``LigerFusedLinearCrossEntropyLoss``
     is measured the same way, under keys ending in ``_liger``.
+
+    Args:
+        tokens: rows of the hidden states.
+        vocab_size: rows of the LM head's weight.
+        hidden_size: the hidden states' width.
+        chunk_size: tokens per chunk.
+        seed: for the random hidden states, weight and labels.
+        repeats: timed loss steps of each, in alternation.
+        device: where they run.
+        dtype: the hidden states' and weight's dtype.
+        include_liger: measure Liger's fused kernel too.
+
+    Returns:
+        ``peak_full``, ``time_full``, ``spread_full``, the same three for ``chunked`` (and
+        ``liger``), and ``max_grad_error`` (``max_grad_error_liger``): peak bytes, median
+        seconds, spreads, and the largest gradient difference from the full loss.
 
     Raises:
         ValueError: ``include_liger`` where Liger cannot run (see ``liger_available``).
@@ -406,8 +443,13 @@ def compare_with_full(tokens: int, vocab_size: int, hidden_size: int, chunk_size
 
 
 def cce_available() -> bool:
-    """Apple's Cut Cross-Entropy can run here: ``cut-cross-entropy`` and Triton installed (its
-    ``torch_compile`` implementation runs on a CPU, but the package imports Triton)."""
+    """Whether Apple's Cut Cross-Entropy can run here: ``cut-cross-entropy`` and Triton
+    installed (its ``torch_compile`` implementation runs on a CPU, but the package imports
+    Triton).
+
+    Returns:
+        True where ``include_cce`` can be asked for.
+    """
     from recipes_lib.device import has_module
 
     return has_module("cut_cross_entropy") and has_module("triton")
@@ -453,6 +495,18 @@ def vocab_sweep(vocab_sizes: list[int], tokens: int, hidden_size: int, chunk_siz
     """:func:`tokens_sweep`'s comparison over the vocabulary at one token count: the logits,
     ``tokens x vocab``, grow with both, and with the vocabulary each chunk's matmul also grows
     (more work per chunk against the same per-chunk overhead).
+
+    Args:
+        vocab_sizes: the vocabularies, at least three, growing.
+        tokens: tokens per loss step.
+        hidden_size: the hidden states' width.
+        chunk_size: tokens per chunk.
+        device: where it runs.
+        dtype: the hidden states' and weight's dtype.
+        repeats: timed loss steps of each, in alternation.
+        include_liger: time Liger's fused kernel too (CUDA).
+        include_compiled: time the compiled chunked and full losses too.
+        include_cce: time Cut Cross-Entropy too, where it installs.
 
     Returns:
         A ``sweep.Sweep`` (recipe "chunked_ce", dimension "vocab").

@@ -102,7 +102,12 @@ def run(sizes: list[int] | None = None, ops: tuple[str, ...] = OPS, iters: int =
 
 
 def plot(rows: list[dict[str, Any]], title: str = "Collective bandwidth"):
-    """Bus bandwidth against message size, one line per collective."""
+    """Plot bus bandwidth against message size, one line per collective.
+
+    Args:
+        rows: :func:`run`'s rows (``op``, ``bytes``, ``busbw_gbps``).
+        title: the plot's title.
+    """
     import matplotlib.pyplot as plt
 
     _, ax = plt.subplots(figsize=(6, 3.5))

@@ -49,6 +49,22 @@ def measure_training_step(
     ``repeats=0`` measures memory only (``timing`` is None). ``loss_fn`` replaces the default
     next-token cross-entropy as in ``grad_accumulation.forward_backward`` (e.g.
     ``chunked_loss.ChunkedCausalLMLoss``).
+
+    Args:
+        model: the model to step.
+        batch: ``input_ids``, ``attention_mask`` and ``labels``.
+        optimizer: stepped after backward when given.
+        grad_accum_steps: micro-batches the batch is split into.
+        precision: "fp32", "bf16" or "fp16" (autocast).
+        repeats: timed steps (0: memory only).
+        warmup: run one step before measuring.
+        loss_fn: replaces the default loss.
+
+    Returns:
+        ``StepMeasurement``: the memory report and the timing.
+
+    Raises:
+        ValueError: for ``repeats`` < 0.
     """
     return measure_training_steps({"model": model}, batch, {"model": optimizer},
                                   grad_accum_steps, precision, repeats, warmup,
@@ -70,8 +86,24 @@ def measure_training_steps(
     Each model's memory is measured alone; the timed steps alternate between models
     (``timing.time_interleaved``), so machine drift does not favour the one measured first.
 
+    Args:
+        models: name -> model.
+        batch: the same batch for every model.
+        optimizers: name -> optimizer, for the models stepped with one.
+        grad_accum_steps: micro-batches the batch is split into.
+        precision: "fp32", "bf16" or "fp16" (autocast).
+        repeats: timed steps of each (0: memory only).
+        warmup: run one step of each before measuring.
+        loss_fns: name -> a loss replacing the default.
+
+    Returns:
+        name -> ``StepMeasurement``.
+
+    Raises:
+        ValueError: for ``repeats`` < 0.
+
     Example:
-        >>> steps = {"plain": plain, "checkpointed": ckpt}
+        >>> steps = {"plain": plain, "checkpointed": ckpt}  # doctest: +SKIP
         >>> m = measure_training_steps(steps, batch)  # doctest: +SKIP
         >>> m["checkpointed"].timing.median_s / m["plain"].timing.median_s  # doctest: +SKIP
     """
@@ -110,7 +142,15 @@ def side_by_side(rows: dict[str, tuple[float, float]], names: tuple[str, str] = 
 
 
 def memory_table(reports: dict[str, MemoryReport], unit: float = 2**20):
-    """Peak memory by category (MiB by default), one column per run."""
+    """Peak memory by category (MiB by default), one column per run.
+
+    Args:
+        reports: run name -> its ``MemoryReport``.
+        unit: bytes per unit shown (2**20: MiB).
+
+    Returns:
+        A pandas DataFrame: one row per category and one for the peak.
+    """
     import pandas as pd
 
     data = {name: {**{c: r.by_category.get(c, 0) / unit for c in CATEGORIES},
@@ -121,7 +161,17 @@ def memory_table(reports: dict[str, MemoryReport], unit: float = 2**20):
 def plot_memory_breakdown(reports: dict[str, MemoryReport], title: str = "Peak memory",
                           unit: float = 2**20, share: bool = False):
     """Stacked bars of peak memory by category, one bar per run; with ``share``, each bar as
-    fractions of its own peak (the anatomy of runs of very different sizes, side by side)."""
+    fractions of its own peak (the anatomy of runs of very different sizes, side by side).
+
+    Args:
+        reports: run name -> its ``MemoryReport``.
+        title: the plot's title.
+        unit: bytes per unit shown (2**20: MiB).
+        share: show each category's share of its run's peak instead of bytes.
+
+    Returns:
+        The matplotlib figure.
+    """
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(1.6 + 1.4 * len(reports), 3.6))
@@ -141,7 +191,15 @@ def plot_memory_breakdown(reports: dict[str, MemoryReport], title: str = "Peak m
 
 
 def plot_losses(curves: dict[str, list[float]], title: str = "Training loss"):
-    """Loss per optimizer step for several runs on one plot."""
+    """Loss per optimizer step for several runs on one plot.
+
+    Args:
+        curves: run name -> its loss at each step.
+        title: the plot's title.
+
+    Returns:
+        The matplotlib figure.
+    """
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(5, 3.2))

@@ -29,6 +29,16 @@ def compile_available(device: torch.device | str = "cpu") -> tuple[bool, str]:
     """Whether ``torch.compile``'s default backend can generate code for ``device``, and why.
 
     Inductor needs a C++ compiler for CPU kernels and Triton for CUDA ones.
+
+    Args:
+        device: where the compiled code would run.
+
+    Returns:
+        ``(available, reason)``: the reason names the compiler found or what is missing.
+
+    Example:
+        >>> compile_available("cpu")[1]  # doctest: +ELLIPSIS
+        'Inductor generates C++/OpenMP kernels (...)'
     """
     device = torch.device(device)
     if device.type == "cuda":
@@ -225,6 +235,13 @@ def width_sweep(hidden_sizes: list[int], seq_len: int = 256, batch_size: int = 4
     Work per step (for the regime): ``6 N`` FLOPs per token; bytes: the fp32 weights read in
     forward and backward and their gradients written, ``3 * 4 N``.
 
+    Args:
+        hidden_sizes: the widths, at least three, growing.
+        seq_len: tokens per sequence.
+        batch_size: sequences per step.
+        vocab_size: the models' vocabulary.
+        repeats: timed steps of each, in alternation.
+
     Returns:
         A ``sweep.Sweep`` (recipe "torch_compile", dimension "hidden") and each width's
         :class:`CompileComparison` (compile seconds, break-even steps, loss difference).
@@ -255,6 +272,16 @@ def generation(model: torch.nn.Module, input_ids: torch.Tensor, new_tokens: int 
     by itself on CUDA; on a CPU it has to be asked (``CompileConfig._compile_all_devices``,
     a private switch, set here and said aloud). The output compared is every step's logits, so
     ``max_abs_diff`` also covers the tokens chosen. Break-even is in calls of ``new_tokens``.
+
+    Args:
+        model: a transformers causal LM.
+        input_ids: the prompt, one row.
+        new_tokens: tokens generated per call.
+        repeats: timed calls of each, in alternation.
+
+    Returns:
+        A :class:`CompileComparison`: eager and compiled timings, compile seconds, the largest
+        logit difference.
 
     Raises:
         ValueError: for ``new_tokens`` < 1, where ``torch.compile`` cannot run, or where the
@@ -303,6 +330,13 @@ def generation_sweep(hidden_sizes: list[int], new_tokens: int = 32, prompt_len: 
     Work per generated token (for the regime): ``2 N`` FLOPs, and the fp32 weights read once,
     ``4 N`` bytes: decode is memory-bound at any width, so what compiling removes is the
     per-op overhead, large at small widths.
+
+    Args:
+        hidden_sizes: the widths, at least three, growing.
+        new_tokens: tokens generated per call.
+        prompt_len: tokens of the random prompt.
+        vocab_size: the models' vocabulary.
+        repeats: timed calls of each, in alternation.
 
     Returns:
         A ``sweep.Sweep`` (recipe "compiled_generation", dimension "hidden") and each width's

@@ -52,6 +52,13 @@ class RingStats:
 def check_split(seq_len: int, world_size: int) -> int:
     """The chunk length: ``seq_len`` cut into ``2 * world_size`` equal chunks.
 
+    Args:
+        seq_len: tokens per sequence, over all ranks.
+        world_size: ranks sharing the sequence.
+
+    Returns:
+        Tokens per chunk; each rank holds two chunks (load-balanced causal attention).
+
     Raises:
         ValueError: for fewer than 2 ranks, or a length the ``2N`` chunks do not divide.
 
@@ -277,7 +284,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
         ValueError: outside a process group, with one rank, or for shapes that do not match.
 
     Example:
-        >>> q_r, k_r, v_r = (shard(t, r, n, 2) for t in (q, k, v))
+        >>> q_r, k_r, v_r = (shard(t, r, n, 2) for t in (q, k, v))  # doctest: +SKIP
         >>> out = ring_attention(q_r, k_r, v_r)  # doctest: +SKIP
     """
     if not (dist.is_available() and dist.is_initialized()):

@@ -134,6 +134,19 @@ def train_with_curriculum(model: torch.nn.Module, packed: list[dict[str, list[in
     sequences are short, in "crop" mode), and the cosine LR schedule is laid out over exactly
     those steps. ``eval_fn`` runs at ``eval_points`` evenly spaced steps.
 
+    Args:
+        model: the model to train.
+        packed: full-length packed sequences (``data_loading.pack_examples``).
+        pad_token_id: the tokenizer's padding id.
+        schedule: the sequence-length curriculum.
+        token_budget: training tokens in all.
+        batch_size: sequences per step.
+        lr: the peak learning rate.
+        eval_fn: ``eval_fn(model) -> float``, run during training.
+        eval_points: how many times ``eval_fn`` runs.
+        seed: for the order of the sequences.
+        desc: the progress bar's label.
+
     Returns:
         The ``train.TrainResult`` (``evals`` holds (step, tokens, eval value)).
     """
@@ -148,7 +161,20 @@ def train_with_curriculum(model: torch.nn.Module, packed: list[dict[str, list[in
 
 
 def tokens_to_reach(evals: list[tuple[int, int, float]], target: float) -> float | None:
-    """Tokens seen when the eval value first reaches ``target`` (linear between evals), or None."""
+    """Tokens seen when the eval value first reaches ``target`` (linear between evals).
+
+    Args:
+        evals: ``(step, tokens, value)`` in training order, as ``TrainResult.evals`` holds them.
+        target: the value to reach (lower is better).
+
+    Returns:
+        The tokens, interpolated between the two evals around the crossing, or None if no eval
+        reached ``target``.
+
+    Example:
+        >>> tokens_to_reach([(1, 100, 3.0), (2, 200, 2.0)], 2.5)
+        150.0
+    """
     prev = None
     for _, tokens, value in evals:
         if value <= target:

@@ -156,7 +156,15 @@ def load_corpus(name: str, split: str = "train", data_dir: Path | str = DATA_DIR
 
 
 def bos_ids(tokenizer) -> list[int]:
-    """``[bos_token_id]``, or ``[]`` for tokenizers without one (e.g. Qwen's)."""
+    """The ids to put before a prompt: ``[bos_token_id]``, or ``[]`` for tokenizers without one
+    (e.g. Qwen's).
+
+    Args:
+        tokenizer: a transformers tokenizer.
+
+    Returns:
+        A list of zero or one token id.
+    """
     return [] if tokenizer.bos_token_id is None else [tokenizer.bos_token_id]
 
 
@@ -169,6 +177,9 @@ def tokenize_examples(dataset, tokenizer, max_length: int, kind: str) -> list[di
         tokenizer: a transformers tokenizer with bos and eos tokens.
         max_length: longest sequence kept; longer ones are truncated (lm) or rejected (sft).
         kind: "lm" (every token is a target) or "sft" (only the answer and eos are targets).
+
+    Returns:
+        One ``{"input_ids", "labels"}`` dict of token lists per row.
 
     Raises:
         ValueError: if max_length exceeds the tokenizer's model_max_length, or an sft example
@@ -212,6 +223,14 @@ def collate(examples: list[dict[str, list[int]]], pad_token_id: int, pad_to_mult
     ``DataCollatorWithPadding(pad_to_multiple_of=8)``): tensor cores want multiples of 8, and
     CUDA's memory-efficient SDPA kernel rejects a padding mask whose row stride is not aligned
     ("attn_bias is not correctly aligned"). Padded positions carry no loss, so losses are unchanged.
+
+    Args:
+        examples: ``input_ids`` and ``labels`` lists, as :func:`tokenize_examples` makes them.
+        pad_token_id: the id padded positions get.
+        pad_to_multiple_of: the width is rounded up to a multiple of this.
+
+    Returns:
+        ``{"input_ids", "attention_mask", "labels"}``, each ``(len(examples), width)``.
 
     Raises:
         ValueError: for no examples or ``pad_to_multiple_of`` < 1.

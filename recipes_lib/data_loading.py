@@ -127,6 +127,16 @@ def pack_examples(examples: list[dict[str, list[int]]], seq_len: int
     stop attention across documents use position ids with a varlen kernel). The last partial
     block is dropped.
 
+    Args:
+        examples: tokenised documents, each ending with eos.
+        seq_len: tokens per block.
+
+    Returns:
+        ``{"input_ids", "labels"}`` blocks of ``seq_len`` tokens (labels equal to the ids).
+
+    Raises:
+        ValueError: for a ``seq_len`` below 2.
+
     Example:
         >>> pack_examples([{"input_ids": [1, 2, 3], "labels": [1, 2, 3]},
         ...                {"input_ids": [4, 5], "labels": [4, 5]}], 2)
@@ -147,6 +157,13 @@ def padding_fraction(batches: dict[str, torch.Tensor] | list[dict[str, torch.Ten
     (``packing.collate_padding_free``) have none: their filler is ``pad_token_id`` at label -100
     (labels alone would overcount: the first token of each packed document is -100 too).
 
+    Args:
+        batches: one collated batch, or a list of them.
+        pad_token_id: the filler id of padding-free rows.
+
+    Returns:
+        Empty slots over all slots, in [0, 1].
+
     Raises:
         ValueError: for a batch without ``attention_mask`` when no ``pad_token_id`` is given.
     """
@@ -166,7 +183,16 @@ def padding_fraction(batches: dict[str, torch.Tensor] | list[dict[str, torch.Ten
 
 def plot_stall(runs: list[dict[str, Any]], predicted: dict[str, Callable[[float], float]]):
     """Measured stall fraction against per-sample latency, one colour per loader, with the
-    predicted curve of each loader as a dashed line."""
+    predicted curve of each loader as a dashed line.
+
+    Args:
+        runs: :func:`compare_loaders`' rows (``loader``, ``read_latency_s``,
+            ``stall_fraction``).
+        predicted: loader name -> its predicted stall at a per-sample latency in seconds.
+
+    Returns:
+        The matplotlib figure.
+    """
     import matplotlib.pyplot as plt
 
     _, ax = plt.subplots(figsize=(5, 3.2))
@@ -199,6 +225,18 @@ def predicted_stall(per_sample_s: float, batch_size: int, step_s: float, num_wor
     One batch takes ``b * c`` to prepare. Loading in the training process, every step waits for
     it: ``b c / (b c + t)``. With ``w`` workers a batch is ready every ``b c / w``; if that is no
     longer than a step ``t`` the wait vanishes, else the step waits ``b c / w - t``.
+
+    Args:
+        per_sample_s: seconds to load one sample (``c``).
+        batch_size: samples per batch (``b``).
+        step_s: seconds of one training step (``t``).
+        num_workers: loader worker processes (``w``; 0: loading in the training process).
+
+    Returns:
+        The share of the wall-clock time spent waiting, in [0, 1).
+
+    Raises:
+        ValueError: for a negative latency or step, a batch below 1 or negative workers.
 
     Example:
         >>> predicted_stall(0.05, 4, 0.4)

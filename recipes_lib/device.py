@@ -63,7 +63,15 @@ def pick_device(prefer: str | None = None) -> torch.device:
 
 
 def supports_bf16(device: torch.device) -> bool:
-    """Whether bf16 math is supported natively on ``device`` (False on pre-Ampere GPUs like T4)."""
+    """Whether bf16 math is supported natively on ``device``.
+
+    Args:
+        device: the device to ask about.
+
+    Returns:
+        True on Ampere and later GPUs, Apple GPUs and CPUs with AVX512-BF16 or AMX; False on
+        pre-Ampere GPUs like the T4 and on CPUs that would emulate it.
+    """
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported(including_emulation=False)
     if device.type == "cpu":
@@ -115,7 +123,15 @@ def resolve_precision(precision: str, device: torch.device) -> str:
 
 
 def compute_dtype(device: torch.device) -> torch.dtype:
-    """The low-precision dtype to compute in on ``device``: bf16, else fp16 (CUDA), else fp32."""
+    """The low-precision dtype to compute in on ``device``: bf16, else fp16 (CUDA), else fp32.
+
+    Args:
+        device: where the model runs.
+
+    Returns:
+        ``torch.bfloat16`` where it is native, ``torch.float16`` on an older GPU (T4: with a
+        gradient scaler), else ``torch.float32``.
+    """
     if supports_bf16(device):
         return torch.bfloat16
     return torch.float16 if device.type == "cuda" else torch.float32
@@ -190,7 +206,7 @@ def cap_cpu_isa(isa: str) -> dict[str, str]:
         ValueError: if ``isa`` is not one of :data:`ISA_CAPS`.
 
     Example:
-        >>> cap_cpu_isa("avx2")["ATEN_CPU_CAPABILITY"]
+        >>> cap_cpu_isa("avx2")["ATEN_CPU_CAPABILITY"]  # doctest: +SKIP
         'avx2'
     """
     if isa not in ISA_CAPS:
@@ -222,7 +238,14 @@ def describe_device(device: torch.device) -> str:
     """A human-readable device name, e.g. 'cpu: AMD EPYC 9R14 (x86_64 AVX512, 2 threads)' or
     'cuda: Tesla T4'. A CPU's speed figures depend on its vector ISA (torch's kernel level:
     AVX2, AVX512, ...) as much as on its cores, so both are named, and a cap on it
-    (:func:`cap_cpu_isa`) with the hardware's own: 'x86_64 AVX2 capped, hardware AVX512'."""
+    (:func:`cap_cpu_isa`) with the hardware's own: 'x86_64 AVX2 capped, hardware AVX512'.
+
+    Args:
+        device: the device to describe.
+
+    Returns:
+        One line naming it.
+    """
     if device.type == "cuda":
         return f"cuda: {torch.cuda.get_device_name(device)}"
     if device.type == "mps":
@@ -241,6 +264,9 @@ def has_module(name: str) -> bool:
 
 def capabilities(device: torch.device | None = None) -> dict[str, str]:
     """What this machine can do, and which fallback each recipe takes when it cannot.
+
+    Args:
+        device: the notebook's device (default: :func:`pick_device`'s choice).
 
     Returns:
         A mapping capability -> one line ("yes" or "no: <fallback>"), shown in notebooks' first

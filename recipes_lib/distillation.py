@@ -148,6 +148,9 @@ def make_student(teacher: torch.nn.Module, width_factor: float = 0.5, depth_fact
         depth_factor: in (0, 1].
         seed: initialisation seed.
 
+    Returns:
+        The student, on the teacher's device.
+
     Raises:
         ValueError: for factors outside (0, 1] or a width that leaves no attention head.
 
@@ -183,7 +186,15 @@ def make_student(teacher: torch.nn.Module, width_factor: float = 0.5, depth_fact
 
 
 def param_ratio(student: torch.nn.Module, teacher: torch.nn.Module) -> float:
-    """Student parameters / teacher parameters."""
+    """Student parameters / teacher parameters.
+
+    Args:
+        student: the smaller model.
+        teacher: the model it learns from.
+
+    Returns:
+        The ratio of their parameter counts.
+    """
     return (sum(p.numel() for p in student.parameters())
             / sum(p.numel() for p in teacher.parameters()))
 
@@ -197,6 +208,15 @@ def latency_sweep(hidden_sizes: list[int], num_hidden_layers: int = 6, new_token
     timed in alternation (``sweep.run_sweep``). A small model's decode step is bound by per-op
     overhead, the same for both, so the student's gain grows with the width. Work per call (the
     teacher's): ``2 N`` FLOPs per token; bytes: its weights, read once per token.
+
+    Args:
+        hidden_sizes: the teachers' widths, at least three, growing.
+        num_hidden_layers: the teachers' depth.
+        new_tokens: tokens generated per call.
+        vocab_size: the models' vocabulary.
+        width_factor: the student's width over the teacher's.
+        depth_factor: the student's depth over the teacher's.
+        repeats: timed calls of each, in alternation.
 
     Returns:
         A ``sweep.Sweep`` (recipe "distillation", dimension "teacher_hidden").
@@ -216,6 +236,15 @@ def depth_sweep(layer_counts: list[int], hidden_size: int = 256, new_tokens: int
     one) and ``width_factor`` of the width, as :func:`latency_sweep` times them. Per-token work
     that does not scale with depth (sampling, the embedding and the head, ``generate``'s Python)
     is the same for both, so the gain grows with depth towards the per-layer ratio.
+
+    Args:
+        layer_counts: the teachers' depths, at least three, growing.
+        hidden_size: the teachers' width.
+        new_tokens: tokens generated per call.
+        vocab_size: the models' vocabulary.
+        width_factor: the student's width over the teacher's.
+        depth_factor: the student's depth over the teacher's.
+        repeats: timed calls of each, in alternation.
 
     Returns:
         A ``sweep.Sweep`` (recipe "distillation", dimension "teacher_layers").

@@ -68,6 +68,12 @@ def default_backend(world_size: int = 1) -> str:
 
     One Colab GPU and ``world_size=2`` therefore runs two CPU ranks on gloo rather than failing:
     NCCL needs one GPU per rank.
+
+    Args:
+        world_size: ranks to start on this node.
+
+    Returns:
+        "nccl" or "gloo".
     """
     n_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
     return "nccl" if n_gpu >= world_size else "gloo"

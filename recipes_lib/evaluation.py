@@ -17,7 +17,17 @@ def eval_loss(
     pad_token_id: int,
     batch_size: int = 32,
 ) -> float:
-    """Mean next-token cross-entropy over every target token of ``examples``."""
+    """Mean next-token cross-entropy over every target token of ``examples``.
+
+    Args:
+        model: a causal LM.
+        examples: ``input_ids`` and ``labels`` lists (``data.tokenize_examples``).
+        pad_token_id: the id padded positions get.
+        batch_size: examples per forward pass.
+
+    Returns:
+        The loss in nats per target token.
+    """
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
@@ -33,7 +43,18 @@ def eval_loss(
 
 
 def perplexity(loss: float) -> float:
-    """exp(loss), the usual perplexity."""
+    """exp(loss), the usual perplexity.
+
+    Args:
+        loss: mean cross-entropy in nats per token.
+
+    Returns:
+        The perplexity.
+
+    Example:
+        >>> perplexity(0.0)
+        1.0
+    """
     return math.exp(loss)
 
 
@@ -54,6 +75,9 @@ def exact_match(
         max_new_tokens: generation budget per answer; default the longest answer's token count
             plus one (for eos), so no answer is cut short by the budget.
         batch_size: prompts per generate call (left-padded).
+
+    Returns:
+        The fraction of exact answers, in [0, 1].
     """
     device = next(model.parameters()).device
     was_training = model.training

@@ -106,6 +106,35 @@ class Stack:
     (bitsandbytes #1270, July 2024), keeping each 4-bit layer's input for backward, which only a
     trainable 4-bit weight would need (``nf4_keeps_input_context``): what a QLoRA step measured
     before then held.
+
+    Attributes:
+        method: "full", "lora" or "qlora".
+        precision: "fp32", "bf16", "fp16" or "bf16-mixed" (above).
+        checkpointing: activation checkpointing of every decoder layer.
+        selective_checkpointing: keep some outputs inside each checkpointed layer (above).
+        optimizer: "adamw", "adamw-8bit" or "sgd".
+        grad_accum_steps: micro-batches per step (the batch is split into them).
+        lora_rank: the adapters' rank.
+        chunked_loss: tokens per chunk of the chunked cross-entropy (0: the full logits).
+        fsdp_ranks: ranks the model is sharded over with FSDP2 (1: none).
+        lora_targets: peft's ``target_modules`` ("all-linear" or module names).
+        lora_dropout: the adapters' dropout probability.
+        offload_optimizer: optimizer states in host memory (``offload.CPUOffloadOptimizer``).
+        offload_activations: saved activations in host memory
+            (``torch.autograd.graph.save_on_cpu``).
+        bf16_embeddings: QLoRA's embeddings and head cast back to bf16 (above).
+        loss: "course" or "transformers-4.46" (above).
+        autocast_adapter_dtype: peft's fp32 adapters over a 16-bit base (above).
+        gpu_dropout: dropout as CUDA's fused kernel keeps it (above).
+        nf4_keeps_input: bitsandbytes' 4-bit matmul before 0.43.2 (above).
+
+    Raises:
+        ValueError: naming the field, for a value out of range or a combination that does not
+            exist (QLoRA with a full fine-tune).
+
+    Example:
+        >>> Stack(method="qlora", precision="bf16-mixed", checkpointing=True).method
+        'qlora'
     """
 
     method: str = "full"
@@ -317,6 +346,12 @@ def model_config(model: Any):
     """A transformers config for a built-in preset name, a ``config.json`` (or its folder), or a
     config object.
 
+    Args:
+        model: a preset name (``calc.PRESETS``), a path, or a config object.
+
+    Returns:
+        The config (a ``PretrainedConfig``).
+
     Raises:
         ValueError: naming ``model`` for an unknown name (listing the presets) or a config that
             is not a causal LM.
@@ -394,6 +429,14 @@ def build_model(config, stack: Stack, device: torch.device | str, fake: bool = T
     eager (Gemma-2), whose s x s scores the measurement then counts, as a GPU would hold them.
     ``comm_backend`` (FSDP on fake tensors): the collective library the ranks would use,
     ``"nccl"`` (GPUs) or ``"gloo"`` (CPU ranks, whose reduce-scatter copies its input).
+
+    Args:
+        config: a transformers causal-LM config.
+        stack: the recipes applied.
+        device: where the weights are (fake or real).
+        fake: fake weights (no memory); False builds real ones.
+        attn_implementation: transformers' attention implementation (None: as above).
+        comm_backend: "nccl" or "gloo" (above).
 
     Returns:
         ``(model, mode)``: ``mode`` is the ``FakeTensorMode`` to run the step in (None if real).
@@ -933,6 +976,12 @@ def anatomy_table(model: Any, stacks: dict[str, Stack], seq_len: int = 2048,
     kernel; 2, the layer input, with checkpointing), the same stack's op-by-op count
     (:func:`counted_layer_bytes`, ``calc.llama_layer_bytes``; None where it does not model the
     stack) and three fp32 copies of the logits (12 bytes per logit).
+
+    Args:
+        model: a preset name, a ``config.json`` (or its folder) or a config.
+        stacks: row name -> the stack measured.
+        seq_len: tokens per sequence.
+        batch_size: sequences per step.
 
     Returns:
         One row per stack: ``stack``, ``layer_coefficient``, ``calculator_coefficient``,

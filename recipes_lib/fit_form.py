@@ -18,7 +18,21 @@ from recipes_lib.memory import MemoryReport
 
 def make_stack(method: str = "qlora", checkpointing: bool = True, adamw_8bit: bool = False,
                chunked_loss: int = 0, precision: str = "bf16-mixed") -> Stack:
-    """The form's toggles as a ``fake_memory.Stack`` (errors name the field)."""
+    """The form's toggles as a ``fake_memory.Stack``.
+
+    Args:
+        method: "full", "lora" or "qlora".
+        checkpointing: activation checkpointing.
+        adamw_8bit: bitsandbytes' 8-bit AdamW instead of AdamW.
+        chunked_loss: tokens per chunk of the chunked cross-entropy (0: the full logits).
+        precision: "fp32", "bf16", "fp16" or "bf16-mixed".
+
+    Returns:
+        The stack.
+
+    Raises:
+        ValueError: naming the field, as ``fake_memory.Stack`` refuses it.
+    """
     return Stack(method=method, precision=precision, checkpointing=checkpointing,
                  optimizer="adamw-8bit" if adamw_8bit else "adamw", chunked_loss=chunked_loss)
 
@@ -26,6 +40,13 @@ def make_stack(method: str = "qlora", checkpointing: bool = True, adamw_8bit: bo
 def verdict(model: str, gpu_mem: str | float, seq_len: int, batch_size: int,
             stack: Stack) -> dict[str, Any]:
     """Measure one step and say whether it fits one GPU of ``gpu_mem``.
+
+    Args:
+        model: a preset name or a config path.
+        gpu_mem: memory of one GPU, e.g. "24GB", or bytes.
+        seq_len: tokens per sequence.
+        batch_size: sequences per step.
+        stack: the recipes applied.
 
     Returns:
         ``{"report", "overhead_bytes", "need_bytes", "budget_bytes", "fits", "text"}``.
@@ -49,7 +70,15 @@ def verdict(model: str, gpu_mem: str | float, seq_len: int, batch_size: int,
 
 def plot_verdict(result: dict[str, Any], title: str = "One training step, fake tensors"):
     """The step's anatomy (GiB) with the modelled overhead on top and the GPU's size as a
-    line."""
+    line.
+
+    Args:
+        result: :func:`verdict`'s result.
+        title: the plot's title.
+
+    Returns:
+        The matplotlib figure.
+    """
     from recipes_lib.compare import plot_memory_breakdown
 
     report = result["report"]
@@ -66,7 +95,18 @@ def plot_verdict(result: dict[str, Any], title: str = "One training step, fake t
 def form(model: str = "Llama-3.1-8B", gpu_mem: str = "24GB", seq_len: int = 2048,
          batch_size: int = 1):
     """The interactive form (ipywidgets): fields, toggles, a Measure button and an output area
-    that shows the verdict and the chart, or the error for a bad field."""
+    that shows the verdict and the chart, or the error for a bad field.
+
+    Args:
+        model: the model field's first value (a preset name or a config path).
+        gpu_mem: the GPU memory field's first value, e.g. "24GB".
+        seq_len: the sequence length field's first value.
+        batch_size: the batch field's first value.
+
+    Returns:
+        The form (an ipywidgets box); its ``run()`` does what a click does and returns the text
+        shown (for headless runs and tests).
+    """
     import ipywidgets as w
     import matplotlib.pyplot as plt
     from IPython.display import display

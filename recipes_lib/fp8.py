@@ -28,6 +28,12 @@ EXCLUDE = ("lm_head",)  # the output head stays in high precision, as torchtitan
 def hardware_support(device: torch.device | str) -> tuple[bool, str]:
     """Whether ``device`` has float8 tensor cores, and why not.
 
+    Args:
+        device: the device to ask about.
+
+    Returns:
+        ``(supported, reason)``: compute capability 8.9 or later (Ada, Hopper, Blackwell).
+
     Example:
         >>> hardware_support("cpu")[0]
         False
@@ -130,6 +136,14 @@ def linear_sweep(sizes: list[int], tokens: int = 8192, recipe: str = "tensorwise
     Shape: ``tokens x d`` input, ``d x d`` weight, at each ``d`` in ``sizes``; both variants
     compiled when ``compile`` (torchao's float8 relies on ``torch.compile`` to fuse its casts).
 
+    Args:
+        sizes: the widths ``d``, at least three, growing.
+        tokens: rows of the input.
+        recipe: torchao's float8 scaling, "tensorwise" or "rowwise".
+        device: a GPU with float8 tensor cores.
+        compile: compile both variants.
+        repeats: timed steps of each, in alternation.
+
     Returns:
         A ``sweep.Sweep`` (recipe "fp8", dimension "hidden").
 
@@ -177,6 +191,13 @@ def compare_with_high_precision(load_model, examples: list[dict[str, list[int]]]
     Small layers are converted too (``skip_small=False``): on a tiny model the point is the
     numerics. Where the device has no float8 tensor cores this is torchao's emulation.
 
+    Args:
+        load_model: returns a fresh copy of the same model (called twice).
+        examples: tokenised training examples.
+        pad_token_id: the id padded positions get.
+        config: the ``train.TrainConfig`` of both runs.
+        recipe: torchao's float8 scaling, "tensorwise" or "rowwise".
+
     Returns:
         ``{"plain": TrainResult, "fp8": TrainResult, "conversion": Conversion,
         "emulated": bool, "loss_rel_diff": float}`` (the last step's loss, relative).
@@ -199,6 +220,13 @@ def compare_with_high_precision(load_model, examples: list[dict[str, list[int]]]
 def plan_conversion(model, recipe: str = "tensorwise") -> Conversion:
     """Which linear layers of a real-size model torchao would convert: the model is built on the
     meta device (no memory), from a preset name, a ``config.json`` or a config.
+
+    Args:
+        model: a preset name, a ``config.json`` (or its folder) or a config.
+        recipe: torchao's float8 scaling, "tensorwise" or "rowwise".
+
+    Returns:
+        A ``Conversion``: the layers converted, and each skipped one with its reason.
 
     Example:
         >>> plan_conversion("Llama-3.1-8B").summary()  # doctest: +SKIP

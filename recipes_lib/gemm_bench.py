@@ -26,6 +26,13 @@ def sizing_table(sizes: list[int], tokens: int = 2048, dtype: torch.dtype = torc
                  ) -> list[dict[str, float | int]]:
     """Throughput of ``(tokens x n) @ (n x n)`` for each n, timed in alternation.
 
+    Args:
+        sizes: the widths ``n``.
+        tokens: rows of the left operand.
+        dtype: the operands' dtype.
+        device: where the matmuls run.
+        repeats: timed calls of each, in alternation.
+
     Returns:
         One row per size: ``size``, ``alignment``, ``gflops``, ``seconds`` and the ``spread``
         of the timed runs ((max - min) / median).
@@ -55,6 +62,13 @@ def dtype_sweep(sizes: list[int], tokens: int = 2048, dtype: torch.dtype = torch
     (``device.supports_bf16``: no AVX512-BF16 / AMX) bf16 is emulated and loses at every size;
     the sweep says so rather than hide it. Work per call: ``2 t n^2`` FLOPs; fp32 operands and
     output in bytes.
+
+    Args:
+        sizes: the widths ``n``, at least three, growing.
+        tokens: rows ``t`` of the left operand.
+        dtype: the 16-bit dtype, ``torch.bfloat16`` or ``torch.float16``.
+        device: where the matmuls run.
+        repeats: timed calls of each, in alternation.
 
     Returns:
         A ``sweep.Sweep`` (recipe "bf16" or "fp16", dimension "hidden").

@@ -26,6 +26,13 @@ def split_micro_batches(
 ) -> list[dict[str, torch.Tensor]]:
     """Split a padded batch into ``grad_accum_steps`` micro-batches, each trimmed of pad columns.
 
+    Args:
+        batch: ``input_ids``, ``attention_mask`` and ``labels`` of the global batch.
+        grad_accum_steps: the number of micro-batches.
+
+    Returns:
+        The micro-batches, in order.
+
     Raises:
         ValueError: if grad_accum_steps < 1 or does not divide the batch size.
     """
@@ -48,7 +55,18 @@ def split_micro_batches(
 
 
 def count_target_tokens(labels: torch.Tensor) -> int:
-    """Number of tokens that carry a loss after the causal shift (labels != -100)."""
+    """Number of tokens that carry a loss after the causal shift (labels != -100).
+
+    Args:
+        labels: ``(batch, seq)`` labels, -100 where no loss is taken.
+
+    Returns:
+        The count, over the batch.
+
+    Example:
+        >>> count_target_tokens(torch.tensor([[5, 6, 7, -100]]))  # the first label has no input
+        2
+    """
     return int((labels[:, 1:] != IGNORE_INDEX).sum())
 
 
@@ -160,6 +178,16 @@ def batch_gradients(
     normalization: str = "global_tokens",
 ) -> dict[str, torch.Tensor]:
     """Gradients of one global batch (accumulated over micro-batches), leaving ``.grad`` cleared.
+
+    Args:
+        model: the model.
+        batch: the global batch (``input_ids``, ``attention_mask``, ``labels``).
+        grad_accum_steps: micro-batches it is split into.
+        normalization: "global_tokens" (divide by the batch's target tokens: exact) or the
+            per-micro-batch mean that ``forward_backward`` offers as the naive baseline.
+
+    Returns:
+        Parameter name -> its gradient (a detached fp32 copy), trainable parameters only.
 
     Example:
         >>> ref = batch_gradients(model, batch, 1)  # doctest: +SKIP

@@ -53,6 +53,12 @@ def length_sweep(model: torch.nn.Module, input_ids: torch.Tensor, new_tokens: li
     is all there is. Work per call (the baseline's): ``2 N`` FLOPs per token of every prefix it
     recomputes; bytes: the weights read once per generated token.
 
+    Args:
+        model: a causal LM.
+        input_ids: the prompt, one row.
+        new_tokens: the generated lengths, at least three, growing.
+        repeats: timed calls of each, in alternation.
+
     Returns:
         A ``sweep.Sweep`` (recipe "kv_cache", dimension "new_tokens").
 

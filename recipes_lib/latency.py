@@ -20,6 +20,15 @@ def prefill_time(model: torch.nn.Module, batch: dict[str, torch.Tensor], repeats
                  warmup: int = 1) -> Timing:
     """Time one forward pass over a padded batch (the prompt-processing "prefill" phase).
 
+    Args:
+        model: a causal LM.
+        batch: ``input_ids`` (and ``attention_mask``).
+        repeats: timed passes.
+        warmup: untimed passes first.
+
+    Returns:
+        The ``timing.Timing`` of the passes.
+
     Raises:
         ValueError: for a batch without ``input_ids``.
     """
@@ -30,6 +39,15 @@ def prefill_times(models: dict[str, torch.nn.Module], batch: dict[str, torch.Ten
                   repeats: int = 5, warmup: int = 1) -> dict[str, Timing]:
     """``prefill_time`` for several models, their runs alternating (A B A B ...) so machine drift
     does not favour one of them.
+
+    Args:
+        models: name -> causal LM.
+        batch: the same batch for every model.
+        repeats: timed passes of each.
+        warmup: untimed passes of each first.
+
+    Returns:
+        name -> its ``timing.Timing``.
 
     Raises:
         ValueError: for a batch without ``input_ids``.
@@ -65,6 +83,9 @@ def generation_speed(model: torch.nn.Module, input_ids: torch.Tensor, new_tokens
         cache_implementation: e.g. "static" (preallocated, what torch.compile needs).
         repeats: timed runs after one warm-up.
 
+    Returns:
+        ``{"seconds", "tokens_per_s", "spread"}``.
+
     Raises:
         ValueError: for new_tokens < 1.
     """
@@ -77,6 +98,17 @@ def generation_speeds(models: dict[str, torch.nn.Module], input_ids: torch.Tenso
                       cache_implementation: str | None = None) -> dict[str, dict[str, float]]:
     """``generation_speed`` for several models, their runs alternating so machine drift does not
     favour one of them.
+
+    Args:
+        models: name -> causal LM.
+        input_ids: the same prompt for every model.
+        new_tokens: tokens to generate.
+        repeats: timed runs of each after one warm-up.
+        use_cache: keep the KV cache.
+        cache_implementation: e.g. "static".
+
+    Returns:
+        name -> ``{"seconds", "tokens_per_s", "spread"}``.
 
     Raises:
         ValueError: for new_tokens < 1.
@@ -110,6 +142,15 @@ def module_time_share(model: torch.nn.Module, fn: Callable[[], object],
 
     Forward pre/post hooks time each target module (synchronising the device), so this is for
     inference-mode forwards, not for backward.
+
+    Args:
+        model: the model whose modules are timed.
+        fn: the call to time, e.g. a forward pass.
+        is_target: picks the modules, e.g. ``lambda m: type(m) is torch.nn.Linear``.
+
+    Returns:
+        The share, in [0, 1] (a target inside another target is counted twice: choose
+        modules that do not nest).
     """
     device = _device(model)
     spent = [0.0]

@@ -18,6 +18,10 @@ import torch
 def check_positions(config: Any, seq_len: int) -> None:
     """Refuse a sequence longer than the model's positional capacity, saying how to extend it.
 
+    Args:
+        config: the model's transformers config.
+        seq_len: the sequence length asked for.
+
     Raises:
         ValueError: if seq_len > config.max_position_embeddings.
     """
@@ -59,6 +63,10 @@ def checkpointing_peaks(model: torch.nn.Module, seq_lens: list[int]) -> list[dic
     The prediction adds ``calc.activation_bytes`` (fp32, flash attention; nothing recomputed
     against full recomputation) to the fp32 weights and gradients, 8 bytes a parameter: what
     checkpointing leaves alone. The model leaves without checkpointing, as it came.
+
+    Args:
+        model: a causal LM without checkpointing.
+        seq_lens: the lengths measured.
 
     Returns:
         One dict per length: ``seq_len``, ``plain MiB``, ``checkpointed MiB``, ``ratio``
@@ -149,6 +157,15 @@ def load_with_rope_scaling(model_path, max_positions: int, rope_type: str = "lin
     """Load a RoPE model with its positions stretched to ``max_positions`` (position
     interpolation: ``factor = max_positions / trained positions``). Quality at the new length
     needs a short fine-tune there; memory and time do not depend on it.
+
+    Args:
+        model_path: a folder or hub id.
+        max_positions: the new positional capacity.
+        rope_type: transformers' RoPE scaling type ("linear": position interpolation).
+        device: where to load it (None: the CPU).
+
+    Returns:
+        The model, its config's ``max_position_embeddings`` and RoPE parameters updated.
 
     Raises:
         ValueError: if max_positions is not larger than the trained positions, or the model has

@@ -32,7 +32,17 @@ _FROM_TRACKER = {"Parameter": "parameters", "Buffer": "buffers", "Gradient": "gr
 
 @dataclass
 class MemoryReport:
-    """Peak memory of one call, split by category at the moment of the peak."""
+    """Peak memory of one call, split by category at the moment of the peak.
+
+    Attributes:
+        peak_bytes: the device's peak.
+        by_category: category (parameters, gradients, optimizer, activations, temporaries...)
+            -> bytes at that peak.
+        device: the device measured.
+        allocator_peak_bytes: CUDA's ``max_memory_allocated`` over the call, where measured.
+        allocator_reserved_bytes: CUDA's caching allocator's reserved peak.
+        host_by_category: other devices' peaks by category (offloaded states: the host).
+    """
 
     peak_bytes: int
     by_category: dict[str, int] = field(default_factory=dict)
@@ -230,6 +240,12 @@ def saved_tensor_bytes(fn: Callable[[], Any]) -> dict[str, int]:
     Shows *why* an activation figure is what it is: e.g. the fp32 copies that RMSNorm and the
     loss keep even when the model computes in bf16. Storages are counted once.
 
+    Args:
+        fn: the call to watch, typically a forward pass.
+
+    Returns:
+        dtype name -> bytes saved.
+
     Example:
         >>> saved_tensor_bytes(lambda: model(**batch).loss)  # doctest: +SKIP
         {'torch.bfloat16': 31457280, 'torch.float32': 8388608, 'torch.int64': 4096}
@@ -252,7 +268,18 @@ def saved_tensor_bytes(fn: Callable[[], Any]) -> dict[str, int]:
 
 
 def format_bytes(n: float) -> str:
-    """1536 -> '1.50 KiB'."""
+    """Bytes in binary units.
+
+    Args:
+        n: bytes.
+
+    Returns:
+        The text, e.g. '1.50 KiB'.
+
+    Example:
+        >>> format_bytes(1536)
+        '1.50 KiB'
+    """
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:.2f} {unit}" if unit != "B" else f"{int(n)} B"

@@ -33,6 +33,26 @@ class TinyModelSpec:
     """Sizes of the tiny base model and its pretraining run (the defaults are the CI size).
 
     Dimensions are multiples of 64 so that NF4's 64-value blocks tile every weight exactly.
+
+    Attributes:
+        vocab_size: tokens in the trained BPE vocabulary.
+        hidden_size: width of the residual stream.
+        intermediate_size: width of the MLP.
+        num_hidden_layers: decoder layers.
+        num_attention_heads: query heads.
+        num_key_value_heads: key/value heads (grouped-query attention).
+        max_position_embeddings: the positions the model is built for.
+        pretrain_steps: optimizer steps of the pretraining run.
+        pretrain_batch_size: sequences per pretraining step.
+        pretrain_seq_len: tokens per pretraining sequence.
+        pretrain_lr: its peak learning rate.
+        seed: initialisation and data-order seed.
+        architecture: "llama", another decoder of ``ARCHITECTURES`` (qwen2, qwen3, mistral,
+            phi3, gemma2), or "gpt_neox" (LayerNorm instead of RMSNorm, notebook 03).
+
+    Example:
+        >>> TinyModelSpec.smallest("qwen2").num_hidden_layers
+        2
     """
 
     vocab_size: int = 512
@@ -161,6 +181,9 @@ def build_tiny_model(
     Returns:
         Path to a folder loadable with ``AutoModelForCausalLM.from_pretrained``.
 
+    Raises:
+        ValueError: for an architecture the course cannot build.
+
     Example:
         >>> path = build_tiny_model()  # doctest: +SKIP
         >>> model, tok = load_model(path), load_tokenizer(path)  # doctest: +SKIP
@@ -254,12 +277,26 @@ def _build(out: Path, spec: TinyModelSpec, progress: bool, device: str | torch.d
 
 
 def pretrain_report(path: Path | str) -> dict:
-    """The eval losses before/after pretraining recorded by ``build_tiny_model``."""
+    """The eval losses before/after pretraining recorded by ``build_tiny_model``.
+
+    Args:
+        path: the built model's folder.
+
+    Returns:
+        The report (``pretrain_report.json``) as a dict.
+    """
     return json.loads((Path(path) / "pretrain_report.json").read_text())
 
 
 def load_tokenizer(model_id_or_path: str | Path):
-    """``AutoTokenizer.from_pretrained`` with a pad token guaranteed (hub models often lack one)."""
+    """``AutoTokenizer.from_pretrained`` with a pad token guaranteed (hub models often lack one).
+
+    Args:
+        model_id_or_path: a hub id or a local folder.
+
+    Returns:
+        The tokenizer; its pad token is the eos token where it had none.
+    """
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(model_id_or_path), trust_remote_code=False)
@@ -270,7 +307,16 @@ def load_tokenizer(model_id_or_path: str | Path):
 
 def save_temporary(model: torch.nn.Module, tokenizer, prefix: str = "model-") -> Path:
     """Save ``model`` and ``tokenizer`` to a new temporary folder (for reloading in another dtype,
-    attention implementation or quantization) and return it."""
+    attention implementation or quantization) and return it.
+
+    Args:
+        model: a transformers model.
+        tokenizer: its tokenizer.
+        prefix: the folder name's prefix.
+
+    Returns:
+        The folder, loadable with ``from_pretrained``.
+    """
     import tempfile
 
     out = Path(tempfile.mkdtemp(prefix=prefix))

@@ -22,6 +22,9 @@ def swap_layernorm_for_rmsnorm(model: torch.nn.Module) -> dict[str, float]:
     The learned scale is kept; the bias and the centring are dropped, which is why quality falls
     right after the swap and needs a short fine-tune to recover.
 
+    Args:
+        model: a model with LayerNorm modules, changed in place.
+
     Returns:
         ``{"swapped": count, "max_abs_bias": largest |bias| dropped}``.
 
@@ -52,7 +55,18 @@ def swap_layernorm_for_rmsnorm(model: torch.nn.Module) -> dict[str, float]:
 
 
 def count_norms(model: torch.nn.Module) -> dict[str, int]:
-    """How many LayerNorm and RMSNorm modules (torch's or a model's own ``*RMSNorm``) it has."""
+    """How many LayerNorm and RMSNorm modules (torch's or a model's own ``*RMSNorm``) it has.
+
+    Args:
+        model: any module.
+
+    Returns:
+        ``{"LayerNorm": n, "RMSNorm": m}``.
+
+    Example:
+        >>> count_norms(torch.nn.Sequential(torch.nn.LayerNorm(4), torch.nn.RMSNorm(4)))
+        {'LayerNorm': 1, 'RMSNorm': 1}
+    """
     out = {"LayerNorm": 0, "RMSNorm": 0}
     for m in model.modules():
         if isinstance(m, torch.nn.LayerNorm):
@@ -70,6 +84,14 @@ def norm_sweep(hidden_sizes: list[int], tokens: int = 2048, compile_rmsnorm: boo
     ``compile_rmsnorm`` (compiled before timing). Work per call: a few FLOPs per value; bytes:
     the input read twice, the output and both gradients written or read once (``5 * t * h``
     values), so memory-bound once the rows leave the caches.
+
+    Args:
+        hidden_sizes: the widths, at least three, growing.
+        tokens: rows normalised per call.
+        compile_rmsnorm: time a compiled RMSNorm too.
+        dtype: the input's dtype.
+        device: where it runs.
+        repeats: timed calls of each, in alternation.
 
     Returns:
         A ``sweep.Sweep`` (recipe "rmsnorm", dimension "hidden").

@@ -43,6 +43,18 @@ def long_tailed_documents(examples: list[dict[str, list[int]]], n: int, max_len:
     so this draws lengths from a log-normal (median ``median_len``, shape ``sigma``) clipped to
     ``[min_len, max_len]`` and cuts each document from the tokens of ``examples``.
 
+    Args:
+        examples: tokenised examples, the token stream documents are cut from.
+        n: documents to make.
+        max_len: the longest length.
+        median_len: the log-normal's median.
+        sigma: the log-normal's shape (larger: a longer tail).
+        min_len: the shortest length.
+        seed: for the lengths.
+
+    Returns:
+        ``n`` documents (``input_ids`` and ``labels``), each ending with eos.
+
     Raises:
         ValueError: for bad sizes, or too few tokens in ``examples`` for ``n`` documents.
 
@@ -75,6 +87,10 @@ def pack_documents(examples: Sequence[dict[str, list[int]]], seq_len: int) -> li
 
     Documents are placed longest first, each into the fullest row it still fits (TRL's "bfd"
     packing strategy); no document is split, so none loses its beginning.
+
+    Args:
+        examples: tokenised documents.
+        seq_len: the most tokens a row holds.
 
     Returns:
         The rows, each a list of document indices into ``examples``.
@@ -173,6 +189,15 @@ def layouts(docs: list[dict[str, list[int]]], seq_len: int, rows_per_batch: int,
     A batch never holds more than ``rows_per_batch * seq_len`` token slots in any layout; the
     last incomplete batch of a layout is kept, so each layout covers all its rows.
 
+    Args:
+        docs: tokenised documents.
+        seq_len: tokens per row.
+        rows_per_batch: rows per batch.
+        pad_token_id: the tokenizer's padding id.
+
+    Returns:
+        ``{"padded", "concatenated", "padding-free"}`` -> that layout's batches.
+
     Raises:
         ValueError: for ``rows_per_batch`` < 1 (and what :func:`pack_documents` refuses).
     """
@@ -200,6 +225,11 @@ def check_against_one_by_one(model: torch.nn.Module, docs: list[dict[str, list[i
     document has no predecessor in either), so they are equal up to float rounding when no
     attention crosses documents. The same row with positions 0..n-1 (naive concatenation: one
     long document to the model) is run too, to show what the mask prevents.
+
+    Args:
+        model: a causal LM.
+        docs: tokenised documents that fit one row together.
+        pad_token_id: the tokenizer's padding id.
 
     Returns:
         ``loss_max_diff``, ``grad_max_diff`` (padding-free vs one by one, absolute) and
@@ -240,6 +270,15 @@ def compare_layouts(model: torch.nn.Module, docs: list[dict[str, list[int]]], se
     padding-free, padded, ...), each a forward, backward and AdamW step per batch; the peak is
     the memory meter's over one step of each layout's widest batch. Throughput counts document
     tokens only, so padding is work that earns nothing.
+
+    Args:
+        model: the model trained (its weights change).
+        docs: tokenised documents.
+        seq_len: tokens per row.
+        rows_per_batch: rows per batch.
+        pad_token_id: the tokenizer's padding id.
+        repeats: timed passes of each layout, in alternation.
+        lr: AdamW's learning rate.
 
     Returns:
         Per layout: ``tokens_per_s``, ``pass_s`` (median), ``spread``, ``steps``,

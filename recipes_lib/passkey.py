@@ -84,7 +84,17 @@ def write_test_set(tokenizer, lengths: tuple[int, ...] = (128, 256, 512),
 
 
 def load_test_set(path: Path | str = TEST_SET) -> list[dict]:
-    """The held-out episodes written by ``write_test_set`` (the default set is in ``data/``)."""
+    """The held-out episodes written by ``write_test_set`` (the default set is in ``data/``).
+
+    Args:
+        path: the JSON-lines file.
+
+    Returns:
+        One dict per episode.
+
+    Raises:
+        ValueError: naming ``path`` when the file does not exist.
+    """
     path = Path(path)
     if not path.exists():
         raise ValueError(f"path={str(path)!r}: no passkey test set; run write_test_set first")
@@ -119,7 +129,16 @@ class PasskeyStream:
 
 @torch.no_grad()
 def accuracy_by_depth(model: torch.nn.Module, tokenizer, rows: list[dict]) -> dict[tuple, float]:
-    """Exact match of the greedy answer, per (length, depth) cell."""
+    """Exact match of the greedy answer, per (length, depth) cell.
+
+    Args:
+        model: a causal LM.
+        tokenizer: its tokenizer.
+        rows: passkey episodes (``prompt``, ``answer``, ``length``, ``depth``).
+
+    Returns:
+        ``(length, depth)`` -> the fraction answered exactly.
+    """
     device = next(model.parameters()).device
     was = model.training
     model.eval()

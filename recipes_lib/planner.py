@@ -28,7 +28,14 @@ ALLOCATOR_RESERVE = 0.15
 
 def gpu_overhead(allocated_bytes: float) -> float:
     """The modelled bytes a GPU needs beyond a fake trace's peak: the CUDA context plus the
-    caching allocator's reserve (``CUDA_CONTEXT_BYTES + ALLOCATOR_RESERVE * allocated``)."""
+    caching allocator's reserve (``CUDA_CONTEXT_BYTES + ALLOCATOR_RESERVE * allocated``).
+
+    Args:
+        allocated_bytes: the fake trace's peak.
+
+    Returns:
+        The bytes to add to it.
+    """
     return CUDA_CONTEXT_BYTES + ALLOCATOR_RESERVE * allocated_bytes
 
 
@@ -140,6 +147,10 @@ def plan(model: str, gpu_mem: str | float, seq_len: int = 2048, batch_size: int 
     Returns:
         ``{"model", "params_B", "gpu_bytes", "rows", "cheapest"}``; each row has step,
         state_GiB, activations_GiB, total_GiB, fits.
+
+    Raises:
+        ValueError: naming the parameter, for an unknown model, a size that does not parse, or
+            a count below 1.
 
     Example:
         >>> plan("Llama-2-7B", "16GB", seq_len=512, batch_size=1, grad_accum_steps=1)["cheapest"]

@@ -37,7 +37,18 @@ from recipes_lib.compiling import first_call
 
 
 def linear_names(model: torch.nn.Module) -> list[str]:
-    """Names of every ``torch.nn.Linear`` in ``model`` (the LM head included)."""
+    """Names of every ``torch.nn.Linear`` in ``model`` (the LM head included).
+
+    Args:
+        model: any module.
+
+    Returns:
+        The names, in module order.
+
+    Example:
+        >>> linear_names(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU()))
+        ['0']
+    """
     return [n for n, m in model.named_modules() if type(m) is torch.nn.Linear]
 
 
@@ -105,6 +116,12 @@ def int8_linear_bytes(model: torch.nn.Module) -> dict[str, int]:
 
     Counts torch's dynamic quantized Linear (packed int8 weight + scales + zero points) and
     bitsandbytes' ``Linear8bitLt`` (int8 weight + one fp32 scale per row).
+
+    Args:
+        model: a model quantized to int8.
+
+    Returns:
+        ``{"bytes", "params"}``: bytes held by the int8 layers, and the weights they hold.
 
     Raises:
         ValueError: if the model has no int8 Linear layer.
@@ -183,6 +200,14 @@ def check_int8_backends(results: Any, model: torch.nn.Module, batch: dict[str, t
     ``torch.ao``'s dynamic int8 at least as fast as torchao's fastest (``checks.check_speed``;
     NOT MET tells that torchao is the faster path on this CPU).
 
+    Args:
+        results: the notebook's ``results.Results``.
+        model: the fp32 model.
+        batch: the prefill batch.
+        repeats: timed passes of each path, in alternation.
+        compile_torchao: time torchao's paths compiled too.
+        strict: assert the speed claim (None: report it; ``make bench`` asserts).
+
     Returns:
         :func:`compare_int8_backends`'s rows.
     """
@@ -210,6 +235,17 @@ def linear_kernel_speedup(model: torch.nn.Module, tokens: int = 2048, repeats: i
 
     The kernel-level ceiling of the recipe; with the share of prefill time spent in Linear layers
     it predicts the whole-model speed-up (``calc.amdahl_speedup``).
+
+    Args:
+        model: the fp32 model.
+        tokens: rows of the random input.
+        repeats: timed passes of each, in alternation.
+
+    Returns:
+        The speed-up of the Linear layers alone.
+
+    Raises:
+        ValueError: if the model has no ``torch.nn.Linear`` layers.
     """
     from recipes_lib.timing import time_interleaved
 
@@ -267,6 +303,13 @@ def activation_outliers(model: torch.nn.Module, batch: dict[str, torch.Tensor]
 
     A large ratio means one per-tensor int8 scale must cover a few huge values, so the many small
     ones get few levels: the layer quantizes badly.
+
+    Args:
+        model: the fp32 model.
+        batch: a calibration batch.
+
+    Returns:
+        Linear layer name -> its ratio.
     """
     ratios: dict[str, float] = {}
     hooks = []
@@ -383,6 +426,11 @@ def prefill_sweep(rows: list[int], hidden: int = 1024, repeats: int = 5):
     prefill recipe), over the rows (batch x tokens) of the activation, on the CPU: where int8
     matmuls start to pay. Work per call: ``2 * 8 h^2 * rows`` FLOPs, the fp32 weights and
     activations in bytes.
+
+    Args:
+        rows: the activation's rows, at least three, growing.
+        hidden: the MLP's width.
+        repeats: timed calls of each, in alternation.
 
     Returns:
         A ``sweep.Sweep`` (recipe "int8", dimension "rows").

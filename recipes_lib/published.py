@@ -258,8 +258,8 @@ def fit_line(gpu_bytes: list[float], tokens: list[float]) -> dict[str, float]:
 
     Example:
         >>> line = fit_line([12e9, 16e9, 24e9], [1000, 3000, 7000])
-        >>> line["bytes_per_token"], line["fixed_bytes"]
-        (2000000.0, 10000000000.0)
+        >>> round(line["bytes_per_token"]), round(line["fixed_bytes"])
+        (2000000, 10000000000)
     """
     if len(gpu_bytes) != len(tokens) or len(gpu_bytes) < MIN_LINE_ROWS:
         raise ValueError(f"gpu_bytes: {len(gpu_bytes)} sizes for {len(tokens)} lengths; a line "
@@ -323,7 +323,16 @@ def line_summary(line: dict[str, Any]) -> str:
 
 def figure_for(model: str, stack: Stack, gpu_mem: str) -> Figure | None:
     """The published longest-context figure for this model and card whose source's words fit
-    ``stack`` (its main stack or one of its other stacks), if the table has one."""
+    ``stack`` (its main stack or one of its other stacks), if the table has one.
+
+    Args:
+        model: a preset name, e.g. "Llama-3.1-8B".
+        stack: the recipes measured.
+        gpu_mem: the card's memory, e.g. "24GB".
+
+    Returns:
+        The ``Figure``, or None.
+    """
     return next((f for f in FIGURES if f.kind == "max_context" and f.model == model
                  and stack in (f.stack, *(s for _, s in f.alternatives))
                  and planner.parse_bytes(f.gpu_mem) == planner.parse_bytes(gpu_mem)), None)

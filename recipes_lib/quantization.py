@@ -82,6 +82,9 @@ def _linear4bit_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Modul
 def quantized_linear_stats(model: torch.nn.Module) -> dict[str, object]:
     """Measured bytes of the model's 4-bit linear layers, and what they are.
 
+    Args:
+        model: a model with bitsandbytes 4-bit linear layers.
+
     Returns:
         {"bytes": total bytes of every tensor the 4-bit layers hold, "params": logical parameter
         count, "names": module names, "shapes": logical (out, in) weight shapes}.
@@ -100,7 +103,18 @@ def quantized_linear_stats(model: torch.nn.Module) -> dict[str, object]:
 
 
 def linear_weight_bytes(model: torch.nn.Module, names: list[str]) -> int:
-    """Measured bytes of the named linear layers' weights and biases (e.g. in a bf16 model)."""
+    """Measured bytes of the named linear layers' weights and biases (e.g. in a bf16 model).
+
+    Args:
+        model: the model.
+        names: module names of its linear layers.
+
+    Returns:
+        Their bytes.
+
+    Raises:
+        ValueError: naming the modules ``model`` does not have.
+    """
     modules = dict(model.named_modules())
     missing = [n for n in names if n not in modules]
     if missing:
@@ -148,7 +162,14 @@ def add_lora(
 
 
 def trainable_fraction(model: torch.nn.Module) -> tuple[int, int]:
-    """(trainable, total) parameter counts; 4-bit packed weights counted at their logical size."""
+    """Trainable and total parameter counts; 4-bit packed weights counted at their logical size.
+
+    Args:
+        model: the model.
+
+    Returns:
+        ``(trainable, total)``.
+    """
     trainable = total = 0
     for p in model.parameters():
         n = p.numel()
@@ -171,6 +192,9 @@ def held_bytes_by_kind(model: torch.nn.Module) -> dict[str, dict[str, object]]:
     casts the unquantized rest of the base (embeddings, norms, head) to fp32, while TRL's
     ``SFTTrainer`` (since trl #4577) leaves it in the dtype the model was loaded in and casts the
     adapters to bf16.
+
+    Args:
+        model: a model with bitsandbytes 4-bit linear layers (peft-wrapped or not).
 
     Returns:
         ``{kind: {"bytes": int, "dtypes": [dtype names]}}`` for the kinds in
@@ -202,7 +226,14 @@ def held_bytes_by_kind(model: torch.nn.Module) -> dict[str, dict[str, object]]:
 
 def held_bytes_table(held: dict[str, dict[str, dict[str, object]]]):
     """:func:`held_bytes_by_kind` of several models as one table: a column per model, a row per
-    kind's bytes and, beside the 4-bit layers (whose tensors mix dtypes), its dtypes."""
+    kind's bytes and, beside the 4-bit layers (whose tensors mix dtypes), its dtypes.
+
+    Args:
+        held: model name -> its :func:`held_bytes_by_kind`.
+
+    Returns:
+        A pandas DataFrame.
+    """
     import pandas as pd
 
     return pd.DataFrame({
@@ -225,6 +256,17 @@ def reload_adapter(base_path: str | Path, adapter_dir: str | Path, quantization_
     Merging into 4-bit weights would re-quantize them (lossy), so with ``merge=True`` a 4-bit
     base is first dequantized to ``dtype`` and the adapter merged into those dense weights: the
     result is a plain transformers model with no peft or bitsandbytes at inference.
+
+    Args:
+        base_path: the base model's folder or hub id.
+        adapter_dir: the saved adapter's folder.
+        quantization_config: the base's ``BitsAndBytesConfig`` (None: not quantized).
+        dtype: the dtype the base loads (and a 4-bit base dequantizes) in.
+        merge: merge the adapter into the weights.
+        device: where the base is loaded.
+
+    Returns:
+        The peft model, or with ``merge`` the plain transformers model.
     """
     from peft import PeftModel
 

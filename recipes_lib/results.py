@@ -99,6 +99,15 @@ def _number(name: str, value) -> float | None:
 class Results:
     """Collect a notebook's figures and write them atomically.
 
+    Args:
+        stem: the notebook's file stem, e.g. "01_large_models_limited_hardware".
+        device: the device the figures come from, in words (``device.describe_device``).
+        results_dir: where the file goes (default: ``results/``, or $RECIPES_RESULTS_DIR).
+
+    Raises:
+        ValueError: for a ``stem`` that is not a file stem, or a folder that cannot be written
+            (checked now, not after an hour of measurements).
+
     Example:
         >>> r = Results("01_large_models_limited_hardware", device="cpu")
         >>> f = r.add("qlora", "quantized_linear_bytes_ratio", 0.26, predicted=0.258)
@@ -159,6 +168,13 @@ def load_results(results_dir: Path | str | None = None) -> dict[str, dict]:
 def load_raw(device: str, name: str) -> dict:
     """A GPU run's own file, ``results/<device>/raw/<name>.json`` (written by
     ``bench/gpu_session.py`` on that GPU), to show its figures where the GPU is absent.
+
+    Args:
+        device: the GPU's folder name, e.g. "h100".
+        name: the file's stem.
+
+    Returns:
+        The file's contents.
 
     Raises:
         ValueError: naming the file when it does not exist.
@@ -231,6 +247,13 @@ def update_readme(readme: Path | str = README, results_dir: Path | str | None = 
     A sub-folder of ``results_dir`` (e.g. ``results/h100/``, figures from a run on another
     machine) fills the table between ``<!-- results-table:h100:begin -->`` and its end marker,
     where the README has them.
+
+    Args:
+        readme: the README to update.
+        results_dir: the results folder (default: the results setting's).
+
+    Returns:
+        True if the README changed.
 
     Raises:
         ValueError: if the README lacks the begin/end markers.

@@ -127,7 +127,15 @@ def apply(notebook: str, scale: str, namespace: dict[str, Any]) -> dict[str, Any
     """Set ``scale``'s sizes for ``notebook`` in ``namespace`` (the notebook's ``globals()``).
 
     A parameter whose value is no longer its CI default was set on purpose and is kept (and
-    reported as kept). Returns name -> value for every scaled parameter, as it now stands.
+    reported as kept).
+
+    Args:
+        notebook: the notebook's file stem.
+        scale: "ci", "reference" or "gpu".
+        namespace: the notebook's ``globals()``, changed in place.
+
+    Returns:
+        name -> value for every scaled parameter, as it now stands.
 
     Raises:
         ValueError: an unknown scale (naming ``SCALE``) or notebook.
@@ -151,5 +159,15 @@ def apply(notebook: str, scale: str, namespace: dict[str, Any]) -> dict[str, Any
 
 
 def model_spec(scale: str) -> TinyModelSpec:
-    """The base model ``scale`` builds when the notebook is given no ``MODEL_ID``."""
+    """The base model ``scale`` builds when the notebook is given no ``MODEL_ID``.
+
+    Args:
+        scale: "ci", "reference" or "gpu".
+
+    Returns:
+        The ``model.TinyModelSpec`` to build.
+
+    Raises:
+        ValueError: for an unknown scale, naming ``SCALE``.
+    """
     return MODEL_SPECS[check_scale(scale)]

@@ -54,6 +54,10 @@ def attention_mask(seq_len: int, window: int | None = None, n_global: int = 0,
         seq_len: s.
         window: each query sees itself and the ``window - 1`` tokens before it (None = all).
         n_global: the first ``n_global`` tokens are visible to every later query.
+        device: where the mask is made.
+
+    Returns:
+        The ``(seq_len, seq_len)`` boolean mask.
 
     Raises:
         ValueError: for window < 1, window > seq_len, or n_global outside [0, seq_len].
@@ -74,6 +78,17 @@ def dense_masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ma
 
     ``scale`` replaces 1/sqrt(d); ``softcap`` caps the scores as Gemma-2 does,
     ``softcap * tanh(scores / softcap)``, before the mask.
+
+    Args:
+        q: queries, (batch, heads, seq, head_dim).
+        k: keys, the same shape (or fewer heads: GQA).
+        v: values, as ``k``.
+        mask: (seq, seq) boolean, True where a query may attend.
+        softcap: Gemma-2's soft-capping value (None: none).
+        scale: the scores' scale (None: 1/sqrt(head_dim)).
+
+    Returns:
+        The attention output, shaped as ``q``.
     """
     scores = (q @ k.transpose(-2, -1)) * (q.shape[-1] ** -0.5 if scale is None else scale)
     if softcap is not None:
@@ -101,6 +116,9 @@ def blockwise_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             cannot cap scores, so with it each block's scores are written out (the same
             ``O(s (2W + G))`` memory; ``O(s^2)`` without a window, as transformers' eager path).
         scale: the scores' scale (None: 1/sqrt(head_dim)).
+
+    Returns:
+        The attention output, shaped as ``q``.
 
     Raises:
         ValueError: for a bad window or n_global.
@@ -158,7 +176,15 @@ def blockwise_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def flex_available(device: torch.device | str) -> bool:
-    """FlexAttention trains (forward and backward) here: CUDA only; on CPU it is forward-only."""
+    """Whether FlexAttention trains (forward and backward) here: CUDA only; on CPU it is
+    forward-only.
+
+    Args:
+        device: where attention would run.
+
+    Returns:
+        True on a CUDA device with FlexAttention installed.
+    """
     from recipes_lib.device import has_module
 
     return torch.device(device).type == "cuda" and has_module("torch.nn.attention.flex_attention")
@@ -197,6 +223,16 @@ def register_with_transformers(window: int | None, n_global: int = 0) -> str:
     mask, which is exact for right-padded or packed causal batches (pad keys come after every real
     query); it refuses left padding.
 
+    Args:
+        window: the local window (None: full causal attention).
+        n_global: leading tokens every query sees.
+
+    Returns:
+        The implementation's name, for ``attn_implementation``.
+
+    Raises:
+        ValueError: (from the registered function) for a left-padded batch.
+
     Example:
         >>> name = register_with_transformers(window=256)  # doctest: +SKIP
         >>> model.set_attn_implementation(name)  # doctest: +SKIP
@@ -227,7 +263,22 @@ def register_with_transformers(window: int | None, n_global: int = 0) -> str:
 
 
 def time_exponent(seq_lens: list[int], seconds: list[float]) -> float:
-    """Slope of log(time) against log(seq_len) (least squares): 1 linear, 2 quadratic."""
+    """Slope of log(time) against log(seq_len) (least squares): 1 linear, 2 quadratic.
+
+    Args:
+        seq_lens: the lengths.
+        seconds: the time at each length.
+
+    Returns:
+        The exponent.
+
+    Raises:
+        ValueError: for fewer than two (length, time) pairs.
+
+    Example:
+        >>> round(time_exponent([1024, 2048, 4096], [1.0, 4.0, 16.0]), 6)
+        2.0
+    """
     if len(seq_lens) != len(seconds) or len(seq_lens) < 2:
         raise ValueError("seq_lens, seconds: need two or more (length, time) pairs")
     x = torch.log(torch.tensor(seq_lens, dtype=torch.float64))
@@ -241,9 +292,22 @@ def benchmark(seq_lens: list[int], window: int, n_global: int = 0, num_heads: in
               progress: bool = True) -> list[dict[str, float | int | str]]:
     """Forward+backward time of full causal SDPA, sliding-window and local+global attention.
 
+    Args:
+        seq_lens: the lengths timed, each longer than ``window``.
+        window: the local window.
+        n_global: leading tokens every query sees, for the local+global pattern.
+        num_heads: attention heads.
+        head_dim: width of each head.
+        repeats: timed calls of each, in alternation.
+        device: where it runs.
+        progress: show a progress bar.
+
     Returns:
         One row per (pattern, seq_len) with ``forward_backward_s`` and its ``spread``; a length
         that runs out of device memory ends the benchmark there, with a warning.
+
+    Raises:
+        ValueError: for no length, or one not longer than ``window``.
     """
     from tqdm.auto import tqdm
 

@@ -325,7 +325,16 @@ class Sweep:
 
 def from_rows(recipe: str, dimension: str, rows: list[dict[str, Any]]) -> Sweep:
     """A ``Sweep`` rebuilt from ``Sweep.rows()`` saved earlier (medians only), e.g. a GPU run's
-    file, to table and plot it where that GPU is not present."""
+    file, to table and plot it where that GPU is not present.
+
+    Args:
+        recipe: the sweep's recipe name.
+        dimension: the swept size's name, a key of every row.
+        rows: the saved rows (``baseline_ms``, ``recipe_ms`` and the size).
+
+    Returns:
+        The ``Sweep`` (each timing a single median: no spread).
+    """
     sizes = [int(r[dimension]) for r in rows]
     base = [Timing(r["baseline_ms"] / 1e3, [r["baseline_ms"] / 1e3]) for r in rows]
     cand = [Timing(r["recipe_ms"] / 1e3, [r["recipe_ms"] / 1e3]) for r in rows]

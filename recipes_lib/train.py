@@ -24,7 +24,30 @@ SCHEDULES = ("cosine", "linear", "constant_with_warmup")
 
 @dataclass
 class TrainConfig:
-    """Settings of one training run (plain values, overridable from a notebook's parameters)."""
+    """Settings of one training run (plain values, overridable from a notebook's parameters).
+
+    Attributes:
+        steps: optimizer steps.
+        micro_batch_size: examples per forward/backward.
+        grad_accum_steps: micro-batches per optimizer step.
+        lr: the peak learning rate.
+        weight_decay: AdamW's decoupled weight decay.
+        warmup_steps: linear warm-up steps, in [0, steps].
+        schedule: the learning-rate schedule after warm-up: "cosine", "linear" or
+            "constant_with_warmup".
+        max_grad_norm: gradient clipping (None: none).
+        precision: "fp32", "bf16", "fp16" or "auto" (the device's best, said aloud).
+        seed: for the data order.
+        progress: show a progress bar.
+        desc: the progress bar's label.
+        log_dir: write the losses there (None: nowhere).
+        checkpoint_dir: resume from a checkpoint there if one exists, and save into it.
+        checkpoint_every: steps between checkpoints (0: only at the end).
+        eval_every: steps between calls of ``train``'s ``eval_fn`` (0: never).
+
+    Example:
+        >>> TrainConfig(steps=40, lr=3e-4).validate()
+    """
 
     steps: int = 100
     micro_batch_size: int = 8

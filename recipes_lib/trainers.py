@@ -43,6 +43,14 @@ def checkpointing_settings(use_reentrant: bool = False, version: str | None = No
     and ``gradient_checkpointing_kwargs`` before (accepted, deprecated, until v6). The kwargs
     also take ``every_n_layers`` from 5.16 and ``offload`` from 5.17.
 
+    Args:
+        use_reentrant: PyTorch's reentrant checkpointing (False: the non-reentrant mode, which
+            works with frozen inputs).
+        version: a transformers version (default: the installed one).
+
+    Returns:
+        The two settings, name -> value.
+
     Example:
         >>> checkpointing_settings(version="5.22.2")
         {'gradient_checkpointing': True, 'gradient_checkpointing_kwargs': {'use_reentrant': False}}
@@ -82,7 +90,14 @@ def precision_settings(where: torch.device | str) -> dict[str, bool]:
 def predicted_8bit_state_ratio(model: torch.nn.Module) -> float:
     """``optim="adamw_bnb_8bit"`` states over AdamW's, as ``Trainer`` builds them: 8-bit
     blockwise moments (``calc.adamw_8bit_state_bytes``) except for every ``nn.Embedding``,
-    which ``Trainer`` keeps in 32 bits (a bitsandbytes ``GlobalOptimManager`` override)."""
+    which ``Trainer`` keeps in 32 bits (a bitsandbytes ``GlobalOptimManager`` override).
+
+    Args:
+        model: the model, whose trainable parameters are counted.
+
+    Returns:
+        8-bit state bytes over AdamW's.
+    """
 
     embedding = {p.data_ptr() for m in model.modules() if isinstance(m, torch.nn.Embedding)
                  for p in m.parameters() if p.requires_grad}
@@ -108,6 +123,10 @@ def check_settings(model: torch.nn.Module, settings: dict[str, Any]) -> dict[str
       itself, so the adapters get gradients; said aloud, since it recomputes through a slower
       path than non-reentrant (peft #1142), and the fix is ``use_reentrant=False``;
     - ``optim="adamw_bnb_8bit"`` without bitsandbytes: an error naming it.
+
+    Args:
+        model: the model the trainer will run.
+        settings: TrainingArguments / SFTConfig fields.
 
     Returns:
         The settings to use.
@@ -226,6 +245,9 @@ def run_trainer(
             ``chunked_loss.ChunkedCausalLMLoss``), as ``Trainer``'s ``compute_loss``, divided by
             ``num_items_in_batch``; None: the model's own loss.
 
+    Returns:
+        A :class:`TrainerRun`: logged losses, the measured step, the optimizer's state bytes.
+
     Raises:
         ValueError: for steps < 1, no examples, or settings :func:`check_settings` refuses.
 
@@ -291,6 +313,10 @@ def compare_runs(make_model: Any, examples: list[dict[str, list[int]]], tokenize
         metric: "activation_bytes" (the measured step's activations and temporaries at its
             peak) or "optimizer_state_bytes" (after the last step).
         **kwargs: passed to :func:`run_trainer` (``micro_batch_size``, ``sft``...).
+
+    Returns:
+        ``{"ratio", "baseline", "recipe"}``: the recipe run's metric over the baseline's, and
+        both :class:`TrainerRun` s.
 
     Raises:
         ValueError: for an unknown metric.
@@ -373,6 +399,12 @@ def update_gap(make_model: Any, examples: list[dict[str, list[int]]], tokenizer:
     Args:
         make_model: returns a fresh copy of the same model (called twice).
         examples: ``micro_batch_size * accumulation_steps`` examples of different lengths.
+        tokenizer: gives the pad id.
+        micro_batch_size: examples per micro-batch.
+        accumulation_steps: micro-batches accumulated.
+
+    Returns:
+        The largest difference of the two updates over the largest update.
 
     Raises:
         ValueError: if the examples do not fill the accumulated batch exactly.
@@ -395,7 +427,17 @@ def update_gap(make_model: Any, examples: list[dict[str, list[int]]], tokenizer:
 
 def fsdp_settings(model: torch.nn.Module) -> dict[str, Any]:
     """TrainingArguments for FSDP2 over every decoder block of ``model`` (the block class read
-    from the model, not assumed), what an accelerate FSDP2 config file says too."""
+    from the model, not assumed), what an accelerate FSDP2 config file says too.
+
+    Args:
+        model: the model, whose decoder block class is read.
+
+    Returns:
+        ``{"fsdp", "fsdp_config"}`` for ``TrainingArguments``.
+
+    Raises:
+        ValueError: naming the architecture, where no decoder block class is found.
+    """
     from recipes_lib.architectures import architecture_name, decoder_layers
 
     block = architecture_name(decoder_layers(model)[0])
@@ -440,6 +482,14 @@ def accelerate_config(model: torch.nn.Module, num_processes: int,
                       mixed_precision: str = "bf16") -> str:
     """An ``accelerate launch --config_file`` YAML for FSDP2 over ``num_processes`` GPUs of one
     node, wrapping the model's own block class (the file ``accelerate config`` would write).
+
+    Args:
+        model: the model, whose decoder block class is read.
+        num_processes: GPUs (ranks).
+        mixed_precision: "no", "fp16" or "bf16".
+
+    Returns:
+        The YAML text.
 
     Raises:
         ValueError: for fewer than 2 processes or an unknown mixed precision.

@@ -34,7 +34,15 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def claims_table(results_dir: Path | str | None = None) -> list[dict]:
-    """Every speed claim recorded in the results directory, one row per claim."""
+    """Every speed claim recorded in the results directory, one row per claim.
+
+    Args:
+        results_dir: the results folder (default: the results setting's).
+
+    Returns:
+        One dict per claim: ``notebook`` and the claim's fields (recipe, claim, value, target,
+        spread, met).
+    """
     from recipes_lib import results
 
     return [{"notebook": stem, **claim}
@@ -43,7 +51,14 @@ def claims_table(results_dir: Path | str | None = None) -> list[dict]:
 
 
 def format_claims(rows: list[dict]) -> str:
-    """The claims as aligned text lines: verdict, notebook, recipe, claim, figure, spread."""
+    """The claims as aligned text lines: verdict, notebook, recipe, claim, figure, spread.
+
+    Args:
+        rows: :func:`claims_table`'s rows.
+
+    Returns:
+        The lines, joined.
+    """
     lines = []
     for c in rows:
         sign = ">=" if c["at_least"] else "<="
@@ -56,7 +71,14 @@ def format_claims(rows: list[dict]) -> str:
 
 
 def capped_results_dir(isa: str) -> Path:
-    """Where ``run --cap-isa ISA`` puts its figures by default: beside the uncapped ones."""
+    """Where ``run --cap-isa ISA`` puts its figures by default: beside the uncapped ones.
+
+    Args:
+        isa: the cap, e.g. "avx2".
+
+    Returns:
+        ``results/cpu-<isa>-capped``.
+    """
     from recipes_lib.results import RESULTS_DIR
 
     return RESULTS_DIR / f"cpu-{isa}-capped"
@@ -66,7 +88,15 @@ def isa_claims_markdown(native_dir: Path | str, capped_dir: Path | str) -> str:
     """Every speed claim of an uncapped run beside the same claim with the CPU kernels capped
     (``run --cap-isa``), as a Markdown table: figure, spread and verdict on each side, for the
     notebooks the capped run recorded. A claim one side did not make (e.g. one that needs native
-    bf16) reads "not claimed"; figures inside a claim's name are ignored when pairing them."""
+    bf16) reads "not claimed"; figures inside a claim's name are ignored when pairing them.
+
+    Args:
+        native_dir: the uncapped run's results folder.
+        capped_dir: the capped run's.
+
+    Returns:
+        The Markdown table.
+    """
     import re
 
     from recipes_lib import results
@@ -97,7 +127,16 @@ def isa_claims_markdown(native_dir: Path | str, capped_dir: Path | str) -> str:
 
 def bench_verdict(rows: list[dict], reference: bool, how: str) -> tuple[str, bool]:
     """The benchmark's last line, and whether it passes: every claim met on the reference
-    machine; anywhere else the verdicts are reported, never a failure."""
+    machine; anywhere else the verdicts are reported, never a failure.
+
+    Args:
+        rows: :func:`claims_table`'s rows.
+        reference: whether this is the reference machine.
+        how: how this machine differs from it, if it does.
+
+    Returns:
+        ``(line, passes)``.
+    """
     missed = [c for c in rows if not c["met"]]
     if not reference:
         return (f"not the reference machine ({how}): {len(missed)} of {len(rows)} speed claims "
@@ -227,7 +266,14 @@ def _run(args, parser) -> int:
 
 
 def matrix_from_figures(figures: list[dict]) -> dict[str, dict[str, str]]:
-    """An ``architectures.json``'s figures back as architecture -> notebook -> status."""
+    """An ``architectures.json``'s figures back as architecture -> notebook -> status.
+
+    Args:
+        figures: the file's figures.
+
+    Returns:
+        architecture -> notebook -> "ok" or "failed: <error>".
+    """
     out: dict[str, dict[str, str]] = {}
     for f in figures:
         out.setdefault(f["recipe"], {})[f["metric"]] = (
@@ -236,7 +282,14 @@ def matrix_from_figures(figures: list[dict]) -> dict[str, dict[str, str]]:
 
 
 def record_matrix(matrix: dict[str, dict[str, str]]) -> str:
-    """Write the matrix as ``architectures.json`` and the README's table; return the table."""
+    """Write the matrix as ``architectures.json`` and the README's table.
+
+    Args:
+        matrix: architecture -> notebook -> status.
+
+    Returns:
+        The table, as Markdown.
+    """
     import torch
 
     from recipes_lib import device, notebooks, results
@@ -256,7 +309,14 @@ def record_matrix(matrix: dict[str, dict[str, str]]) -> str:
 def architectures_matrix(names: list[str] | None = None) -> bool:
     """``archs``: the architecture x notebook matrix, its results file and README table; return
     whether every notebook ran on every architecture run now. With ``names``, only those
-    architectures run and the rest of the recorded matrix is kept (a rerun after a fix)."""
+    architectures run and the rest of the recorded matrix is kept (a rerun after a fix).
+
+    Args:
+        names: the architectures to run (None: every decoder of ``model.ARCHITECTURES``).
+
+    Returns:
+        True if every notebook ran.
+    """
     from recipes_lib import notebooks, results
 
     matrix = notebooks.architecture_matrix(tuple(names) if names else None)
@@ -267,6 +327,14 @@ def architectures_matrix(names: list[str] | None = None) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command line, ``python -m recipes_lib <command>`` (``--help`` lists the commands).
+
+    Args:
+        argv: the arguments (None: ``sys.argv[1:]``).
+
+    Returns:
+        The exit status.
+    """
     from recipes_lib import data, device, results
 
     parser = argparse.ArgumentParser(prog="python -m recipes_lib")

@@ -29,12 +29,25 @@ def _class_names(module: nn.Module) -> list[str]:
 
 def architecture_name(model: nn.Module) -> str:
     """The class name users know the model by (``Phi3ForCausalLM``), through a peft wrapper or
-    FSDP2's renamed class."""
+    FSDP2's renamed class.
+
+    Args:
+        model: a module, wrapped or not.
+
+    Returns:
+        The class name.
+    """
     return next(n for n in _class_names(_base(model)) if not n.startswith("FSDP"))
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The repeated transformer blocks (the classes transformers lists in ``_no_split_modules``).
+
+    Args:
+        model: a transformers model, wrapped or not.
+
+    Returns:
+        The blocks, in order.
 
     Raises:
         ValueError: naming the architecture, if it declares no such classes or none are found.
@@ -59,6 +72,12 @@ def adapter_targets(model: nn.Module) -> tuple[str, ...]:
     ``o_proj``, ``gate_up_proj``, ``down_proj``). The head and embeddings are left out, as peft's
     ``"all-linear"`` does. A layer adapted already (peft's LoRA wrapper, the course's NF4 layer)
     counts as the linear it wraps.
+
+    Args:
+        model: a transformers model, wrapped or not.
+
+    Returns:
+        The layers' names (the last part of each module name), in order.
 
     Raises:
         ValueError: naming the architecture, if its blocks hold no ``nn.Linear``.
@@ -86,6 +105,12 @@ def adapter_targets(model: nn.Module) -> tuple[str, ...]:
 def lm_head_weight(model: nn.Module) -> torch.Tensor:
     """The output projection's weight (vocab x hidden), tied to the embeddings or not.
 
+    Args:
+        model: a causal LM, wrapped or not.
+
+    Returns:
+        The weight (the parameter itself, not a copy).
+
     Raises:
         ValueError: naming the architecture, if there is no bias-free linear head.
     """
@@ -101,13 +126,27 @@ def lm_head_weight(model: nn.Module) -> torch.Tensor:
 
 def final_logit_softcap(model: nn.Module) -> float | None:
     """Gemma-2's ``final_logit_softcapping`` (logits become ``cap * tanh(logits / cap)``), or
-    None for architectures whose head is a plain matmul."""
+    None for architectures whose head is a plain matmul.
+
+    Args:
+        model: a causal LM, wrapped or not.
+
+    Returns:
+        The cap, or None.
+    """
     return getattr(_base(model).config, "final_logit_softcapping", None) or None
 
 
 def softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
     """``cap * tanh(logits / cap)`` as Gemma-2 applies it to its final logits; unchanged for
     None. Apply it wherever logits are made from the head's weight outside the model's forward.
+
+    Args:
+        logits: any tensor of logits.
+        cap: the model's :func:`final_logit_softcap`.
+
+    Returns:
+        The capped logits (``logits`` itself for None).
 
     Example:
         >>> softcap(torch.tensor([0.0, 100.0]), 30.0).round()
@@ -139,12 +178,26 @@ def supports_sdpa(config: Any) -> bool:
 
 def default_attention(config: Any) -> str:
     """``"sdpa"`` where the architecture has it, else ``"eager"``: what ``load_model``'s "auto"
-    ends up with, for models built from a config."""
+    ends up with, for models built from a config.
+
+    Args:
+        config: a causal LM's transformers config.
+
+    Returns:
+        The attention implementation's name.
+    """
     return "sdpa" if supports_sdpa(config) else "eager"
 
 
 def describe(model: nn.Module) -> dict[str, Any]:
     """What the recipes will use in ``model``: its block class, adapter targets, head, attention.
+
+    Args:
+        model: a causal LM, wrapped or not.
+
+    Returns:
+        ``architecture``, ``blocks``, ``adapter_targets``, ``tied_embeddings``, ``attention``
+        and the soft-capping values.
 
     Example:
         >>> describe(model)["adapter_targets"]  # doctest: +SKIP

@@ -39,6 +39,9 @@ def eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     Args:
         q, k, v: (batch, heads, seq, head_dim); k and v may have fewer heads (GQA), repeated.
         causal: mask future positions.
+
+    Returns:
+        The output, shaped as ``q``.
     """
     if k.shape[1] != q.shape[1]:
         k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
@@ -61,6 +64,16 @@ def _sdpa_backend_enum(name: str):
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
                    backend: str | None = None) -> torch.Tensor:
     """``F.scaled_dot_product_attention``, optionally restricted to one backend.
+
+    Args:
+        q: queries, (batch, heads, seq, head_dim).
+        k: keys (fewer heads with GQA).
+        v: values, as ``k``.
+        causal: mask future positions.
+        backend: one of ``SDPA_BACKENDS`` (None: PyTorch chooses).
+
+    Returns:
+        The output, shaped as ``q``.
 
     Raises:
         ValueError: for an unknown backend, or one this device / dtype cannot run.
@@ -162,6 +175,13 @@ def flash_attn_available(device: torch.device | str) -> bool:
 
 def attention_fn(impl: str, device: torch.device | str) -> Callable[..., torch.Tensor]:
     """The attention callable for an implementation name in ``IMPLEMENTATIONS``.
+
+    Args:
+        impl: "eager", "sdpa", "sdpa-<backend>" or "flash-attn".
+        device: where it will run.
+
+    Returns:
+        ``fn(q, k, v, causal=True) -> output``.
 
     Raises:
         ValueError: for an unknown name, or one that cannot run on ``device`` (with what can).
@@ -311,6 +331,17 @@ def seq_len_sweep(seq_lens: list[int], impl: str = "sdpa", baseline: str = "eage
     Work per call (for the regime): causal attention's ``2 * 2 * b*h*s^2*d`` FLOPs forward
     (half the square) times 3.5 with backward; the baseline's bytes are its s x s scores
     (written and read in fp32 or the dtype) plus q, k, v and the output.
+
+    Args:
+        seq_lens: the lengths, at least three, growing.
+        impl: the attention timed as the recipe (see :func:`attention_fn`).
+        baseline: the attention it is timed against.
+        batch_size: sequences per call.
+        num_heads: attention heads.
+        head_dim: width of each head.
+        dtype: the inputs' dtype.
+        device: where it runs.
+        repeats: timed calls of each, in alternation.
 
     Returns:
         A ``sweep.Sweep`` (recipe "attention", dimension "seq_len").

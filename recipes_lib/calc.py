@@ -397,6 +397,20 @@ def llama_layer_bytes(shape: ModelShape, seq_len: int, batch_size: int, method: 
     With ``checkpointing`` a layer keeps only its input (``p h``). On this CPU the fake-tensor
     meter finds these bytes exactly for every stack above (``tests/test_fake_memory.py``).
 
+    Args:
+        shape: the model's sizes.
+        seq_len: tokens per sequence.
+        batch_size: sequences per step.
+        method: "full", "lora" or "qlora".
+        precision: "fp32", "bf16", "fp16" or "bf16-mixed".
+        lora_rank: the adapters' rank.
+        lora_targets: the linears adapted.
+        fp32_adapters: peft's default fp32 adapters (False: the base's dtype).
+        lora_dropout: the adapters' dropout probability.
+        gpu_dropout: count CUDA's 1-byte dropout mask (above).
+        nf4_keeps_input: bitsandbytes before 0.43.2 (above).
+        checkpointing: the layer is checkpointed.
+
     Returns:
         ``{"per_token", "weight_copies", "total"}``: bytes a token, bytes independent of the
         tokens, and ``per_token * seq_len * batch_size + weight_copies``.
@@ -539,6 +553,9 @@ def max_seq_len(shape: ModelShape, budget_bytes: float, fixed_bytes: float = 0.0
 
     Returns:
         The longest sequence length that fits, in tokens.
+
+    Raises:
+        ValueError: for a ``budget_bytes`` <= 0.
 
     Example:
         >>> s = ModelShape(32000, 4096, 11008, 32, 32, 32)
@@ -705,6 +722,15 @@ def flops_per_token(n_params: int, training: bool = True, recompute: bool = Fals
 def logits_bytes(seq_len: int, batch_size: int, vocab_size: int, bytes_per_value: int = 2
                  ) -> float:
     """One logits tensor: ``s * b * V * bytes``.
+
+    Args:
+        seq_len: tokens per sequence.
+        batch_size: sequences.
+        vocab_size: the vocabulary.
+        bytes_per_value: 2 for 16-bit logits, 4 for fp32.
+
+    Returns:
+        Bytes of the tensor.
 
     Example:
         >>> round(logits_bytes(4096, 8, 256_000, 2) / 1e9, 1)  # bs 8, 4k tokens, 256k vocab, bf16

@@ -23,6 +23,13 @@ TERMS = ("params", "grads", "optimizer", "activations")
 def relative_errors(size: tuple[int, ...], vocab_size: int = 512) -> dict[str, float]:
     """|measured - predicted| / measured for each term, at one size (fp32, AdamW, eager).
 
+    Args:
+        size: the model's 7 sizes, as in :data:`SIZES`.
+        vocab_size: the model's vocabulary.
+
+    Returns:
+        term -> relative error.
+
     Raises:
         ValueError: for a size that is not 7 positive integers.
     """
@@ -58,12 +65,27 @@ def relative_errors(size: tuple[int, ...], vocab_size: int = 512) -> dict[str, f
 
 
 def worst_errors(per_size: list[dict[str, float]]) -> dict[str, float]:
-    """Each term's worst relative error over sizes."""
+    """Each term's worst relative error over sizes.
+
+    Args:
+        per_size: :func:`relative_errors` at each size.
+
+    Returns:
+        term -> the largest error.
+    """
     return {term: max(errors[term] for errors in per_size) for term in TERMS}
 
 
 def save(worst: dict[str, float], results_dir: Path | str | None = None) -> Path:
-    """Write the worst errors as ``calc_validation.json`` (results directory by default)."""
+    """Write the worst errors as ``calc_validation.json`` (results directory by default).
+
+    Args:
+        worst: :func:`worst_errors`' result.
+        results_dir: where to write it.
+
+    Returns:
+        The file written.
+    """
     r = results.Results("calc_validation", "cpu (calculator vs measured tensors)", results_dir)
     for term, err in worst.items():
         r.add("calculator", f"{term}_rel_error", err, baseline=0.0, unit="worst relative error")
@@ -71,6 +93,13 @@ def save(worst: dict[str, float], results_dir: Path | str | None = None) -> Path
 
 
 def run(sizes: list[tuple[int, ...]] = SIZES) -> Path:
-    """Measure every size and save the worst errors (what ``make run`` calls)."""
+    """Measure every size and save the worst errors (what ``make run`` calls).
+
+    Args:
+        sizes: the model sizes measured.
+
+    Returns:
+        The file written.
+    """
     torch.manual_seed(0)
     return save(worst_errors([relative_errors(size) for size in sizes]))

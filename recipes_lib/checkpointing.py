@@ -105,7 +105,14 @@ def enable_activation_checkpointing(model: torch.nn.Module, every_n_layers: int 
 
 
 def disable_activation_checkpointing(model: torch.nn.Module) -> torch.nn.Module:
-    """Undo ``enable_activation_checkpointing``."""
+    """Undo ``enable_activation_checkpointing``.
+
+    Args:
+        model: the checkpointed model.
+
+    Returns:
+        ``model`` itself, without checkpointing.
+    """
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     if hasattr(base, "activation_checkpointing_disable"):
         base.activation_checkpointing_disable()
@@ -122,6 +129,9 @@ def offload_activations(device: torch.device | str | None = None):
     long enough to hide the copies (long sequences, large layers). With checkpointing only the
     layer inputs are saved, so the two combine: checkpoint, and offload what is kept. On a CPU the
     activations already live in CPU memory: the context changes nothing, which it says.
+
+    Args:
+        device: the device the model runs on (None: CUDA if present, else the CPU).
 
     Example:
         >>> with offload_activations("cuda"):  # doctest: +SKIP

@@ -36,7 +36,11 @@ REFERENCE = {"arch": "x86_64", "cores": 2, "cpu_isa": "AVX2", "hardware_isa": "A
 
 
 def this_machine() -> dict[str, Any]:
-    """The fields of :data:`REFERENCE`, read off this machine."""
+    """The fields of :data:`REFERENCE`, read off this machine.
+
+    Returns:
+        ``arch``, ``cores``, ``cpu_isa``, ``hardware_isa`` and ``accelerator``.
+    """
     accelerator = ("cuda" if torch.cuda.is_available()
                    else "mps" if torch.backends.mps.is_available() else "none")
     return {"arch": platform.machine(), "cores": os.cpu_count(),
@@ -45,7 +49,11 @@ def this_machine() -> dict[str, Any]:
 
 
 def is_reference_machine() -> tuple[bool, str]:
-    """Whether this is the reference machine, and a line saying how it differs if not."""
+    """Whether this is the reference machine, and a line saying how it differs if not.
+
+    Returns:
+        ``(is_reference, how)``.
+    """
     here = this_machine()
     diff = [f"{k} {here[k]} (reference: {v})" for k, v in REFERENCE.items() if here[k] != v]
     return not diff, "; ".join(diff) or "the reference machine"

@@ -28,7 +28,14 @@ ChunkLoss = Callable[..., torch.Tensor]
 
 
 def upcast(x: torch.Tensor) -> torch.Tensor:
-    """At least fp32 (bf16 / fp16 logits lose too much in softmax); fp64 stays fp64."""
+    """At least fp32 (bf16 / fp16 logits lose too much in softmax); fp64 stays fp64.
+
+    Args:
+        x: any floating tensor.
+
+    Returns:
+        ``x`` in fp32, or itself if it is fp32 or fp64 already.
+    """
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
@@ -53,7 +60,11 @@ class ChunkGrad:
     and the loss are elementwise over one logits tile, which ``torch.compile`` fuses into a pass
     or two (what Cut Cross-Entropy's kernels do by hand); in place, one logits buffer serves
     every chunk (as Liger-Kernel's fused linear cross-entropy writes the gradient over the
-    logits), so no chunk allocates, and first touches, a fresh tokens x vocab tile."""
+    logits), so no chunk allocates, and first touches, a fresh tokens x vocab tile.
+
+    Args:
+        fn: the chunk's loss and gradient, as above.
+    """
 
     def __init__(self, fn: Callable[..., torch.Tensor]):
         self.fn = fn
@@ -65,7 +76,17 @@ class ChunkGrad:
 def target_logits(z: torch.Tensor, y: torch.Tensor, ignore_index: int, cap: float | None
                   ) -> torch.Tensor:
     """Each row's logit at its label (row 0's column where the label is ``ignore_index``),
-    upcast to at least fp32 and soft-capped as :func:`_ce_chunk_` caps its logits."""
+    upcast to at least fp32 and soft-capped as :func:`_ce_chunk_` caps its logits.
+
+    Args:
+        z: a chunk's logits, (tokens, vocab).
+        y: its labels, (tokens,).
+        ignore_index: the label of positions without a loss.
+        cap: the final-logit soft-capping value (None: none).
+
+    Returns:
+        (tokens,) logits.
+    """
     safe = torch.where(y != ignore_index, y, 0)
     return softcap(upcast(z.gather(1, safe[:, None])[:, 0]), cap)
 
@@ -98,7 +119,16 @@ def ce_chunk(ignore_index: int = IGNORE_INDEX, logit_softcap: float | None = Non
              body: Callable[..., torch.Tensor] = _ce_chunk_) -> ChunkGrad:
     """:func:`_ce_chunk_` as a :class:`ChunkGrad`, ``fn(logits_chunk, labels_chunk)``, eager
     unless ``body`` is its compiled form: the labels' logits are gathered here, before
-    ``body`` overwrites the chunk."""
+    ``body`` overwrites the chunk.
+
+    Args:
+        ignore_index: the label of positions without a loss.
+        logit_softcap: the final-logit soft-capping value (None: none).
+        body: the chunk's loss-and-gradient function.
+
+    Returns:
+        The :class:`ChunkGrad`.
+    """
     return ChunkGrad(lambda z, y: body(z, y, target_logits(z, y, ignore_index, logit_softcap),
                                        ignore_index, logit_softcap))
 
@@ -118,6 +148,13 @@ def compiled_ce_chunk(ignore_index: int = IGNORE_INDEX, logit_softcap: float | N
     (7.149 for 5.996 in ``tests/test_chunked_loss.py``; torch 2.12.1 and 2.13 order it right).
     Read outside, it costs one small eager gather per chunk and no time measured (19.8 ms either
     way for a 512 x 32,000 fp32 chunk, one thread, torch 2.13).
+
+    Args:
+        ignore_index: the label of positions without a loss.
+        logit_softcap: the final-logit soft-capping value (None: none).
+
+    Returns:
+        The compiled :class:`ChunkGrad`.
 
     Raises:
         ValueError: where ``torch.compile`` cannot run (no C++ compiler, no Triton).

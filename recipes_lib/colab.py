@@ -41,6 +41,14 @@ def _check(repo: str, ref: str) -> None:
 def badge_markdown(repo: str, notebook: str, ref: str = "main") -> str:
     """The "Open in Colab" badge for ``notebooks/<notebook>`` of ``repo`` at ``ref``.
 
+    Args:
+        repo: the GitHub repository, ``owner/name``.
+        notebook: the notebook's file name.
+        ref: the branch or tag the badge opens.
+
+    Returns:
+        The badge, as Markdown.
+
     Raises:
         ValueError: for a repo that is not ``owner/name`` or a malformed ref.
 
@@ -55,6 +63,13 @@ def badge_markdown(repo: str, notebook: str, ref: str = "main") -> str:
 
 def install_source(repo: str, ref: str = "main") -> str:
     """The first code cell: on Colab, clone ``repo`` at ``ref`` and install it; elsewhere nothing.
+
+    Args:
+        repo: the GitHub repository, ``owner/name``.
+        ref: the branch or tag to clone.
+
+    Returns:
+        The cell's source.
 
     Raises:
         ValueError: for a repo that is not ``owner/name`` or a malformed ref.
@@ -79,6 +94,11 @@ def install_source(repo: str, ref: str = "main") -> str:
 
 def stamp_notebook(path: Path | str, repo: str, ref: str = "main") -> None:
     """Put (or replace) the badge and install cells at the top of one notebook, in place.
+
+    Args:
+        path: the notebook.
+        repo: the GitHub repository, ``owner/name``.
+        ref: the branch or tag.
 
     Raises:
         ValueError: for a bad repo / ref.
@@ -105,7 +125,19 @@ def stamp_notebook(path: Path | str, repo: str, ref: str = "main") -> None:
 
 def stamp_notebooks(repo: str, ref: str = "main",
                     notebooks: list[Path] | None = None) -> list[Path]:
-    """:func:`stamp_notebook` on every notebook (default: ``notebooks/*.ipynb``)."""
+    """:func:`stamp_notebook` on every notebook (default: ``notebooks/*.ipynb``).
+
+    Args:
+        repo: the GitHub repository, ``owner/name``.
+        ref: the branch or tag.
+        notebooks: the notebooks to stamp.
+
+    Returns:
+        The notebooks stamped.
+
+    Raises:
+        ValueError: for a bad repo / ref.
+    """
     paths = notebooks or sorted((ROOT / "notebooks").glob("*.ipynb"))
     for p in paths:
         stamp_notebook(p, repo, ref)

@@ -21,7 +21,19 @@ _BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: 
 
 def bus_bandwidth(op: str, size_bytes: float, seconds: float, world_size: int
                   ) -> tuple[float, float]:
-    """(algbw, busbw) in GB/s (1e9 bytes) for one collective of ``size_bytes`` taking ``seconds``.
+    """Algorithm and bus bandwidth of one collective (nccl-tests' definitions).
+
+    Args:
+        op: "all_reduce" or "all_gather".
+        size_bytes: the message's bytes.
+        seconds: the time one call took.
+        world_size: ranks taking part.
+
+    Returns:
+        ``(algbw, busbw)`` in GB/s (1e9 bytes).
+
+    Raises:
+        ValueError: for an unknown ``op`` or a size, time or rank count out of range.
 
     Example:
         >>> bus_bandwidth("all_reduce", 1e9, 1.0, 8)
@@ -51,6 +63,10 @@ def run(sizes: list[int] | None = None, ops: tuple[str, ...] = OPS, iters: int =
 
     Returns:
         One row per (op, size): op, bytes, time_us, algbw_gbps, busbw_gbps, world_size, backend.
+
+    Raises:
+        RuntimeError: outside a process group of at least 2 ranks.
+        ValueError: for an unknown collective.
     """
     from recipes_lib.distributed import world
 

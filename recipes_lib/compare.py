@@ -15,7 +15,12 @@ from recipes_lib.train import optimizer_step
 
 @dataclass
 class StepMeasurement:
-    """Peak memory (by category) and median time of one training step."""
+    """Peak memory (by category) and median time of one training step.
+
+    Attributes:
+        memory: the step's ``MemoryReport``.
+        timing: its ``Timing`` (None when measured with ``repeats=0``: memory only).
+    """
 
     memory: MemoryReport
     timing: Timing | None  # None when measured with repeats=0 (memory only)

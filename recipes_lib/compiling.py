@@ -57,6 +57,9 @@ def compile_available(device: torch.device | str = "cpu") -> tuple[bool, str]:
 def require_compile(device: torch.device | str = "cpu") -> None:
     """Raise a clear error where ``torch.compile`` cannot run on ``device``.
 
+    Args:
+        device: where the compiled code would run.
+
     Raises:
         ValueError: naming the device and what is missing.
     """
@@ -98,6 +101,9 @@ def first_call(compiled: Callable[[], Any]) -> tuple[Any, float]:
     ``generate``) would otherwise make this one a recompile with dynamic shapes, several times
     slower here and with different kernels.
 
+    Args:
+        compiled: the compiled callable's first call, wrapped (no arguments).
+
     Returns:
         The call's output and its seconds (tracing, code generation and the C++ compiler).
     """
@@ -112,6 +118,14 @@ def break_even_calls(eager_s: float, compiled_s: float, compile_s: float) -> flo
     """Calls after which compiling has paid for itself: ``compile_s / (eager_s - compiled_s)``;
     ``inf`` when the compiled call is not faster.
 
+    Args:
+        eager_s: seconds per eager call.
+        compiled_s: seconds per compiled call.
+        compile_s: seconds the compilation took.
+
+    Returns:
+        The calls, or ``math.inf``.
+
     Example:
         >>> break_even_calls(0.010, 0.006, 2.0)
         500.0
@@ -123,7 +137,14 @@ def break_even_calls(eager_s: float, compiled_s: float, compile_s: float) -> flo
 @dataclass
 class CompileComparison:
     """Eager against compiled: the median seconds per call, the first compiled call's seconds
-    (tracing and code generation), the largest output difference."""
+    (tracing and code generation), the largest output difference.
+
+    Attributes:
+        eager: the eager calls' ``Timing``.
+        compiled: the compiled calls' ``Timing``.
+        compile_s: seconds of the first compiled call.
+        max_abs_diff: the largest output difference from eager.
+    """
 
     eager: Timing
     compiled: Timing
@@ -183,6 +204,15 @@ def compare(eager: Callable[[], torch.Tensor], compiled: Callable[[], torch.Tens
     compare its output with ``eager``'s, then time both in alternation (the one timer).
 
     Both callables return a tensor (a loss, logits); it is compared after the first calls.
+
+    Args:
+        eager: the plain call.
+        compiled: the same call through the compiled callable, not yet called.
+        repeats: timed calls of each, in alternation.
+        device: where they run.
+
+    Returns:
+        The :class:`CompileComparison`.
     """
     ref = eager()
     out, compile_s = first_call(compiled)
@@ -200,7 +230,12 @@ def training_step(make_model: Callable[[], torch.nn.Module], batch: dict[str, to
 
     Args:
         make_model: returns a fresh copy of the same model (called twice).
+        batch: ``input_ids`` and ``labels``.
+        repeats: timed steps of each, in alternation.
         mode: ``torch.compile``'s mode (None, "max-autotune", "reduce-overhead" on CUDA).
+
+    Returns:
+        The :class:`CompileComparison` (the output compared is the loss).
 
     Raises:
         ValueError: where ``torch.compile`` cannot run on the model's device.

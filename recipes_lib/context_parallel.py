@@ -39,7 +39,12 @@ ATTN_NAME = "ring_attention"
 
 @dataclass
 class RingStats:
-    """Bytes this rank sent around the ring (forward and backward), for the calculator check."""
+    """Bytes this rank sent around the ring (forward and backward), for the calculator check.
+
+    Attributes:
+        forward_bytes: sent in forward passes.
+        backward_bytes: sent in backward passes.
+    """
 
     forward_bytes: int = 0
     backward_bytes: int = 0
@@ -76,12 +81,33 @@ def check_split(seq_len: int, world_size: int) -> int:
 
 
 def chunk_ids(rank: int, world_size: int) -> tuple[int, int]:
-    """The two chunks rank ``rank`` holds: one from each end of the sequence."""
+    """The two chunks rank ``rank`` holds: one from each end of the sequence.
+
+    Args:
+        rank: this rank.
+        world_size: ranks sharing the sequence (``N``; ``2N`` chunks).
+
+    Returns:
+        ``(rank, 2N - 1 - rank)``.
+
+    Example:
+        >>> chunk_ids(0, 4)
+        (0, 7)
+    """
     return rank, 2 * world_size - 1 - rank
 
 
 def shard(x: torch.Tensor, rank: int, world_size: int, dim: int = 1) -> torch.Tensor:
     """This rank's tokens of ``x`` along ``dim``: chunks ``r`` and ``2N - 1 - r`` of ``2N``.
+
+    Args:
+        x: the full sequence's tensor.
+        rank: this rank (``r``).
+        world_size: ranks sharing the sequence (``N``).
+        dim: the sequence dimension.
+
+    Returns:
+        The two chunks, concatenated along ``dim``.
 
     Example:
         >>> shard(torch.arange(8)[None], 0, 2).tolist()
@@ -94,7 +120,20 @@ def shard(x: torch.Tensor, rank: int, world_size: int, dim: int = 1) -> torch.Te
 
 
 def unshard(parts: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
-    """The full sequence from every rank's :func:`shard` (rank order), the inverse of it."""
+    """The full sequence from every rank's :func:`shard` (rank order), the inverse of it.
+
+    Args:
+        parts: each rank's shard, in rank order.
+        dim: the sequence dimension.
+
+    Returns:
+        The full sequence's tensor.
+
+    Example:
+        >>> x = torch.arange(8)[None]
+        >>> unshard([shard(x, r, 2) for r in range(2)]).tolist()
+        [[0, 1, 2, 3, 4, 5, 6, 7]]
+    """
     world_size = len(parts)
     chunks: list[Any] = [None] * (2 * world_size)
     for r, part in enumerate(parts):
@@ -122,6 +161,17 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
     With ``kernel`` (default: on CPU) PyTorch's fused CPU flash kernel returns both in O(block)
     memory; otherwise the scores are written out: the readable reference (on GPUs PyTorch's own
     ``context_parallel`` is the path).
+
+    Args:
+        q: the query block, (batch, heads, tokens, head_dim).
+        k: the key block (heads repeated to match ``q``).
+        v: the value block, as ``k``.
+        causal: the diagonal block (causal mask inside) rather than a block wholly in the past.
+        scale: the scores' scale.
+        kernel: use the fused CPU kernel (None: on a CPU).
+
+    Returns:
+        ``(output, lse)``: the block's output and its fp32 log-sum-exp per query.
     """
     if (q.device.type == "cpu") if kernel is None else kernel:
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
@@ -144,6 +194,20 @@ def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     ``D = rowsum(dout * out)``: ``dV = P^T dout``, ``dS = P (dout V^T - D)``,
     ``dQ = dS K * scale``, ``dK = dS^T Q * scale``; summed over blocks, the dense gradients.
     ``kernel`` as in :func:`block_forward`.
+
+    Args:
+        dout: the gradient of the merged output.
+        q: the query block.
+        k: the key block.
+        v: the value block.
+        out: the merged output of the queries.
+        lse: their merged log-sum-exp.
+        causal: as in :func:`block_forward`.
+        scale: the scores' scale.
+        kernel: as in :func:`block_forward`.
+
+    Returns:
+        ``(dq, dk, dv)`` of this block.
     """
     if (q.device.type == "cpu") if kernel is None else kernel:
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
@@ -200,7 +264,18 @@ class _Ring:
 
 
 class RingAttention(torch.autograd.Function):
-    """Causal ring attention over the load-balanced shards of every rank of ``group``."""
+    """Causal ring attention over the load-balanced shards of every rank of ``group``.
+
+    Called as ``RingAttention.apply(q, k, v, scale, group, stats)``; returns this rank's output.
+
+    Args:
+        q: this rank's queries (``shard``'s layout), (batch, heads, tokens, head_dim).
+        k: its keys (fewer heads with GQA).
+        v: its values, as ``k``.
+        scale: the scores' scale.
+        group: the process group (None: the default one).
+        stats: a :class:`RingStats` counting the bytes sent, or None.
+    """
 
     @staticmethod
     def forward(ctx, q, k, v, scale, group, stats):
@@ -307,6 +382,13 @@ def register_with_transformers(stats: RingStats | None = None, group: Any = None
     The model then runs on this rank's shard of the tokens (``input_ids`` and ``position_ids``
     from :func:`shard`; RoPE reads the global positions), with no attention mask: the ring
     knows which chunks are causal. Use ``model.set_attn_implementation(name)``.
+
+    Args:
+        stats: counts the bytes sent (None: not counted).
+        group: the process group (None: the default one).
+
+    Returns:
+        The implementation's name.
     """
     from transformers import AttentionInterface
 
@@ -328,6 +410,14 @@ def check_against_dense(seq_len: int = 256, heads: int = 4, kv_heads: int = 2, h
 
     Every rank draws the same full ``q, k, v`` (seeded), runs the ring on its shard, and
     compares its share of the output and of the gradients with the dense reference's.
+
+    Args:
+        seq_len: tokens of the full sequence.
+        heads: query heads.
+        kv_heads: key/value heads.
+        head_dim: width of each head.
+        dtypes: the dtypes compared in.
+        seed: for ``q, k, v``.
 
     Returns:
         dtype -> ``{"output": max abs error, "grad": max abs error over dq, dk, dv}``
@@ -367,7 +457,13 @@ def training_step(model: torch.nn.Module, ids: torch.Tensor, parallel: bool) -> 
     """Forward and backward of one sequence; with ``parallel`` on this rank's shard through the
     ring (gradients all-reduced, as the replicated parameters need), else whole on this rank.
 
-    Returns the mean next-token loss over the whole sequence (detached).
+    Args:
+        model: the model, its attention registered as the ring's when ``parallel``.
+        ids: the whole sequence, (1, seq_len).
+        parallel: run through the ring.
+
+    Returns:
+        The mean next-token loss over the whole sequence (detached).
     """
     targets = _shifted_targets(ids)
     n_targets = int((targets != -100).sum())
@@ -406,6 +502,19 @@ def compare_with_one_rank(seq_len: int = 1024, budget_mib: float = 48.0,
     - **longest sequence** whose per-rank peak fits ``budget_mib``, both ways: doubling from
       ``seq_len``, then bisecting to a multiple of ``16 x world size`` tokens
       (``max_context.max_seq_len``; a lower bound when it reaches ``search_limit``).
+
+    Args:
+        seq_len: tokens of the equality, memory and communication checks.
+        budget_mib: the per-rank memory the longest-sequence search fits.
+        search_limit: the longest sequence it tries.
+        hidden_size: the model's width.
+        num_hidden_layers: its depth.
+        vocab_size: its vocabulary.
+        seed: for the model and the tokens.
+
+    Returns:
+        This rank's figures: losses and gradient difference, peaks and activation bytes both
+        ways, bytes sent, and the longest sequence both ways.
 
     Raises:
         ValueError: for one rank, or a ``seq_len`` / ``search_limit`` the ``2N`` chunks do not
@@ -505,6 +614,12 @@ def check_torch_context_parallel(seq_len: int = 4096, heads: int = 8, head_dim: 
     The GPU path of the recipe: inside the context manager SDPA runs as ring attention over the
     load-balanced shards PyTorch makes of the buffers, in place. Not run on CPU ranks (gloo):
     PyTorch implements it on NCCL only.
+
+    Args:
+        seq_len: tokens of the full sequence.
+        heads: attention heads.
+        head_dim: width of each head.
+        seed: for ``q, k, v``.
 
     Returns:
         ``{"output": max abs error of this rank's shard}`` (bf16).

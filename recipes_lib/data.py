@@ -261,6 +261,16 @@ def batches(
 ) -> Iterator[dict[str, torch.Tensor]]:
     """An endless, seeded stream of padded batches (reshuffled every epoch).
 
+    Args:
+        examples: tokenised examples.
+        batch_size: examples per batch.
+        pad_token_id: the id padded positions get.
+        seed: for the order.
+        shuffle: shuffle (else the examples' order, repeated).
+
+    Yields:
+        Collated batches (:func:`collate`).
+
     Raises:
         ValueError: if batch_size < 1 or larger than the number of examples.
     """

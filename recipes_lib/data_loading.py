@@ -74,6 +74,9 @@ def make_loader(
         persistent_workers: keep workers alive across epochs (no re-fork per epoch).
         collate: batch builder; default ``data.collate``.
 
+    Returns:
+        The ``DataLoader``.
+
     Raises:
         ValueError: for batch_size < 1, num_workers < 0, or prefetch/persistence without workers.
     """
@@ -100,6 +103,16 @@ def distributed_sampler(dataset: Dataset, rank: int | None = None, world_size: i
     """Each rank its own ``1/N`` of the indices, reshuffled per epoch (call ``set_epoch``).
 
     Outside a process group pass ``rank`` and ``world_size`` explicitly (as the tests do).
+
+    Args:
+        dataset: the map-style dataset.
+        rank: this rank (None: the process group's).
+        world_size: ranks (None: the process group's).
+        seed: for the shuffle.
+        shuffle: reshuffle each epoch.
+
+    Returns:
+        The ``DistributedSampler``.
     """
     from recipes_lib.distributed import world
 
@@ -110,7 +123,14 @@ def distributed_sampler(dataset: Dataset, rank: int | None = None, world_size: i
 
 
 def epochs(loader: DataLoader) -> Iterable[Any]:
-    """Endless batches from ``loader``, calling ``sampler.set_epoch`` at each new epoch."""
+    """Endless batches from ``loader``, calling ``sampler.set_epoch`` at each new epoch.
+
+    Args:
+        loader: the ``DataLoader``.
+
+    Yields:
+        Its batches, epoch after epoch.
+    """
     epoch = 0
     while True:
         if hasattr(loader.sampler, "set_epoch"):
@@ -213,7 +233,19 @@ def plot_stall(runs: list[dict[str, Any]], predicted: dict[str, Callable[[float]
 
 
 def stall_fraction(batch_times: list[float], step_times: list[float]) -> float:
-    """Time waiting for batches over total time (waiting + computing)."""
+    """Time waiting for batches over total time (waiting + computing).
+
+    Args:
+        batch_times: seconds waited for each batch.
+        step_times: seconds each step computed.
+
+    Returns:
+        The fraction, in [0, 1].
+
+    Example:
+        >>> stall_fraction([0.1, 0.1], [0.3, 0.3])
+        0.25
+    """
     wait, compute = sum(batch_times), sum(step_times)
     return wait / (wait + compute) if wait + compute > 0 else 0.0
 
@@ -260,8 +292,17 @@ def measure_loader(loader: DataLoader, step: Callable[[dict[str, torch.Tensor]],
 
     The first ``warmup`` batches (worker start-up) are excluded for every loader alike.
 
+    Args:
+        loader: the ``DataLoader``.
+        step: one training step on a batch.
+        steps: timed steps.
+        warmup: untimed steps first.
+
     Returns:
         ``{"stall_fraction", "wait_s", "compute_s", "steps"}``.
+
+    Raises:
+        ValueError: for ``steps`` < 1.
     """
     if steps < 1:
         raise ValueError(f"steps={steps}: must be >= 1")

@@ -138,7 +138,21 @@ def compute_dtype(device: torch.device) -> torch.dtype:
 
 
 def dtype_of(precision: str) -> torch.dtype:
-    """The torch dtype for a resolved precision name."""
+    """The torch dtype for a resolved precision name.
+
+    Args:
+        precision: "fp32", "bf16" or "fp16".
+
+    Returns:
+        The dtype.
+
+    Raises:
+        ValueError: for another name.
+
+    Example:
+        >>> dtype_of("bf16")
+        torch.bfloat16
+    """
     if precision not in _DTYPES:
         raise ValueError(f"precision={precision!r}: expected one of {tuple(_DTYPES)}")
     return _DTYPES[precision]
@@ -146,7 +160,15 @@ def dtype_of(precision: str) -> torch.dtype:
 
 @contextlib.contextmanager
 def autocast(device: torch.device, precision: str) -> Iterator[None]:
-    """Autocast to ``precision`` on ``device``; a no-op for fp32."""
+    """Autocast to ``precision`` on ``device``; a no-op for fp32.
+
+    Args:
+        device: where the model runs.
+        precision: "fp32", "bf16" or "fp16".
+
+    Yields:
+        Nothing: a context manager.
+    """
     if precision == "fp32":
         yield
         return
@@ -155,7 +177,11 @@ def autocast(device: torch.device, precision: str) -> Iterator[None]:
 
 
 def synchronize(device: torch.device) -> None:
-    """Wait for queued kernels so that a timer reads real time (no-op on CPU)."""
+    """Wait for queued kernels so that a timer reads real time (no-op on CPU).
+
+    Args:
+        device: the device whose queue to wait for.
+    """
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     elif device.type == "mps":
@@ -163,7 +189,11 @@ def synchronize(device: torch.device) -> None:
 
 
 def cpu_name() -> str:
-    """The CPU's model name (``/proc/cpuinfo`` on Linux, else ``platform.processor()``), or ''."""
+    """The CPU's model name (``/proc/cpuinfo`` on Linux, else ``platform.processor()``).
+
+    Returns:
+        The name, or '' where none is found.
+    """
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -179,7 +209,11 @@ def native_cpu_isa() -> str:
     """The vector ISA this CPU's hardware offers, named as torch names its kernel levels
     (``AVX512``, ``AVX2``, ``DEFAULT``), whatever :data:`ISA_CAPS`' variables say: read from
     ``/proc/cpuinfo``'s flags on x86 Linux (with ATen's own tests: AVX512 needs the F, BW, VL
-    and DQ subsets, AVX2 needs FMA too), else torch's level."""
+    and DQ subsets, AVX2 needs FMA too), else torch's level.
+
+    Returns:
+        "AVX512", "AVX2" or "DEFAULT" (or torch's level name elsewhere).
+    """
     try:
         with open("/proc/cpuinfo") as f:
             flags = next((set(line.split(":", 1)[1].split()) for line in f
@@ -198,6 +232,9 @@ def cap_cpu_isa(isa: str) -> dict[str, str]:
     torchrun's ranks) run the CPU code paths of an ``isa``-only CPU: sets :data:`ISA_CAPS`'
     variables, and points Inductor at a cache folder of its own (``<cache>-<isa>``). Call it
     before a kernel runs: ATen reads its variable at the first one.
+
+    Args:
+        isa: a key of :data:`ISA_CAPS`, e.g. "avx2".
 
     Returns:
         The ISA variables set, name -> value.
@@ -230,7 +267,11 @@ def cap_cpu_isa(isa: str) -> dict[str, str]:
 def isa_cap() -> str:
     """'' when the CPU kernels may use all the hardware offers; else which of
     :data:`ISA_CAPS`' variables hold them back, e.g.
-    ``'ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2, ...'``."""
+    ``'ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2, ...'``.
+
+    Returns:
+        The variables set, as text ('' for none).
+    """
     return ", ".join(f"{k}={os.environ[k]}" for k in _CAP_VARIABLES if os.environ.get(k))
 
 
@@ -258,7 +299,18 @@ def describe_device(device: torch.device) -> str:
 
 
 def has_module(name: str) -> bool:
-    """Whether an optional package is importable, without importing it."""
+    """Whether an optional package is importable, without importing it.
+
+    Args:
+        name: the module's dotted name.
+
+    Returns:
+        True if it can be imported.
+
+    Example:
+        >>> has_module("torch"), has_module("no_such_package")
+        (True, False)
+    """
     return importlib.util.find_spec(name) is not None
 
 

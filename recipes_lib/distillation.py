@@ -59,6 +59,9 @@ def kd_loss(
         temperature: softmax temperature T (> 0).
         alpha: weight of the KL term; ``1 - alpha`` weighs the hard-label CE.
 
+    Returns:
+        The scalar loss: ``alpha * T^2 * KL(teacher || student) + (1 - alpha) * CE``.
+
     Raises:
         ValueError: for T <= 0, alpha outside [0, 1] or mismatched vocabularies.
 

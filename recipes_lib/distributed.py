@@ -54,7 +54,15 @@ class DistributedRunError(RuntimeError):
 
 @dataclass(frozen=True)
 class RankInfo:
-    """Where this process sits in the run."""
+    """Where this process sits in the run.
+
+    Attributes:
+        rank: its global rank.
+        world_size: ranks in all.
+        local_rank: its rank on this node.
+        backend: "nccl" or "gloo".
+        device: the device it computes on.
+    """
 
     rank: int
     world_size: int
@@ -82,6 +90,13 @@ def default_backend(world_size: int = 1) -> str:
 def check_backend(backend: str | None, world_size: int) -> str:
     """Resolve ``backend`` (None = default) and check this machine can run it.
 
+    Args:
+        backend: "nccl", "gloo" or None.
+        world_size: ranks to start.
+
+    Returns:
+        The backend.
+
     Raises:
         ValueError: for an unknown backend, or NCCL without enough CUDA devices.
     """
@@ -100,7 +115,17 @@ def check_backend(backend: str | None, world_size: int) -> str:
 
 
 def check_global_batch(global_batch_size: int, world_size: int) -> int:
-    """Per-rank batch size; raises if ``world_size`` does not divide ``global_batch_size``.
+    """Per-rank batch size.
+
+    Args:
+        global_batch_size: examples per step over all ranks.
+        world_size: ranks.
+
+    Returns:
+        ``global_batch_size // world_size``.
+
+    Raises:
+        ValueError: if ``world_size`` does not divide ``global_batch_size``.
 
     Example:
         >>> check_global_batch(16, 2)
@@ -120,6 +145,9 @@ def init_distributed(backend: str | None = None, pg_timeout_s: float = 300.0) ->
     Args:
         backend: "gloo", "nccl" or None (NCCL with a GPU per rank, else gloo).
         pg_timeout_s: how long a collective waits for the other ranks before raising.
+
+    Returns:
+        This process's :class:`RankInfo`.
 
     Raises:
         RuntimeError: when not started by torchrun (no RANK / WORLD_SIZE in the environment).
@@ -164,7 +192,11 @@ def _leave_together(timeout_s: float) -> None:
 
 
 def world() -> tuple[int, int]:
-    """(rank, world size); (0, 1) outside a process group."""
+    """This process's rank and the world size.
+
+    Returns:
+        ``(rank, world_size)``; ``(0, 1)`` outside a process group.
+    """
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
@@ -172,14 +204,31 @@ def world() -> tuple[int, int]:
 
 def rank_slice(batch: dict[str, torch.Tensor], rank: int, world_size: int
                ) -> dict[str, torch.Tensor]:
-    """This rank's contiguous share of a global batch that every rank drew identically."""
+    """This rank's contiguous share of a global batch that every rank drew identically.
+
+    Args:
+        batch: the global batch, every tensor with the batch as its first dimension.
+        rank: this rank.
+        world_size: ranks sharing the batch.
+
+    Returns:
+        The rows ``rank * b / N`` to ``(rank + 1) * b / N`` of every tensor.
+    """
     per_rank = check_global_batch(int(batch["input_ids"].shape[0]), world_size)
     return {k: v[rank * per_rank:(rank + 1) * per_rank] for k, v in batch.items()}
 
 
 def all_reduce_sum(value: float | torch.Tensor, device: torch.device | None = None) -> float:
     """Sum a number (or a 0-dim tensor, read once here) over ranks; identity outside a process
-    group. Returns a Python float."""
+    group.
+
+    Args:
+        value: this rank's number.
+        device: where the all-reduce's tensor lives (default: the backend's device).
+
+    Returns:
+        The sum, as a Python float.
+    """
     if world()[1] == 1:
         return float(value)
     device = device or (torch.device("cuda", torch.cuda.current_device())
@@ -194,6 +243,12 @@ def all_reduce_sum(value: float | torch.Tensor, device: torch.device | None = No
 
 def resolve(target: str):
     """The function named ``"package.module:function"``.
+
+    Args:
+        target: ``"package.module:function"``.
+
+    Returns:
+        The function.
 
     Raises:
         ValueError: for a target not in that form.
@@ -416,6 +471,13 @@ def kill_rank_after(rank: int, step: int):
     """A step callback (``train(on_step=...)``) that SIGKILLs ``rank`` right after optimizer step
     ``step``, in the first attempt only: a worker restarted by torchrun
     (``TORCHELASTIC_RESTART_COUNT`` > 0) runs on. What a crashed node looks like to the others.
+
+    Args:
+        rank: the rank to kill.
+        step: the optimizer step after which it dies.
+
+    Returns:
+        The callback, ``on_step(done, result)``.
     """
     def on_step(done: int, _result: Any) -> None:
         if (done == step and world()[0] == rank
@@ -432,6 +494,17 @@ def fail_on_rank(rank: int, mode: str = "raise") -> dict:
     ``mode="abort"``: ``rank`` prints a line to stderr and aborts the process (SIGABRT), as a C++
     library does on an uncaught exception: no Python error is left behind.
     ``mode="abort_at_exit"``: ``rank`` does its work, then aborts while the process exits.
+
+    Args:
+        rank: the rank that fails.
+        mode: "raise", "hang", "abort" or "abort_at_exit".
+
+    Returns:
+        On the ranks that do not fail: ``{"rank", "sum"}`` of their all-reduce.
+
+    Raises:
+        ValueError: for an unknown mode.
+        RuntimeError: on ``rank``, with ``mode="raise"``: on purpose.
     """
     me, _ = world()
     modes = ("raise", "hang", "abort", "abort_at_exit")

@@ -554,7 +554,14 @@ def _quantize_nf4(layer: torch.nn.Module, shape: torch.Size, dtype: torch.dtype,
 
 def nf4_statistics(state: Any) -> dict[str, torch.Tensor]:
     """The tensors a bitsandbytes NF4 ``QuantState`` (double quantization) keeps beside the
-    packed weight: what ``calc.nf4_tensor_bytes`` counts."""
+    packed weight: what ``calc.nf4_tensor_bytes`` counts.
+
+    Args:
+        state: the weight's ``QuantState``.
+
+    Returns:
+        ``{"absmax", "code", "offset", "absmax2", "code2"}``.
+    """
     return {"absmax": state.absmax, "code": state.code, "offset": state.offset,
             "absmax2": state.state2.absmax, "code2": state.state2.code}
 
@@ -793,6 +800,15 @@ def step_meter(model: Any, stack: Stack = Stack(), batch_size: int = 1,
     ``max_context``). FSDP stacks build afresh for each length (their fake process group lives
     for one measurement).
 
+    Args:
+        model: a preset name, a ``config.json`` (or its folder) or a config.
+        stack: the recipes applied.
+        batch_size: sequences per step.
+        device: the device the trace is for.
+
+    Returns:
+        ``at(seq_len) -> MemoryReport``.
+
     Raises:
         ValueError: as :func:`measure_step`, for the batch now and for each length when asked.
     """
@@ -815,7 +831,17 @@ def step_meter(model: Any, stack: Stack = Stack(), batch_size: int = 1,
 def real_rank_step(model: dict, stack: dict, seq_len: int, batch_size: int) -> dict[str, int]:
     """This rank's categories of a real FSDP step (``measure_step(..., fake=False)``), with the
     config and the stack as plain dicts: a target for ``distributed.launch``, whose ranks are
-    compared with the same step on a fake process group."""
+    compared with the same step on a fake process group.
+
+    Args:
+        model: a config's fields.
+        stack: a :class:`Stack`'s fields.
+        seq_len: tokens per sequence.
+        batch_size: sequences per step.
+
+    Returns:
+        category -> bytes at this rank's peak.
+    """
     return measure_step(model, Stack(**stack), seq_len, batch_size, fake=False).by_category
 
 
@@ -825,6 +851,17 @@ def fake_vs_real(model: Any, stack: Stack, seq_len: int, batch_size: int = 1,
 
     On CUDA the real run's allocator peaks (``max_memory_allocated`` and ``_reserved``, from one
     more step run without the tracker) are reported beside it.
+
+    Args:
+        model: a preset name, a ``config.json`` (or its folder) or a config.
+        stack: the recipes applied.
+        seq_len: tokens per sequence.
+        batch_size: sequences per step.
+        device: where the real step runs.
+
+    Returns:
+        ``{"fake", "real", "peak_ratio", "ratios"}``: both reports, fake peak / real peak, and
+        category -> fake / real.
     """
     fake = measure_step(model, stack, seq_len, batch_size, device, fake=True)
     real = measure_step(model, stack, seq_len, batch_size, device, fake=False)
@@ -887,6 +924,13 @@ def activation_anatomy(model: Any, stack: Stack = Stack(), seq_len: int = 2048,
     the same point of the step, as it does for the stacks of notebook 01; ``rest_bytes`` (the
     embeddings' output, the final norm, the loss's per-token terms) must then be positive.
 
+    Args:
+        model: a preset name, a ``config.json`` (or its folder) or a config.
+        stack: the recipes applied.
+        seq_len: tokens per sequence.
+        batch_size: sequences per step.
+        small_vocab: the vocabulary of the third step.
+
     Returns:
         ``{"activation_bytes", "per_layer_bytes", "layer_coefficient"`` (per-layer bytes per
         token per hidden unit, Korthikanti's 34 in 16-bit), ``"per_logit_bytes"`` (per token per
@@ -942,6 +986,15 @@ def counted_layer_bytes(model: Any, stack: Stack, seq_len: int = 2048, batch_siz
     op-by-op count (a micro-batch's tokens), or None where the count does not model the stack:
     another architecture, selective checkpointing, offloaded activations, FSDP, LoRA targets
     that are not Llama's linears.
+
+    Args:
+        model: a preset name, a ``config.json`` (or its folder) or a config.
+        stack: the recipes applied.
+        seq_len: tokens per sequence.
+        batch_size: sequences per step.
+
+    Returns:
+        Bytes, or None.
 
     Example:
         >>> counted_layer_bytes("Llama-3.2-1B", Stack(method="lora"), 2048) / 2048**2

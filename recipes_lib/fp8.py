@@ -51,7 +51,13 @@ def hardware_support(device: torch.device | str) -> tuple[bool, str]:
 
 @dataclass
 class Conversion:
-    """Which linear layers became float8, and why the others did not."""
+    """Which linear layers became float8, and why the others did not.
+
+    Attributes:
+        recipe: torchao's float8 scaling, "tensorwise" or "rowwise".
+        converted: the converted layers' names.
+        skipped: layer name -> why it stayed in high precision.
+    """
 
     recipe: str
     converted: list[str] = field(default_factory=list)

@@ -29,6 +29,12 @@ def mixed_precision_policy(precision: str = "fp32"):
     """FSDP2's ``MixedPrecisionPolicy``: parameters all-gathered and computed in ``precision``,
     gradients reduced in fp32 (so the sharded fp32 master weights get full-precision updates).
 
+    Args:
+        precision: "fp32", "bf16" or "fp16".
+
+    Returns:
+        The policy.
+
     Raises:
         ValueError: for a precision other than "fp32", "bf16" or "fp16".
     """
@@ -56,6 +62,9 @@ def shard_model(model: torch.nn.Module, precision: str = "fp32",
 
     Returns:
         The same model, now an ``FSDPModule``.
+
+    Raises:
+        RuntimeError: outside a process group.
 
     Example:
         >>> model = shard_model(load_model(path), precision="bf16")  # doctest: +SKIP
@@ -89,6 +98,13 @@ def local_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer |
 
     Counted from the tensors' storages (each once, ``memory.tensor_bytes``), so DDP's replicas
     and FSDP's shards are measured the same way; NF4 weights count their inner tensors.
+
+    Args:
+        model: the (sharded or replicated) model.
+        optimizer: its optimizer, after a step.
+
+    Returns:
+        ``{"parameters", "gradients", "optimizer", "total"}`` in bytes.
     """
     params = [_local(p) for p in model.parameters()]
     grads = [_local(p.grad) for p in model.parameters() if p.grad is not None]
@@ -104,7 +120,16 @@ def local_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer |
 
 def export_pretrained(model: torch.nn.Module, path: str | Path, tokenizer=None) -> Path:
     """Gather the full state dict on rank 0 (in CPU memory) and ``save_pretrained`` it there:
-    a plain transformers folder that ``from_pretrained`` loads on one device."""
+    a plain transformers folder that ``from_pretrained`` loads on one device.
+
+    Args:
+        model: the sharded model (every rank calls this).
+        path: the folder to write.
+        tokenizer: saved beside it when given.
+
+    Returns:
+        ``path``.
+    """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
@@ -136,6 +161,14 @@ def _runnable(precision: str) -> str:
 def wrap_model(model: torch.nn.Module, strategy: str, precision: str) -> torch.nn.Module:
     """Wrap ``model`` for a data-parallel ``strategy``: "fsdp" (:func:`shard_model`), "ddp"
     (``DistributedDataParallel``, fp32 only) or "single" (unchanged).
+
+    Args:
+        model: the model on this rank's device.
+        strategy: "fsdp", "ddp" or "single".
+        precision: "fp32", "bf16" or "fp16".
+
+    Returns:
+        The wrapped model.
 
     Raises:
         ValueError: for mixed precision without FSDP.

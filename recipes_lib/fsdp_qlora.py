@@ -34,6 +34,15 @@ class NF4LoRALinear(nn.Module):
     """``y = x W_nf4^T + (alpha / r) * B(A(dropout(x)))``: a frozen NF4 base and a LoRA adapter.
 
     ``A`` is Kaiming-uniform and ``B`` zero, as in peft, so the module starts equal to the base.
+
+    Args:
+        linear: the layer whose weight becomes the NF4 base.
+        r: the adapter's rank.
+        alpha: the adapter's scale numerator.
+        dropout: dropout on the adapter's input.
+        base_dtype: the dtype the base computes in.
+        block_size: weights per NF4 absmax.
+        scaler_block_size: absmax values per second-level scale (double quantization).
     """
 
     def __init__(self, linear: nn.Linear, r: int = 8, alpha: float = 16.0, dropout: float = 0.0,
@@ -106,7 +115,14 @@ def apply_nf4_lora(model: nn.Module, r: int = 8, alpha: float = 16.0, dropout: f
 
 def nf4_base_bytes(model: nn.Module) -> dict[str, int]:
     """This rank's bytes of NF4 base weights (its shards' inner tensors) and the bytes the same
-    weights take in bf16 unsharded (``2 * numel``)."""
+    weights take in bf16 unsharded (``2 * numel``).
+
+    Args:
+        model: the model with :class:`NF4LoRALinear` layers.
+
+    Returns:
+        ``{"nf4_local", "bf16_full"}``.
+    """
     from recipes_lib.memory import tensor_bytes
 
     local, full = [], 0
@@ -128,6 +144,15 @@ def train_fsdp_qlora(
     seed: int = 0,
 ) -> dict[str, Any]:
     """QLoRA fine-tune on the topic task with the NF4 base sharded by FSDP2 (every rank runs it).
+
+    Args:
+        model_path: the base model's folder.
+        steps: optimizer steps.
+        global_batch_size: examples per step over all ranks.
+        r: the adapters' rank.
+        lr: the learning rate.
+        max_length: the longest example kept.
+        seed: for the adapters and the data order.
 
     Returns:
         JSON-ready dict: losses, this rank's NF4 base bytes (before and after sharding), the

@@ -14,7 +14,18 @@ from recipes_lib.timing import time_interleaved
 
 
 def alignment(n: int) -> int:
-    """The largest power of two (up to 128) that divides ``n``."""
+    """The largest power of two (up to 128) that divides ``n``.
+
+    Args:
+        n: a size.
+
+    Returns:
+        The power of two.
+
+    Example:
+        >>> alignment(4096), alignment(4100), alignment(4097)
+        (128, 4, 1)
+    """
     a = 1
     while a < 128 and n % (2 * a) == 0:
         a *= 2

@@ -78,6 +78,13 @@ def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tens
     more tokens x vocab tensor while the cross-entropy runs; the padded last position carries
     no loss.
 
+    Args:
+        logits: (batch, seq, vocab).
+        labels: (batch, seq), -100 where no loss is taken.
+
+    Returns:
+        The 0-dim fp32 sum.
+
     Example:
         >>> logits, labels = torch.randn(2, 5, 11), torch.randint(11, (2, 5))
         >>> ref = F.cross_entropy(logits[:, :-1].reshape(-1, 11), labels[:, 1:].reshape(-1),

@@ -38,7 +38,17 @@ def check_positions(config: Any, seq_len: int) -> None:
 
 def training_step_peak(model: torch.nn.Module, seq_len: int, batch_size: int = 1,
                        loss_fn: Callable | None = None) -> int:
-    """Measured peak bytes of one forward + backward at ``seq_len`` (random tokens, no padding)."""
+    """Measured peak bytes of one forward + backward at ``seq_len`` (random tokens, no padding).
+
+    Args:
+        model: a causal LM.
+        seq_len: tokens per sequence.
+        batch_size: sequences.
+        loss_fn: replaces the default loss (e.g. ``chunked_loss.ChunkedCausalLMLoss``).
+
+    Returns:
+        The memory meter's peak, in bytes.
+    """
     from recipes_lib.grad_accumulation import forward_backward
     from recipes_lib.memory import measure_memory
 
@@ -102,6 +112,14 @@ def max_seq_len(peak_at: Callable[[int], float], budget_bytes: float, start: int
     the longest length that fit and the shortest that did not by linear interpolation (bisecting
     when that stalls) until they are one ``multiple_of`` apart. Assumes the peak grows with the
     length. Pass the same ``probes`` to several searches (other budgets) to share measurements.
+
+    Args:
+        peak_at: ``seq_len -> peak bytes``.
+        budget_bytes: the memory available.
+        start: the first length measured.
+        limit: the longest length tried.
+        multiple_of: lengths are multiples of this.
+        probes: length -> peak measured already (filled in).
 
     Returns:
         ``{"seq_len": best (0 if not even ``multiple_of`` tokens fit), "probes": {length:

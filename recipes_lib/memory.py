@@ -194,6 +194,13 @@ def allocator_peak(fn: Callable[[], Any], device: torch.device | str) -> tuple[i
     tracker attached (a tracker's hooks form reference cycles that keep tensors alive until the
     garbage collector runs, so a tracked run is not the one to read the allocator from).
 
+    Args:
+        fn: the call to measure.
+        device: a CUDA device.
+
+    Returns:
+        ``(max_memory_allocated, max_memory_reserved)`` over the call, in bytes.
+
     Raises:
         ValueError: on a device that is not CUDA.
     """
@@ -220,7 +227,19 @@ def _plain_tensors(t: torch.Tensor) -> list[torch.Tensor]:
 
 def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes held by ``tensors``, counting each underlying storage once (the inner tensors of
-    wrapper subclasses such as NF4 are counted, not the wrapper)."""
+    wrapper subclasses such as NF4 are counted, not the wrapper).
+
+    Args:
+        tensors: any tensors.
+
+    Returns:
+        Their bytes.
+
+    Example:
+        >>> w = torch.zeros(4, 4)
+        >>> tensor_bytes([w, w, w[0]])  # one storage of 16 fp32 values
+        64
+    """
     seen: set[tuple[int, str]] = set()
     total = 0
     plain = [p for t in tensors if isinstance(t, torch.Tensor) for p in _plain_tensors(t)]

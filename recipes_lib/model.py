@@ -87,7 +87,19 @@ class TinyModelSpec:
 
 
 def train_tokenizer(texts: list[str], vocab_size: int, max_length: int):
-    """Train a byte-level BPE tokenizer and wrap it as a transformers fast tokenizer."""
+    """Train a byte-level BPE tokenizer and wrap it as a transformers fast tokenizer.
+
+    Args:
+        texts: the training texts.
+        vocab_size: tokens in the vocabulary (at least 260: the bytes and special tokens).
+        max_length: the tokenizer's ``model_max_length``.
+
+    Returns:
+        The ``PreTrainedTokenizerFast``, with bos, eos and pad tokens.
+
+    Raises:
+        ValueError: for a ``vocab_size`` below 260.
+    """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -128,7 +140,15 @@ ARCHITECTURES = (*_EXTRA, "gpt_neox")
 
 def model_config(spec: TinyModelSpec, tokenizer) -> Any:
     """The transformers config of ``spec.architecture`` for ``spec`` with ``tokenizer``'s special
-    ids (``LlamaConfig`` by default; see ``ARCHITECTURES``)."""
+    ids (``LlamaConfig`` by default; see ``ARCHITECTURES``).
+
+    Args:
+        spec: the sizes.
+        tokenizer: gives the special token ids.
+
+    Returns:
+        The config.
+    """
     from transformers import AutoConfig, GPTNeoXConfig
 
     special = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
@@ -397,6 +417,9 @@ def keep_4bit_compute_dtype(model: torch.nn.Module) -> int:
     ``bnb_4bit_compute_dtype`` says: faster there, but the same model then computes differently
     in training and inference and from one CPU to the next, and a 4-bit model no longer matches
     its own adapter reloaded or merged. The course keeps the dtype it asked for, on every CPU.
+
+    Args:
+        model: a model with bitsandbytes 4-bit layers.
 
     Returns:
         How many 4-bit layers were switched off that kernel.

@@ -21,13 +21,24 @@ from recipes_lib.results import RESULTS_ENV, ROOT
 NOTEBOOKS = ROOT / "notebooks"
 EXECUTED = NOTEBOOKS / "executed"
 def course_notebooks() -> list[Path]:
-    """The four course notebooks, in order."""
+    """The four course notebooks, in order.
+
+    Returns:
+        Their paths.
+    """
     return sorted(NOTEBOOKS.glob("*.ipynb"))
 
 
 def notebook_parameters(path: Path | str) -> dict[str, str]:
     """A notebook's parameters and their defaults (as written), read the way papermill reads
-    them (one ``NAME = value`` per line of the cell tagged ``parameters``); empty if none."""
+    them (one ``NAME = value`` per line of the cell tagged ``parameters``); empty if none.
+
+    Args:
+        path: the notebook.
+
+    Returns:
+        name -> default, as written.
+    """
     import papermill
 
     return {name: p["default"] for name, p in papermill.inspect_notebook(str(path)).items()}
@@ -35,7 +46,18 @@ def notebook_parameters(path: Path | str) -> dict[str, str]:
 
 def parse_value(text: str) -> Any:
     """A command-line value as Python: ``3``, ``2e-3``, ``True``, ``None``, ``(256, 512)``; any
-    other text stays a string (a hub id or a folder)."""
+    other text stays a string (a hub id or a folder).
+
+    Args:
+        text: the value as typed.
+
+    Returns:
+        The Python value.
+
+    Example:
+        >>> parse_value("(256, 512)"), parse_value("meta-llama/Llama-3.2-1B")
+        ((256, 512), 'meta-llama/Llama-3.2-1B')
+    """
     try:
         return ast.literal_eval(text)
     except (ValueError, SyntaxError):
@@ -89,7 +111,14 @@ def execute(paths: list[Path], out_dir: Path = EXECUTED, parameters: dict[str, A
 
 
 def unclean_cells(paths: list[Path]) -> list[str]:
-    """Cells that carry outputs or an execution count, as ``"<file> cell <n>: <what>"``."""
+    """Cells that carry outputs or an execution count.
+
+    Args:
+        paths: the notebooks.
+
+    Returns:
+        One line per cell, ``"<file> cell <n>: <what>"``.
+    """
     import nbformat
 
     problems = []
@@ -107,7 +136,14 @@ def unclean_cells(paths: list[Path]) -> list[str]:
 
 
 def strip(paths: list[Path]) -> list[Path]:
-    """Remove outputs and execution counts in place; return the notebooks that changed."""
+    """Remove outputs and execution counts in place.
+
+    Args:
+        paths: the notebooks.
+
+    Returns:
+        The notebooks that changed.
+    """
     import nbformat
 
     changed = []
@@ -161,7 +197,14 @@ def architecture_matrix(architectures: tuple[str, ...] | None = None, out_dir: P
 @contextlib.contextmanager
 def results_dir(folder: Path) -> Iterator[Path]:
     """``$RECIPES_RESULTS_DIR`` set to ``folder`` (which the notebook kernels inherit) for the
-    duration, then restored."""
+    duration, then restored.
+
+    Args:
+        folder: where results go meanwhile.
+
+    Yields:
+        ``folder``.
+    """
     old = os.environ.get(RESULTS_ENV)
     os.environ[RESULTS_ENV] = str(folder)
     try:
@@ -174,7 +217,14 @@ def results_dir(folder: Path) -> Iterator[Path]:
 
 
 def matrix_table(matrix: dict[str, dict[str, str]]) -> str:
-    """The architecture x notebook matrix as a markdown table ("run" or the failure)."""
+    """The architecture x notebook matrix as a markdown table ("run" or the failure).
+
+    Args:
+        matrix: architecture -> notebook -> status.
+
+    Returns:
+        The table.
+    """
     stems = sorted({stem for row in matrix.values() for stem in row})
     lines = ["| architecture | " + " | ".join(s[:2] for s in stems) + " |",
              "|---" * (len(stems) + 1) + "|"]
@@ -195,7 +245,14 @@ def _error_summary(message: object, limit: int = 600) -> str:
 
 def executed_status(path: Path | str) -> str:
     """A papermill-executed notebook's outcome, read from the cells' papermill metadata: "ok",
-    "failed: <error>" (the first failed cell's), or "not finished" (stopped before the end)."""
+    "failed: <error>" (the first failed cell's), or "not finished" (stopped before the end).
+
+    Args:
+        path: the executed notebook.
+
+    Returns:
+        The outcome.
+    """
     import nbformat
 
     nb = nbformat.read(str(path), as_version=4)

@@ -6,7 +6,14 @@ import torch
 
 
 def collect_gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """A detached fp32 copy of every trainable parameter's gradient, by name."""
+    """A detached fp32 copy of every trainable parameter's gradient, by name.
+
+    Args:
+        model: the model, after backward.
+
+    Returns:
+        name -> gradient copy (parameters without a gradient are left out).
+    """
     return {n: p.grad.detach().float().clone() for n, p in model.named_parameters()
             if p.requires_grad and p.grad is not None}
 

@@ -51,6 +51,9 @@ def make_adamw_8bit(params: Iterable[torch.nn.Parameter], lr: float = 1e-3,
             backend has no kernel for, an ``fp32_states`` tensor not in ``params``, or
             bitsandbytes missing.
 
+    Returns:
+        The optimizer.
+
     Example:
         >>> opt = make_adamw_8bit(model.parameters(),  # doctest: +SKIP
         ...                       fp32_states=[model.get_input_embeddings().weight])
@@ -110,6 +113,12 @@ def forget_overrides(model: torch.nn.Module) -> int:
     An optimizer that already took its first step keeps the states it has (bitsandbytes reads
     their dtype, not the override, from then on).
 
+    Args:
+        model: the model a trainer ran.
+
+    Returns:
+        The module overrides removed.
+
     Example:
         >>> trainer.train(); forget_overrides(trainer.model)  # doctest: +SKIP
     """
@@ -134,7 +143,14 @@ def forget_overrides(model: torch.nn.Module) -> int:
 
 def state_bytes(optimizer: Any) -> int:
     """Bytes of an optimizer's state tensors (each storage once: shared quantization maps count
-    once), after its first step."""
+    once), after its first step.
+
+    Args:
+        optimizer: any ``torch.optim.Optimizer`` (or a wrapper holding one).
+
+    Returns:
+        Bytes of its states.
+    """
     from recipes_lib.memory import tensor_bytes
 
     return tensor_bytes(v for st in optimizer.state.values() for v in st.values()

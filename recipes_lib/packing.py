@@ -148,6 +148,9 @@ def collate_padding_free(rows: Sequence[Sequence[dict[str, list[int]]]], pad_tok
             for a whole batch: what flash-attention-2's variable-length path in transformers
             needs (it detects packing only with a batch of one row).
 
+    Returns:
+        ``{"input_ids", "labels", "position_ids"}``, each ``(rows, width)``.
+
     Raises:
         ValueError: for no rows, an empty row, or a row longer than ``width``.
     """

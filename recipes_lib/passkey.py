@@ -33,6 +33,16 @@ def _key(rng: random.Random) -> str:
 def episode(tokenizer, length: int, depth: float, rng: random.Random) -> dict:
     """One episode of exactly ``length`` tokens (bos + filler + key + question + answer + eos).
 
+    Args:
+        tokenizer: the tokenizer the length is counted in.
+        length: tokens in the episode.
+        depth: where the key sits in the filler, in [0, 1].
+        rng: draws the key and the filler.
+
+    Returns:
+        ``input_ids``, ``labels`` (the answer's), ``answer``, ``depth``, ``prompt_ids``,
+        ``length`` and ``prompt`` (text).
+
     Raises:
         ValueError: if depth is outside [0, 1] or length leaves no room for filler.
     """
@@ -73,6 +83,17 @@ def write_test_set(tokenizer, lengths: tuple[int, ...] = (128, 256, 512),
 
     Rows hold text (``prompt``, ``answer``) so any tokenizer can read them; ``length`` is the
     episode's length in tokens of the tokenizer that wrote it.
+
+    Args:
+        tokenizer: the tokenizer the lengths are counted in.
+        lengths: episode lengths.
+        depths: key depths.
+        per_cell: episodes per (length, depth).
+        path: the file to write.
+        seed: for the keys and filler.
+
+    Returns:
+        ``path``.
     """
     rng = random.Random(seed)
     rows = [episode(tokenizer, n, d, rng) for n in lengths for d in depths for _ in range(per_cell)]

@@ -84,6 +84,13 @@ _UNITS = {"": 2**30, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
 def parse_bytes(text: str | float, name: str = "gpu_mem") -> float:
     """``"16GB"`` -> 16e9, ``"24GiB"`` / ``"24G"`` / ``24`` -> 24 * 2**30 (a bare number is GiB).
 
+    Args:
+        text: the size.
+        name: the parameter named in the error.
+
+    Returns:
+        Bytes.
+
     Raises:
         ValueError: naming ``name`` for an unparsable, zero or negative size.
 
@@ -102,6 +109,12 @@ def parse_bytes(text: str | float, name: str = "gpu_mem") -> float:
 
 def resolve_shape(model: str) -> tuple[str, calc.ModelShape]:
     """A built-in name (case-insensitive), a ``config.json`` or a folder holding one.
+
+    Args:
+        model: the name or path.
+
+    Returns:
+        ``(name, shape)``.
 
     Raises:
         ValueError: for an unknown name (listing the built-ins) or a file that is not a
@@ -250,6 +263,14 @@ def max_context_per_step(model: str, gpu_mem: str | float, batch_size: int = 1,
     """The longest sequence that fits ``gpu_mem`` under each escalation step's measured stack
     (``max_context`` per stack; rows with the same stack share one search).
 
+    Args:
+        model: a built-in name or a config path.
+        gpu_mem: memory of one GPU, e.g. "24GB".
+        batch_size: sequences per optimizer step.
+        grad_accum_steps: micro-batches in the accumulation row (default as :func:`plan`).
+        gpus: GPUs for the FSDP row.
+        step: the search's length granularity, in tokens.
+
     Returns:
         One dict per escalation row: ``step``, ``stack`` and ``max_seq_len`` / ``gpu_GiB`` /
         ``tries`` (or ``measured_stack``: why the row is not measured).
@@ -273,7 +294,14 @@ def max_context_per_step(model: str, gpu_mem: str | float, batch_size: int = 1,
 
 
 def format_plan(result: dict[str, Any]) -> str:
-    """The plan as a plain-text table."""
+    """The plan as a plain-text table.
+
+    Args:
+        result: :func:`plan`'s result.
+
+    Returns:
+        The table.
+    """
     lines = [(f"{result['model']}: {result['params_B']:.2f} B parameters, "
               f"{result['gpu_bytes'] / 2**30:.1f} GiB per GPU"),
              f"{'step':<52} {'state':>8} {'activ.':>8} {'total':>8}  fits"]

@@ -96,7 +96,16 @@ def quantize_int8_dynamic(model: torch.nn.Module, skip: Iterable[str] = ()) -> t
 
 def load_int8(model_path: str | Path, device: torch.device, skip: Iterable[str] = ()
               ) -> torch.nn.Module:
-    """Load a model with int8 Linear layers: LLM.int8 on CUDA, dynamic int8 on the CPU."""
+    """Load a model with int8 Linear layers: LLM.int8 on CUDA, dynamic int8 on the CPU.
+
+    Args:
+        model_path: a folder or hub id.
+        device: where it runs.
+        skip: Linear layers left in full precision.
+
+    Returns:
+        The int8 model.
+    """
     from recipes_lib.model import load_model
 
     if device.type == "cuda":
@@ -149,7 +158,14 @@ def int8_linear_bytes(model: torch.nn.Module) -> dict[str, int]:
 def quantize_int8_torchao(model: torch.nn.Module) -> torch.nn.Module:
     """A copy of ``model`` with torchao's ``Int8DynamicActivationInt8WeightConfig`` applied: the
     kept API that succeeds ``torch.ao.quantization.quantize_dynamic`` (see the module docstring
-    for why the notebooks still time the older path on a CPU)."""
+    for why the notebooks still time the older path on a CPU).
+
+    Args:
+        model: the fp32 model (left unchanged).
+
+    Returns:
+        The quantized copy.
+    """
     from torchao.quantization import Int8DynamicActivationInt8WeightConfig, quantize_
 
     q = copy.deepcopy(model).eval()
@@ -162,6 +178,12 @@ def compare_int8_backends(model: torch.nn.Module, batch: dict[str, torch.Tensor]
     """Prefill time of fp32, ``torch.ao``'s dynamic int8 and torchao's int8 (eager, and
     ``torch.compile``d), timed in alternation in one run, with each int8 path's largest logit
     difference from fp32.
+
+    Args:
+        model: the fp32 model.
+        batch: the prefill batch.
+        repeats: timed passes of each, in alternation.
+        compile_torchao: time torchao's int8 compiled too.
 
     Returns:
         ``{name: {"seconds", "spread", "speedup_vs_fp32", "max_abs_logit_diff"}}``; the
@@ -338,7 +360,14 @@ def quantize_int8_weight_only(model: torch.nn.Module) -> torch.nn.Module:
     """A copy of ``model`` with torchao's ``Int8WeightOnlyConfig``: int8 weights (one scale per
     output channel) dequantized into the activations' dtype inside the matmul. Nothing is
     quantized on the fly, so it is the decode recipe: at batch 1 a matmul reads each weight once,
-    and 1 byte instead of 4 is the saving, when a kernel fuses the dequantization (compiled)."""
+    and 1 byte instead of 4 is the saving, when a kernel fuses the dequantization (compiled).
+
+    Args:
+        model: the model (left unchanged).
+
+    Returns:
+        The quantized copy.
+    """
     from torchao.quantization import Int8WeightOnlyConfig, quantize_
 
     q = copy.deepcopy(model).eval()

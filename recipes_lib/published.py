@@ -114,6 +114,21 @@ class Figure:
     ``unit_bytes`` (1e9 for "GB" as ``max_memory_allocated() / 1e9``; 2**30 for GiB);
     ``reads="allocated"`` compares it with the trace's peak, ``"reserved"`` with the trace plus
     ``planner.gpu_overhead``.
+
+    Attributes:
+        source: the source's address.
+        row: the row as the source labels it.
+        model: a preset name.
+        stack: the recipes the source's words describe.
+        kind: "max_context" or "peak".
+        published: the source's figure (tokens, or memory in ``unit_bytes``).
+        config: the source's configuration, in its words.
+        gpu_mem: the card's memory ("max_context").
+        seq_len: tokens per sequence ("peak").
+        batch_size: sequences per step.
+        reads: "allocated" or "reserved" (above).
+        unit_bytes: bytes per published unit.
+        alternatives: other stacks the source's words fit, ``(name, stack)``.
     """
 
     source: str
@@ -247,6 +262,10 @@ def fit_line(gpu_bytes: list[float], tokens: list[float]) -> dict[str, float]:
     """The least-squares line through (memory, longest context) points, as the two numbers a
     memory model of a training step is made of.
 
+    Args:
+        gpu_bytes: each point's memory.
+        tokens: each point's longest context.
+
     Returns:
         ``bytes_per_token`` (memory each token adds), ``fixed_bytes`` (memory at zero tokens:
         weights, optimizer, buffers, whatever does not grow with the sequence) and
@@ -277,6 +296,9 @@ def lines(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     through the published figures (GB read as the card's GiB, as the rows read them, and as
     10^9 bytes) and the line through our predictions for each stack measured.
 
+    Args:
+        rows: :func:`predict`'s rows.
+
     Returns:
         One dict per source and model: ``source``, ``model``, ``rows`` (how many), ``published``
         and ``published_1e9`` (``fit_line`` results), ``ours`` (stack name -> ``fit_line``;
@@ -304,7 +326,14 @@ def lines(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def line_summary(line: dict[str, Any]) -> str:
     """The source's line beside ours (``lines``), in words: per token and before the first
-    token, under both readings of the source's GB."""
+    token, under both readings of the source's GB.
+
+    Args:
+        line: one of :func:`lines`' results.
+
+    Returns:
+        The sentence.
+    """
     def both(f: dict[str, float]) -> str:
         return (f"{f['bytes_per_token'] / 2**20:.2f} MiB a token from "
                 f"{f['fixed_bytes'] / 2**30:.2f} GiB")
@@ -342,6 +371,10 @@ def predict(figures: list[Figure] = FIGURES, step: int = 64) -> list[dict[str, A
     """Our prediction for each figure (and for the other stacks its source's words fit),
     measured on fake tensors: rows that ask for the longest context of the same model and stack
     share one search (``planner.max_context``).
+
+    Args:
+        figures: the figures to predict.
+        step: the longest-context search's granularity, in tokens.
 
     Returns:
         One dict per figure: its fields, ``predicted``, ``error`` (predicted / published - 1;
@@ -392,7 +425,12 @@ def predict(figures: list[Figure] = FIGURES, step: int = 64) -> list[dict[str, A
 def record(results: Any, rows: list[dict[str, Any]]) -> None:
     """Write each row to ``results`` as recipe ``published`` (value = our prediction, baseline =
     the published figure; the unit names the source's address), and each source's line
-    (``lines``) as recipe ``published_line``: ours on the rows' stack beside the source's."""
+    (``lines``) as recipe ``published_line``: ours on the rows' stack beside the source's.
+
+    Args:
+        results: a ``results.Results``.
+        rows: :func:`predict`'s rows.
+    """
     for r in rows:
         oom = " (0: out of memory)" if r["kind"] == "max_context" else ""
         results.add("published", r["row"], r["predicted"], baseline=r["published"],
@@ -422,7 +460,14 @@ def _error(r: dict[str, Any]) -> str:
 def markdown_table(rows: list[dict[str, Any]]) -> str:
     """The rows as the README's table: source, its configuration, the published figure, ours
     (and the other stacks', where the source's words allow several), the error and, for a miss,
-    why."""
+    why.
+
+    Args:
+        rows: :func:`predict`'s rows.
+
+    Returns:
+        The Markdown table.
+    """
     out = ["| figure (source) | published | ours | other stacks | error | |",
            "|---|---:|---:|---:|---:|---|"]
     explained = set()
@@ -458,12 +503,26 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
 
 def update_readme(rows: list[dict[str, Any]]) -> bool:
     """Write :func:`markdown_table` between the README's published-table markers (only when
-    results go to the repository's ``results/``, as ``results.update_readme``)."""
+    results go to the repository's ``results/``, as ``results.update_readme``).
+
+    Args:
+        rows: :func:`predict`'s rows.
+
+    Returns:
+        True if the README changed.
+    """
     return results.write_readme_section("published-table", markdown_table(rows))
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    """The rows as a plain-text table, misses marked, then each source's line (``lines``)."""
+    """The rows as a plain-text table, misses marked, then each source's line (``lines``).
+
+    Args:
+        rows: :func:`predict`'s rows.
+
+    Returns:
+        The text.
+    """
     head = (f"{'published figure':<66} {'published':>10} {'ours':>10} {'others':>17} "
             f"{'error':>7}")
     out = [head]

@@ -22,7 +22,14 @@ img{max-width:100%;border:1px solid #eee;margin:.5em 0}figcaption{font-size:.85e
 
 
 def notebook_images(path: Path | str) -> list[tuple[str, str]]:
-    """(caption, base64 PNG) for every image output of an executed notebook, in order."""
+    """Every image output of an executed notebook, in order.
+
+    Args:
+        path: the executed notebook.
+
+    Returns:
+        ``(caption, base64 PNG)`` pairs.
+    """
     nb = json.loads(Path(path).read_text())
     images = []
     for i, cell in enumerate(nb.get("cells", [])):
@@ -50,6 +57,9 @@ def write_html_report(status: dict[str, str], executed_dir: Path | str,
         executed_dir: where the executed notebooks are (their plots are inlined).
         results_dir: where ``*.json`` figures are; the report is written there (default: the
             results setting, ``results.output_dir()``).
+
+    Returns:
+        The report's path.
     """
     results_dir = Path(results_dir) if results_dir is not None else output_dir()
     executed_dir = Path(executed_dir)

@@ -29,7 +29,16 @@ README_END = "<!-- results-table:end -->"
 
 @dataclass
 class Figure:
-    """One measured figure, with its same-run baseline and the calculator's prediction."""
+    """One measured figure, with its same-run baseline and the calculator's prediction.
+
+    Attributes:
+        recipe: the recipe it belongs to.
+        metric: what it measures.
+        value: the figure.
+        baseline: the same-run baseline's figure (None: none).
+        predicted: the calculator's prediction (None: none).
+        unit: its unit, in words.
+    """
 
     recipe: str
     metric: str
@@ -42,7 +51,17 @@ class Figure:
 @dataclass
 class Claim:
     """A speed claim checked in a run (``checks.check_speed``): the figure, its target, its
-    verdict."""
+    verdict.
+
+    Attributes:
+        recipe: the recipe it belongs to.
+        claim: the claim, in words.
+        value: the measured figure.
+        target: what it has to reach.
+        at_least: the figure must be at least (else at most) the target.
+        spread: the timing's spread (None: not timed).
+        met: the verdict.
+    """
 
     recipe: str
     claim: str
@@ -54,12 +73,22 @@ class Claim:
 
 
 def output_dir() -> Path:
-    """Where results go: ``$RECIPES_RESULTS_DIR`` if set, else the repository's ``results/``."""
+    """Where results go: ``$RECIPES_RESULTS_DIR`` if set, else the repository's ``results/``.
+
+    Returns:
+        The folder.
+    """
     return Path(os.environ.get(RESULTS_ENV) or RESULTS_DIR)
 
 
 def check_writable(folder: Path | str) -> Path:
     """Create ``folder`` if needed and check a file can be written there.
+
+    Args:
+        folder: the folder.
+
+    Returns:
+        It, as a ``Path``.
 
     Raises:
         ValueError: naming the folder and the setting, when it cannot be created or written.
@@ -77,7 +106,14 @@ def check_writable(folder: Path | str) -> Path:
 
 
 def package_versions(packages: tuple[str, ...] = PACKAGES) -> dict[str, str]:
-    """Installed versions of the stack (``"missing"`` where a package is not installed)."""
+    """Installed versions of the stack (``"missing"`` where a package is not installed).
+
+    Args:
+        packages: the distributions' names.
+
+    Returns:
+        name -> version.
+    """
     out = {}
     for pkg in packages:
         try:
@@ -160,7 +196,14 @@ class Results:
 
 
 def load_results(results_dir: Path | str | None = None) -> dict[str, dict]:
-    """Every ``*.json`` file of the results directory, keyed by stem, sorted."""
+    """Every ``*.json`` file of the results directory, keyed by stem, sorted.
+
+    Args:
+        results_dir: the folder (default: :func:`output_dir`).
+
+    Returns:
+        stem -> the file's contents.
+    """
     folder = Path(results_dir) if results_dir is not None else output_dir()
     return {p.stem: json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))}
 
@@ -198,7 +241,14 @@ OWN_TABLE = ("architectures",)
 
 
 def markdown_table(results_dir: Path | str | None = None) -> str:
-    """One Markdown table of all figures: notebook, recipe, metric, value, baseline, predicted."""
+    """One Markdown table of all figures: notebook, recipe, metric, value, baseline, predicted.
+
+    Args:
+        results_dir: the folder (default: :func:`output_dir`).
+
+    Returns:
+        The table.
+    """
     lines = ["| notebook | recipe | metric | value | baseline | predicted | unit | device |",
              "|---|---|---|---|---|---|---|---|"]
     for stem, res in load_results(results_dir).items():
@@ -220,7 +270,14 @@ def _markers(section: str | None) -> tuple[str, str]:
 def write_readme_section(name: str, table: str) -> bool:
     """Put ``table`` between the README's ``<!-- {name}:begin -->`` and ``<!-- {name}:end -->``
     markers, only when results go to the repository's ``results/`` (a test run's figures never
-    reach the README); return True if the README changed.
+    reach the README).
+
+    Args:
+        name: the markers' name.
+        table: the text to put there.
+
+    Returns:
+        True if the README changed.
 
     Raises:
         ValueError: if the README lacks the markers.
@@ -283,7 +340,15 @@ def update_readme(readme: Path | str = README, results_dir: Path | str | None = 
 
 def write_report(status: dict[str, str], results_dir: Path | str | None = None) -> Path:
     """Write ``report.md`` in the results directory: each notebook's status, device, versions and
-    figures."""
+    figures.
+
+    Args:
+        status: notebook stem -> "ok" or the failure.
+        results_dir: the folder (default: :func:`output_dir`).
+
+    Returns:
+        The report's path.
+    """
     results_dir = Path(results_dir) if results_dir is not None else output_dir()
     runs = load_results(results_dir)
     lines = ["# Results report", "", "| notebook | status | device |", "|---|---|---|"]

@@ -102,14 +102,39 @@ SIZES: dict[str, dict[str, dict[str, Any]]] = {
 
 
 def check_scale(scale: str) -> str:
-    """``scale`` itself, or a ValueError naming ``SCALE`` and the choices."""
+    """Check a scale's name.
+
+    Args:
+        scale: "ci", "reference" or "gpu".
+
+    Returns:
+        ``scale`` itself.
+
+    Raises:
+        ValueError: naming ``SCALE`` and the choices, for another name.
+    """
     if scale not in SCALES:
         raise ValueError(f"SCALE={scale!r}: expected one of {', '.join(map(repr, SCALES))}")
     return scale
 
 
 def sizes(notebook: str, scale: str) -> dict[str, Any]:
-    """The parameters ``scale`` sets in ``notebook`` (a notebook's file stem), name -> value."""
+    """The parameters ``scale`` sets in ``notebook``.
+
+    Args:
+        notebook: a notebook's file stem.
+        scale: "ci", "reference" or "gpu".
+
+    Returns:
+        name -> value.
+
+    Raises:
+        ValueError: for an unknown scale (naming ``SCALE``) or notebook.
+
+    Example:
+        >>> sizes("02_multi_gpu_training", "reference")["LOADER_STEPS"]
+        6
+    """
     check_scale(scale)
     if notebook not in SIZES:
         raise ValueError(f"notebook={notebook!r}: expected one of {', '.join(SIZES)}")

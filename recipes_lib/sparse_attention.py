@@ -193,6 +193,13 @@ def flex_available(device: torch.device | str) -> bool:
 def flex_attention_fn(window: int | None, n_global: int = 0):
     """A compiled FlexAttention callable for the pattern (GPU training path).
 
+    Args:
+        window: the local window (None: full causal attention).
+        n_global: leading tokens every query sees.
+
+    Returns:
+        ``fn(q, k, v) -> output``.
+
     Raises:
         ValueError: on a device where FlexAttention cannot train (see ``flex_available``).
     """

@@ -36,7 +36,12 @@ T = TypeVar("T")
 @dataclass(frozen=True)
 class OutOfMemory:
     """Where a sweep stopped: the first size that ran out of device memory, and the error's
-    first line (e.g. "CUDA out of memory. Tried to allocate 8.00 GiB ...")."""
+    first line (e.g. "CUDA out of memory. Tried to allocate 8.00 GiB ...").
+
+    Attributes:
+        size: the size that did not fit.
+        message: the error's first line.
+    """
 
     size: int
     message: str
@@ -49,6 +54,12 @@ def until_out_of_memory(sizes: Iterable[int], measure: Callable[[int], T],
     ``torch.OutOfMemoryError`` (an accelerator's; a CPU that runs out is killed by the OS, not
     told). The larger sizes would not fit either, so they are not tried. The stop is said aloud
     (a warning) and returned, and the device's cache is emptied for what runs next.
+
+    Args:
+        sizes: the sizes, in the order tried.
+        measure: ``measure(size)``.
+        device: the device whose cache is emptied after a stop.
+        what: the sweep's name in the warning.
 
     Returns:
         The measurements of the sizes that fit, and where it stopped (None: every size ran).
@@ -93,7 +104,14 @@ def until_out_of_memory(sizes: Iterable[int], measure: Callable[[int], T],
 
 @dataclass
 class Peaks:
-    """Measured ceilings of one device: matrix FLOP/s (``dtype``) and copy bandwidth (B/s)."""
+    """Measured ceilings of one device: matrix FLOP/s (``dtype``) and copy bandwidth (B/s).
+
+    Attributes:
+        flops_per_s: a large matmul's FLOP/s.
+        bytes_per_s: a large copy's bytes read plus written per second.
+        dtype: the matmul's dtype.
+        device: the device.
+    """
 
     flops_per_s: float
     bytes_per_s: float
@@ -110,6 +128,13 @@ def machine_peaks(device: torch.device | str = "cpu", dtype: torch.dtype = torch
 
     The copy counts bytes read plus bytes written. CPU sizes are kept small enough to take
     about a second on a laptop.
+
+    Args:
+        device: the device measured.
+        dtype: the matmul's dtype.
+
+    Returns:
+        The :class:`Peaks`.
     """
     device = torch.device(device)
     key = (str(device), str(dtype))
@@ -133,6 +158,18 @@ class Sweep:
     ``flops`` and ``bytes`` are the baseline's work per call at each size (optional; they name
     the regime). ``extra`` holds timings of further variants measured in the same alternation
     (e.g. another library's implementation).
+
+    Attributes:
+        recipe: the recipe's name (results key).
+        dimension: the size's name.
+        sizes: the sizes timed.
+        baseline: the baseline's timing at each size.
+        candidate: the recipe's timing at each size.
+        flops: the baseline's FLOPs per call at each size (or None).
+        bytes: its bytes per call at each size (or None).
+        peaks: the device's :class:`Peaks` (or None).
+        extra: variant name -> its timing at each size.
+        out_of_memory: where the sweep stopped (None: every size ran).
     """
 
     recipe: str
@@ -344,6 +381,13 @@ def from_rows(recipe: str, dimension: str, rows: list[dict[str, Any]]) -> Sweep:
 def check_sizes(sizes: Sequence[int], name: str = "sizes") -> list[int]:
     """At least three positive sizes, strictly growing.
 
+    Args:
+        sizes: the sizes.
+        name: the parameter named in the error.
+
+    Returns:
+        The sizes, as a list.
+
     Raises:
         ValueError: naming ``name`` otherwise.
     """
@@ -375,6 +419,9 @@ def run_sweep(recipe: str, dimension: str, sizes: Sequence[int],
 
     A size that runs out of device memory ends the sweep there (``until_out_of_memory``): the
     returned sweep holds the sizes that fit and ``out_of_memory`` says where it stopped.
+
+    Returns:
+        The :class:`Sweep`.
 
     Raises:
         ValueError: on fewer than three sizes, or sizes that do not grow.

@@ -15,7 +15,12 @@ from recipes_lib.device import synchronize
 
 @dataclass
 class Timing:
-    """Median and spread of repeated runs, in seconds."""
+    """Median and spread of repeated runs, in seconds.
+
+    Attributes:
+        median_s: the median.
+        times_s: every timed run.
+    """
 
     median_s: float
     times_s: list[float] = field(default_factory=list)
@@ -40,6 +45,9 @@ def time_fn(
         repeats: measured calls.
         device: synchronised before and after each call (CUDA/MPS), so queued kernels count.
 
+    Returns:
+        The :class:`Timing`.
+
     Raises:
         ValueError: if warmup < 0 or repeats < 1.
 
@@ -61,6 +69,15 @@ def time_interleaved(
     Comparing two variants measured one after the other lets slow drift of the machine (clock
     speed, other processes, the allocator's state) land on one of them; alternating spreads it
     over both.
+
+    Args:
+        fns: name -> the work to time.
+        warmup: rounds first run and discarded.
+        repeats: measured rounds.
+        device: synchronised around each call.
+
+    Returns:
+        name -> its :class:`Timing`.
 
     Raises:
         ValueError: for no functions, warmup < 0 or repeats < 1.

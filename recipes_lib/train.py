@@ -93,7 +93,16 @@ class TrainConfig:
 
 @dataclass
 class TrainResult:
-    """What a run produced: per-step loss and time, the precision that actually ran."""
+    """What a run produced: per-step loss and time, the precision that actually ran.
+
+    Attributes:
+        losses: the loss of each optimizer step.
+        step_times: each step's seconds.
+        precision: the precision that ran ("auto" resolved).
+        target_tokens: tokens that carried a loss, over the run.
+        evals: ``(step, tokens, value)`` of each ``eval_fn`` call.
+        resumed_from: the step a checkpoint resumed from (0: a fresh start).
+    """
 
     losses: list[float] = field(default_factory=list)
     step_times: list[float] = field(default_factory=list)
@@ -105,7 +114,18 @@ class TrainResult:
 
 
 def make_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
-    """AdamW over the trainable parameters (peft leaves only the adapters trainable)."""
+    """AdamW over the trainable parameters (peft leaves only the adapters trainable).
+
+    Args:
+        model: the model.
+        config: gives the learning rate and weight decay.
+
+    Returns:
+        The optimizer.
+
+    Raises:
+        ValueError: if the model has no trainable parameters.
+    """
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ValueError("model: has no trainable parameters")
@@ -118,7 +138,14 @@ def optimizer_step(
     max_grad_norm: float | None,
     scaler: torch.amp.GradScaler | None = None,
 ) -> None:
-    """Unscale (fp16), clip, step and clear gradients."""
+    """Unscale (fp16), clip, step and clear gradients.
+
+    Args:
+        model: the model whose gradients are clipped.
+        optimizer: its optimizer.
+        max_grad_norm: the clipping norm (None: no clipping).
+        scaler: fp16's gradient scaler (None: none).
+    """
     if scaler is not None:
         scaler.unscale_(optimizer)
     if max_grad_norm is not None:
@@ -134,7 +161,16 @@ def optimizer_step(
 
 def make_grad_scaler(model: torch.nn.Module, precision: str, device: torch.device) -> Any:
     """A loss scaler for fp16 (None otherwise): FSDP2 needs the sharded one, which reduces the
-    inf/NaN check over ranks so every rank skips the same steps."""
+    inf/NaN check over ranks so every rank skips the same steps.
+
+    Args:
+        model: the model (an ``FSDPModule`` gets the sharded scaler).
+        precision: the resolved precision.
+        device: where it trains.
+
+    Returns:
+        The scaler, or None.
+    """
     if precision != "fp16":
         return None
     from torch.distributed.fsdp import FSDPModule

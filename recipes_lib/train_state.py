@@ -72,6 +72,16 @@ def save(checkpoint_dir: str | Path, step: int, model: torch.nn.Module, optimize
 
     Called by every rank in a multi-process run (the sharded layout, see the module docstring).
 
+    Args:
+        checkpoint_dir: the run's checkpoint folder.
+        step: optimizer steps done.
+        model: the model (its trainable parameters are saved).
+        optimizer: its optimizer.
+        scheduler: the learning-rate scheduler.
+        scaler: fp16's gradient scaler, or None.
+        history: what the run recorded so far (losses, ...).
+        keep: checkpoints kept.
+
     Returns:
         The checkpoint's folder.
     """
@@ -136,7 +146,16 @@ def _save_sharded(root: Path, step: int, model: torch.nn.Module, optimizer: Any,
 
 def save_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: str | Path
                  ) -> Path:
-    """Each rank writes its own shards with ``torch.distributed.checkpoint`` (no gather)."""
+    """Each rank writes its own shards with ``torch.distributed.checkpoint`` (no gather).
+
+    Args:
+        model: the sharded model.
+        optimizer: its optimizer.
+        path: the checkpoint's folder.
+
+    Returns:
+        ``path``.
+    """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -147,7 +166,16 @@ def save_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path:
 
 def load_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: str | Path
                  ) -> None:
-    """Load a :func:`save_sharded` checkpoint into a model sharded the same or another way."""
+    """Load a :func:`save_sharded` checkpoint into a model sharded the same or another way.
+
+    Args:
+        model: the sharded model.
+        optimizer: its optimizer.
+        path: the checkpoint's folder.
+
+    Raises:
+        FileNotFoundError: if there is no sharded checkpoint at ``path``.
+    """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -161,7 +189,14 @@ def load_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path:
 
 
 def latest(checkpoint_dir: str | Path) -> Path | None:
-    """The newest complete checkpoint folder, or None (``.tmp`` folders are never returned)."""
+    """The newest complete checkpoint folder (``.tmp`` folders are never returned).
+
+    Args:
+        checkpoint_dir: the run's checkpoint folder.
+
+    Returns:
+        The folder, or None.
+    """
     root = Path(checkpoint_dir)
     pointer = root / LATEST
     if not pointer.exists():
@@ -175,7 +210,17 @@ def latest(checkpoint_dir: str | Path) -> Path | None:
 
 def load(path: str | Path, model: torch.nn.Module, optimizer: Any, scheduler: Any, scaler: Any
          ) -> dict[str, Any]:
-    """Restore a checkpoint into the given objects; return ``{"step", "history"}``.
+    """Restore a checkpoint into the given objects.
+
+    Args:
+        path: the checkpoint's folder.
+        model: the model.
+        optimizer: its optimizer.
+        scheduler: the learning-rate scheduler.
+        scaler: fp16's gradient scaler, or None.
+
+    Returns:
+        ``{"step", "history"}``.
 
     Raises:
         ValueError: if the checkpoint's parameters do not match the model's trainable ones.

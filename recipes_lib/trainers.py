@@ -74,7 +74,14 @@ SETTINGS: dict[str, dict[str, Any]] = {
 
 def precision_settings(where: torch.device | str) -> dict[str, bool]:
     """``bf16`` / ``fp16`` for TrainingArguments on the device ``where``, said aloud when bf16
-    cannot run (a T4: fp16 with a gradient scaler; a CPU without native bf16: fp32)."""
+    cannot run (a T4: fp16 with a gradient scaler; a CPU without native bf16: fp32).
+
+    Args:
+        where: the device the trainer runs on.
+
+    Returns:
+        ``{"bf16": True}``, ``{"fp16": True}`` or ``{}`` (fp32).
+    """
     where = torch.device(where)
     if device.supports_bf16(where):
         return {"bf16": True}
@@ -153,7 +160,15 @@ def check_settings(model: torch.nn.Module, settings: dict[str, Any]) -> dict[str
 
 @dataclass
 class TrainerRun:
-    """What a few trainer steps produced: the logged losses, the measured step, the optimizer."""
+    """What a few trainer steps produced: the logged losses, the measured step, the optimizer.
+
+    Attributes:
+        losses: the logged loss of each step.
+        step: the measured training step's ``MemoryReport`` (None: not measured).
+        optimizer_state_bytes: the optimizer's state bytes after the last step.
+        settings: the settings the trainer ran with.
+        trainer: the trainer itself.
+    """
 
     losses: list[float] = field(default_factory=list)
     step: MemoryReport | None = None  # the measured training step (forward + backward)
@@ -456,7 +471,18 @@ def fsdp_rank_state(model_path: str, steps: int = 2, micro_batch_size: int = 2,
 
     accelerate (1.x) turns FSDP on only for accelerator ranks (GPU, NPU, XPU, HPU...): on CPU
     ranks the same settings run as DDP (``MULTI_CPU``), each rank keeping the whole state, and
-    nothing says so; the returned ``distributed_type`` does."""
+    nothing says so; the returned ``distributed_type`` does.
+
+    Args:
+        model_path: the model's folder.
+        steps: optimizer steps.
+        micro_batch_size: examples per rank per step.
+        max_length: the longest example kept.
+
+    Returns:
+        ``{"rank", "world_size", "losses", "state_bytes", "unsharded_parameter_bytes",
+        "distributed_type"}``.
+    """
     from recipes_lib import model as models
     from recipes_lib.distributed import world
     from recipes_lib.fsdp import local_state_bytes

@@ -1,22 +1,20 @@
 """The library's docstrings, as a reader meets them: every ``Example:`` in ``recipes_lib`` runs
-and prints what it says (doctest), and every function or class a notebook calls documents its
-arguments, what it returns and what it raises, in the Args / Returns / Raises form (STYLE.md).
+and prints what it says (doctest), and every public function or class documents its arguments,
+what it returns and what it raises, in the Args / Returns / Raises form (STYLE.md; classes:
+Attributes).
 """
 import ast
 import doctest
 import importlib
 import inspect
-import json
 import os
 import pkgutil
 import textwrap
-from pathlib import Path
 
 import pytest
 
 import recipes_lib
 
-ROOT = Path(__file__).resolve().parent.parent
 MODULES = sorted(m.name for m in pkgutil.iter_modules(recipes_lib.__path__)
                  if m.name != "__main__")
 
@@ -36,39 +34,17 @@ def test_the_examples_in_the_docstrings_run_as_written(name, monkeypatch):
                                 f"{name}.py shows them")
 
 
-def _notebook_code() -> str:
-    lines = []
-    for path in sorted((ROOT / "notebooks").glob("*.ipynb")):
-        for cell in json.loads(path.read_text())["cells"]:
-            if cell["cell_type"] == "code":
-                lines += [line for line in "".join(cell["source"]).splitlines()
-                          if not line.lstrip().startswith(("%", "!"))]
-    return "\n".join(lines)
-
-
-def notebook_callables() -> dict[str, object]:
-    """``module.name`` -> each recipes_lib function or class the notebooks' code uses."""
-    tree = ast.parse(_notebook_code())
-    aliases, found = {}, {}
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith(
-                "recipes_lib"):
-            for a in node.names:
-                full = f"{node.module}.{a.name}"
-                try:
-                    aliases[a.asname or a.name] = importlib.import_module(full)
-                except ImportError:
-                    found[full] = getattr(importlib.import_module(node.module), a.name)
-    for node in ast.walk(tree):
-        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
-                and node.value.id in aliases):
-            obj = getattr(aliases[node.value.id], node.attr, None)
-            if obj is not None:
-                found[f"{aliases[node.value.id].__name__}.{node.attr}"] = obj
-    return {name: obj for name, obj in found.items()
-            if (inspect.isfunction(obj) or inspect.isclass(obj))
-            and obj.__module__.startswith("recipes_lib")
-            and not (inspect.isclass(obj) and issubclass(obj, BaseException))}
+def public_callables() -> dict[str, object]:
+    """``module.name`` -> every public function or class defined in a recipes_lib module."""
+    found = {}
+    for name in [*MODULES, "__main__"]:
+        module = importlib.import_module(f"recipes_lib.{name}")
+        for attr, obj in vars(module).items():
+            if (not attr.startswith("_") and (inspect.isfunction(obj) or inspect.isclass(obj))
+                    and obj.__module__ == module.__name__
+                    and not (inspect.isclass(obj) and issubclass(obj, BaseException))):
+                found[f"{module.__name__}.{attr}"] = obj
+    return found
 
 
 def _raises(fn) -> bool:
@@ -95,9 +71,9 @@ def missing_sections(obj) -> list[str]:
     return missing
 
 
-def test_what_the_notebooks_call_documents_its_args_returns_and_raises():
-    callables = notebook_callables()
-    assert len(callables) > 100  # the notebooks' use of the library, found
+def test_every_public_function_documents_its_args_returns_and_raises():
+    callables = public_callables()
+    assert len(callables) > 300  # every module's, found
     lacking = {name: missing_sections(obj) for name, obj in sorted(callables.items())}
     lacking = {name: sections for name, sections in lacking.items() if sections}
     assert not lacking, "\n".join(f"{n}: {', '.join(s)}" for n, s in lacking.items())

@@ -58,10 +58,13 @@ SIZES: dict[str, dict[str, dict[str, Any]]] = {
         "FSDP_FAKE_MODELS": {"ci": (), "reference": ("Llama-3.1-8B", "Llama-3.1-70B"),
                              "gpu": ("Llama-3.1-8B", "Llama-3.1-70B")},
         "FSDP_FAKE_SEQ": {"ci": 128, "reference": 4096, "gpu": 4096},
+        "FP8_STEPS": {"ci": 4, "reference": 8, "gpu": 8},
     },
     "03_optimizing_inference_speed": {
         "LATENCY_REPEATS": {"ci": 5, "reference": 15, "gpu": 15},
         "COMPILE_RMSNORM": {"ci": False, "reference": True, "gpu": True},
+        "LN_PRETRAIN_STEPS": {"ci": 40, "reference": 80, "gpu": 80},
+        "COMPILE_GENERATION": {"ci": False, "reference": True, "gpu": True},
         "ATTN_SEQ_LENS": {"ci": (256, 512, 1024, 2048), "reference": (256, 512, 1024, 2048, 4096),
                           "gpu": (512, 1024, 2048, 4096, 8192, 16384)},
         "ATTN_HEADS": {"ci": (2, 4, 8, 16), "reference": (2, 4, 8, 16, 32), "gpu": (8, 16, 32, 64)},

@@ -179,7 +179,12 @@ def test_archs_rerun_keeps_the_other_architectures_rows(monkeypatch, tmp_path):
     monkeypatch.setenv(results.RESULTS_ENV, str(tmp_path))
     runs = iter([{"qwen2": {"01_x": "failed: AssertionError: kd"}, "phi3": {"01_x": "ok"}},
                  {"qwen2": {"01_x": "ok"}}])
-    monkeypatch.setattr(notebooks, "architecture_matrix", lambda names=None: next(runs))
+    asked = []
+
+    def matrix(names=None, parameters=None):
+        asked.append(parameters)
+        return next(runs)
+    monkeypatch.setattr(notebooks, "architecture_matrix", matrix)
     assert not cli.architectures_matrix()
     saved = results.load_results(tmp_path)["architectures"]["figures"]
     assert [(f["recipe"], f["value"], f["unit"]) for f in saved] == [
@@ -187,6 +192,8 @@ def test_archs_rerun_keeps_the_other_architectures_rows(monkeypatch, tmp_path):
     assert cli.architectures_matrix(["qwen2"])
     saved = results.load_results(tmp_path)["architectures"]["figures"]
     assert sorted((f["recipe"], f["value"]) for f in saved) == [("phi3", 1.0), ("qwen2", 1.0)]
+    # notebook 03's compiled decode (Gemma-2 recompiles at every token) runs in the matrix
+    assert asked == [{"COMPILE_GENERATION": True}] * 2
 
 
 def test_executed_status_reads_papermills_cell_metadata(tmp_path):

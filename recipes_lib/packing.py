@@ -149,7 +149,8 @@ def collate_padding_free(rows: Sequence[Sequence[dict[str, list[int]]]], pad_tok
             needs (it detects packing only with a batch of one row).
 
     Returns:
-        ``{"input_ids", "labels", "position_ids"}``, each ``(rows, width)``.
+        ``{"input_ids", "labels", "position_ids"}``, each ``(rows, width)`` (one row with
+        ``flatten``).
 
     Raises:
         ValueError: for no rows, an empty row, or a row longer than ``width``.

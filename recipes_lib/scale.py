@@ -7,9 +7,10 @@ sizes the chosen scale needs:
 - ``"ci"``: the parameters cell as written (``make test``; any laptop).
 - ``"reference"``: what ``make run`` and ``make bench`` use on the reference CPU: more timed
   repeats, one more (or a longer) point in each sweep, the compiled kernels, the real-size
-  models measured on fake tensors (seconds each), and the longer training run the results
-  table was established on (the curriculum). Correctness and memory claims are
-  the same as at ``"ci"``, which runs that training shorter under the same asserts.
+  models measured on fake tensors (seconds each), notebook 03's compiled decode, and the
+  longer training runs the results table was established on (the curriculum, notebook 02's
+  float8 check, notebook 03's LayerNorm model). Correctness and memory claims are the same as
+  at ``"ci"``, which runs that training shorter under the same asserts.
 - ``"gpu"``: the sizes at which the speed recipes are meant to pay on a GPU (a base model of
   about 0.4 B parameters built from a config and pretrained on the accelerator, sweeps out to
   16k tokens and 8k-wide layers). Minutes on one GPU; hours on a CPU.

@@ -43,6 +43,7 @@ MODEL_SPECS: dict[str, TinyModelSpec] = {
 SIZES: dict[str, dict[str, dict[str, Any]]] = {
     "01_large_models_limited_hardware": {
         "TIME_REPEATS": {"ci": 3, "reference": 5, "gpu": 5},
+        "MEASURE_BATCH": {"ci": 8, "reference": 16, "gpu": 16},
         "CKPT_SWEEP_WIDTHS": {"ci": (64, 256, 512), "reference": (64, 256, 512, 1024),
                               "gpu": (512, 1024, 2048, 4096)},
         "CKPT_SWEEP_TOKENS": {"ci": (128, 512, 2048), "reference": (128, 512, 2048, 4096),

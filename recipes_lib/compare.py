@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from recipes_lib.grad_accumulation import LossFn, forward_backward
+from recipes_lib.grad_accumulation import LossFn, forward_backward, split_micro_batches
 from recipes_lib.memory import CATEGORIES, MemoryReport, measure_memory
 from recipes_lib.timing import Timing, time_interleaved
 from recipes_lib.train import optimizer_step
@@ -74,6 +74,38 @@ def measure_training_step(
     return measure_training_steps({"model": model}, batch, {"model": optimizer},
                                   grad_accum_steps, precision, repeats, warmup,
                                   {"model": loss_fn})["model"]
+
+
+def measure_accumulation(model: torch.nn.Module, batch: dict[str, torch.Tensor],
+                         grad_accum_steps: int) -> dict[str, MemoryReport]:
+    """What gradient accumulation holds: the memory of one step over ``batch`` in
+    ``grad_accum_steps`` micro-batches, beside the memory of a step on each micro-batch alone,
+    the largest of which it should match (plus the gradients, which stay allocated while the
+    next micro-batches run). Memory only, no optimizer.
+
+    Args:
+        model: the model.
+        batch: the global batch.
+        grad_accum_steps: micro-batches it is split into.
+
+    Returns:
+        ``{"accumulated", "largest_micro_batch"}``: the two ``MemoryReport`` s (the largest by
+        peak).
+
+    Raises:
+        ValueError: if ``grad_accum_steps`` < 1 or does not divide the batch size.
+
+    Example:
+        >>> m = measure_accumulation(model, batch, 4)  # doctest: +SKIP
+        >>> m["accumulated"].activation_bytes / m["largest_micro_batch"].activation_bytes
+        ... # doctest: +SKIP
+    """
+    micro = split_micro_batches(batch, grad_accum_steps)
+    accumulated = measure_training_step(model, batch, grad_accum_steps=grad_accum_steps,
+                                        repeats=0).memory
+    largest = max((measure_training_step(model, mb, repeats=0).memory for mb in micro),
+                  key=lambda r: r.peak_bytes)
+    return {"accumulated": accumulated, "largest_micro_batch": largest}
 
 
 def measure_training_steps(

@@ -2,6 +2,7 @@ import matplotlib
 import pytest
 
 from recipes_lib import compare
+from recipes_lib import grad_accumulation as ga
 
 matplotlib.use("Agg")
 
@@ -47,3 +48,16 @@ def test_a_step_runs_the_loss_it_is_given(small_llama, varlen_batch):
     m = compare.measure_training_step(small_llama, varlen_batch, repeats=0, loss_fn=chunked)
     assert len(calls) == 2  # the warm-up step and the measured one
     assert m.memory.activation_bytes < own.memory.activation_bytes
+
+
+def test_accumulation_holds_one_micro_batchs_activations(small_llama, varlen_batch):
+    m = compare.measure_accumulation(small_llama, varlen_batch, 4)
+    full = compare.measure_training_step(small_llama, varlen_batch, repeats=0).memory
+    acc, largest = m["accumulated"], m["largest_micro_batch"]
+    assert acc.activation_bytes <= 1.1 * largest.activation_bytes
+    assert acc.activation_bytes < full.activation_bytes
+    micro = [compare.measure_training_step(small_llama, mb, repeats=0).memory.peak_bytes
+             for mb in ga.split_micro_batches(varlen_batch, 4)]
+    assert largest.peak_bytes == max(micro)
+    with pytest.raises(ValueError, match="grad_accum_steps"):
+        compare.measure_accumulation(small_llama, varlen_batch, 5)

@@ -70,10 +70,16 @@ def _measured_stack(step: str, grad_accum_steps: int, gpus: int = 1) -> Any:
     why = next((v for k, v in reasons.items() if k in step), "no fake-tensor stack for it")
     return f"not measured: {why}"
 
+def _per_gpu_batch(batch_size: int, gpus: int) -> int:
+    """Sequences on the busiest GPU when ``gpus`` share ``batch_size``: a batch the ranks do
+    not divide leaves some rank one more, and that rank's peak decides whether the step fits."""
+    return -(-batch_size // gpus)
+
+
 def _whole_shares(stack: Any, batch_size: int) -> int:
-    """The batch a row's stack is measured with: every FSDP rank takes a whole share (the
-    calculator's per-GPU batch, at least one sequence)."""
-    return stack.fsdp_ranks * max(1, batch_size // stack.fsdp_ranks)
+    """The batch a row's stack is measured with: every FSDP rank takes the busiest rank's share
+    (the calculator's per-GPU batch)."""
+    return stack.fsdp_ranks * _per_gpu_batch(batch_size, stack.fsdp_ranks)
 
 
 _UNITS = {"": 2**30, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
@@ -149,7 +155,9 @@ def plan(model: str, gpu_mem: str | float, seq_len: int = 2048, batch_size: int 
         model: built-in name or path to a transformers config.json.
         gpu_mem: memory of one GPU, e.g. "16GB" (a T4), "80GiB".
         seq_len, batch_size: tokens per sequence and sequences per optimizer step.
-        gpus: GPUs for the last step, a full fine-tune sharded with FSDP.
+        gpus: GPUs for the last step, a full fine-tune sharded with FSDP; each GPU is planned
+            with the busiest one's share of the batch, ``ceil(batch_size / gpus)`` (at least
+            one sequence: 1 sequence over 8 GPUs plans 1 per GPU).
         grad_accum_steps: micro-batches per step in the accumulation row (default: the largest
             divisor of ``batch_size`` up to 4).
         measure: also measure the rows on fake tensors (``fake_memory``): each gets
@@ -177,7 +185,7 @@ def plan(model: str, gpu_mem: str | float, seq_len: int = 2048, batch_size: int 
     name, shape = resolve_shape(model)
     budget = parse_bytes(gpu_mem)
     rows = calc.escalation_table(shape, seq_len, batch_size, budget, grad_accum_steps)
-    fs = calc.data_parallel_bytes(shape, gpus, "fsdp", seq_len, max(1, batch_size // gpus))
+    fs = calc.data_parallel_bytes(shape, gpus, "fsdp", seq_len, _per_gpu_batch(batch_size, gpus))
     rows.append({"step": _fsdp_step(gpus),
                  "state_GiB": (fs["state"] + fs["gathered"]) / 2**30,
                  "activations_GiB": fs["activations"] / 2**30,

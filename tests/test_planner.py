@@ -28,6 +28,16 @@ def test_more_gpus_make_fsdp_fit():
     assert not one["fits"] and eight["fits"]
 
 
+def test_fsdp_row_plans_the_busiest_gpus_share_of_a_batch_the_gpus_do_not_divide(
+        tmp_path, small_llama):
+    # 3 sequences over 2 GPUs: one GPU takes 2, and its peak decides whether the step fits
+    small_llama.config.save_pretrained(tmp_path)
+    fsdp = {b: planner.plan(str(tmp_path), "1GB", 64, b, gpus=2, measure=True)["rows"][-1]
+            for b in (2, 3, 4)}
+    for key in ("total_GiB", "measured_GiB"):
+        assert fsdp[3][key] == fsdp[4][key] > fsdp[2][key]
+
+
 def test_config_file_and_hub_style_names(tmp_path, small_llama):
     small_llama.config.save_pretrained(tmp_path)
     _, shape = planner.resolve_shape(str(tmp_path))

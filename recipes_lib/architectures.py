@@ -102,6 +102,41 @@ def adapter_targets(model: nn.Module) -> tuple[str, ...]:
     return tuple(names)
 
 
+def check_adapter_targets(model: nn.Module, targets: str | list[str] | tuple[str, ...],
+                          name: str = "target_modules") -> None:
+    """Refuse LoRA target names that match no module of ``model`` before peft does, naming the
+    parameter and the layers that could be adapted (peft's own error names neither).
+
+    A list matches as peft matches it: a module whose name is an entry or ends in ``.`` + entry.
+    ``"all-linear"`` needs linear layers in the decoder blocks (:func:`adapter_targets`); any
+    other string is peft's regular expression and is left to peft.
+
+    Args:
+        model: the model the adapters go on.
+        targets: peft's ``target_modules``.
+        name: the caller's parameter, for the error.
+
+    Raises:
+        ValueError: naming ``name``, the architecture and its adaptable layers, for entries that
+            match nothing or a model without linear layers to adapt.
+
+    Example:
+        >>> check_adapter_targets(llama_model, ["q_proj", "qkv_proj"])  # doctest: +SKIP
+        ValueError: target_modules: 'qkv_proj' matches no module of LlamaForCausalLM; ...
+    """
+    if isinstance(targets, str):
+        if targets == "all-linear":
+            adapter_targets(model)
+        return
+    modules = [n for n, _ in model.named_modules()]
+    missing = [t for t in targets if not any(n == t or n.endswith("." + t) for n in modules)]
+    if missing:
+        raise ValueError(f"{name}: {', '.join(map(repr, missing))} "
+                         f"match{'es' if len(missing) == 1 else ''} no module of "
+                         f"{architecture_name(model)}; its decoder blocks' linear layers are "
+                         f"{', '.join(adapter_targets(model))} ('all-linear' takes them all)")
+
+
 def lm_head_weight(model: nn.Module) -> torch.Tensor:
     """The output projection's weight (vocab x hidden), tied to the embeddings or not.
 

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from recipes_lib import calc
-from recipes_lib.architectures import default_attention
+from recipes_lib.architectures import check_adapter_targets, default_attention
 from recipes_lib.checkpointing import enable_activation_checkpointing
 from recipes_lib.chunked_loss import ChunkedCausalLMLoss
 from recipes_lib.data import IGNORE_INDEX
@@ -459,6 +459,7 @@ def build_model(config, stack: Stack, device: torch.device | str, fake: bool = T
 
         targets = stack.lora_targets if isinstance(stack.lora_targets, str) else list(
             stack.lora_targets)
+        check_adapter_targets(model, targets, "lora_targets")
         model = get_peft_model(model, LoraConfig(r=stack.lora_rank, lora_alpha=2 * stack.lora_rank,
                                                  target_modules=targets,
                                                  lora_dropout=stack.lora_dropout,

@@ -202,6 +202,20 @@ def test_an_architecture_without_what_a_recipe_needs_is_named():
         architectures.adapter_targets(ConvOnly())
 
 
+def test_lora_targets_another_architecture_names_are_refused_with_this_ones(arch_path):
+    _, path = arch_path
+    model = _load(path)
+    own = architectures.adapter_targets(model)
+    architectures.check_adapter_targets(model, list(own))  # its own names, and suffixes, pass
+    architectures.check_adapter_targets(model, "all-linear")
+    foreign = [t for t in TARGETS["llama"] + TARGETS["phi3"] if t not in own]
+    with pytest.raises(ValueError) as err:
+        architectures.check_adapter_targets(model, [own[0]] + foreign)
+    message = str(err.value)
+    assert message.startswith("target_modules: ") and repr(own[0]) not in message
+    assert all(repr(t) in message for t in foreign) and ", ".join(own) in message
+
+
 def test_fake_tensors_measure_every_architecture_exactly(arch_path):
     """The fake-tensor meter builds each architecture with the attention transformers has for
     it (Gemma-2: eager, its s x s scores counted) and counts what a real step allocates."""

@@ -383,8 +383,10 @@ def model_config(model: Any):
                              f"({', '.join(calc.PRESETS)}) and no config.json there")
         config = AutoConfig.from_pretrained(path)
     if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        raise ValueError(f"model={str(model)[:80]!r}: a {config.model_type!r} config is not a "
-                         "causal language model")
+        # a config object's str() is its whole JSON: name it by its class
+        given = type(model).__name__ if isinstance(model, PretrainedConfig) else str(model)[:80]
+        raise ValueError(f"model={given!r}: a {config.model_type!r} config is not a causal "
+                         "language model (transformers maps no AutoModelForCausalLM to it)")
     return config
 
 

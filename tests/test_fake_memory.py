@@ -198,6 +198,8 @@ def test_bad_inputs_name_the_parameter(config, tmp_path):
     ViTConfig().save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="not a causal language model"):
         fake_memory.model_config(tmp_path)
+    with pytest.raises(ValueError, match=r"^model='ViTConfig': a 'vit' config is not a causal"):
+        fake_memory.model_config(ViTConfig())  # named by its class, not its whole JSON
     with pytest.raises(ValueError, match="seq_len=512.*RoPE scaling"):
         fake_memory.measure_step(config, Stack(), 512, 1)
     with pytest.raises(ValueError, match="grad_accum_steps=2"):

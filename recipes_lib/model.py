@@ -50,6 +50,10 @@ class TinyModelSpec:
         architecture: "llama", another decoder of ``ARCHITECTURES`` (qwen2, qwen3, mistral,
             phi3, gemma2), or "gpt_neox" (LayerNorm instead of RMSNorm, notebook 03).
 
+    Raises:
+        ValueError: naming the field, for a size that is not a positive integer, a learning
+            rate <= 0, or head counts that do not divide the width and each other.
+
     Example:
         >>> TinyModelSpec.smallest("qwen2").num_hidden_layers
         2
@@ -70,6 +74,22 @@ class TinyModelSpec:
     # "llama", another decoder of ARCHITECTURES (qwen2, qwen3, mistral, phi3, gemma2), or
     # "gpt_neox": LayerNorm instead of RMSNorm (notebook 03)
     architecture: str = "llama"
+
+    def __post_init__(self):
+        for name, value in asdict(self).items():
+            if name in ("architecture", "pretrain_lr"):
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or value < (name != "seed"):
+                raise ValueError(f"{name}={value!r}: must be an integer >= "
+                                 f"{int(name != 'seed')}")
+        if not self.pretrain_lr > 0:
+            raise ValueError(f"pretrain_lr={self.pretrain_lr!r}: must be > 0")
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(f"num_attention_heads={self.num_attention_heads}: must divide "
+                             f"hidden_size={self.hidden_size}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_key_value_heads={self.num_key_value_heads}: must divide "
+                             f"num_attention_heads={self.num_attention_heads}")
 
     @classmethod
     def smallest(cls, architecture: str = "llama") -> TinyModelSpec:
@@ -308,6 +328,34 @@ def pretrain_report(path: Path | str) -> dict:
     return json.loads((Path(path) / "pretrain_report.json").read_text())
 
 
+def _looks_like_a_path(ident: str) -> bool:
+    """A hub id is ``name`` or ``namespace/name``; anything else is meant as a folder."""
+    return (Path(ident).is_absolute() or ident.startswith((".", "~")) or ident.count("/") > 1
+            or "\\" in ident)
+
+
+def _check_source(model_id_or_path: str | Path) -> str:
+    """The model's folder or hub id as a string, or a ValueError naming ``model_id_or_path``
+    where it cannot be found: a folder that does not exist (transformers would take it for a
+    malformed hub id), or a hub id while HF_HUB_OFFLINE=1."""
+    ident = str(model_id_or_path)
+    if Path(ident).exists():
+        return ident
+    if isinstance(model_id_or_path, Path) or _looks_like_a_path(ident):
+        raise ValueError(f"model_id_or_path={ident!r}: no such folder (a folder written by "
+                         "save_pretrained, or a hub id such as 'meta-llama/Llama-3.2-1B')")
+    if os.environ.get("HF_HUB_OFFLINE") == "1":
+        raise ValueError(
+            f"model_id_or_path={ident!r}: not a local folder and HF_HUB_OFFLINE=1; "
+            "download it first (huggingface-cli download) or pass a local path"
+        )
+    return ident
+
+
+def _first_line(err: BaseException) -> str:
+    return f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0][:300]}"
+
+
 def load_tokenizer(model_id_or_path: str | Path):
     """``AutoTokenizer.from_pretrained`` with a pad token guaranteed (hub models often lack one).
 
@@ -316,10 +364,19 @@ def load_tokenizer(model_id_or_path: str | Path):
 
     Returns:
         The tokenizer; its pad token is the eos token where it had none.
+
+    Raises:
+        ValueError: naming ``model_id_or_path``, as :func:`load_model` does, for a folder that
+            does not exist, a hub id while offline, or a tokenizer transformers cannot load.
     """
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(model_id_or_path), trust_remote_code=False)
+    ident = _check_source(model_id_or_path)
+    try:
+        tok = AutoTokenizer.from_pretrained(ident, trust_remote_code=False)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"model_id_or_path={ident!r}: no tokenizer could be loaded: "
+                         f"{_first_line(err)}") from err
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return tok
@@ -373,12 +430,7 @@ def load_model(
 
     if model_id_or_path is None:
         model_id_or_path = build_tiny_model()
-    ident = str(model_id_or_path)
-    if not Path(ident).exists() and os.environ.get("HF_HUB_OFFLINE") == "1":
-        raise ValueError(
-            f"model_id_or_path={ident!r}: not a local folder and HF_HUB_OFFLINE=1; "
-            "download it first (huggingface-cli download) or pass a local path"
-        )
+    ident = _check_source(model_id_or_path)
     auto = attn_implementation == "auto"
     kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": False,
                               "attn_implementation": "sdpa" if auto else attn_implementation}
@@ -397,9 +449,8 @@ def load_model(
                           f"version: loaded with {model.config._attn_implementation!r} attention "
                           "(it materialises the s x s scores)", stacklevel=2)
     except (OSError, ValueError) as err:
-        reason = (str(err).strip().splitlines() or [""])[0][:300]
         raise ValueError(
-            f"model_id_or_path={ident!r}: could not be loaded: {type(err).__name__}: {reason} "
+            f"model_id_or_path={ident!r}: could not be loaded: {_first_line(err)} "
             "(a local folder with config.json, or a hub id with network access?)"
         ) from err
     if device is not None and quantization_config is None:

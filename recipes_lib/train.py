@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from recipes_lib import data, train_state
-from recipes_lib.device import resolve_precision, synchronize
+from recipes_lib.device import PRECISIONS, resolve_precision, synchronize
 from recipes_lib.distributed import all_reduce_sum, rank_slice, world
 from recipes_lib.grad_accumulation import LossFn, count_target_tokens, forward_backward
 
@@ -78,6 +78,8 @@ class TrainConfig:
             raise ValueError(f"warmup_steps={self.warmup_steps}: must be in [0, steps]")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule={self.schedule!r}: expected one of {SCHEDULES}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision={self.precision!r}: expected one of {PRECISIONS}")
         if not isinstance(self.eval_every, int) or self.eval_every < 0:
             raise ValueError(f"eval_every={self.eval_every!r}: must be an integer >= 0")
         if not isinstance(self.checkpoint_every, int) or self.checkpoint_every < 0:

@@ -59,6 +59,23 @@ def test_hub_id_offline_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ValueError, match="HF_HUB_OFFLINE=1"):
         models.load_model("meta-llama/Llama-3.2-1B")
+    with pytest.raises(ValueError, match="^model_id_or_path=.*HF_HUB_OFFLINE=1"):
+        models.load_tokenizer("meta-llama/Llama-3.2-1B")
+
+
+@pytest.mark.parametrize("folder", ["/no/such/model", "./no-such-model", "runs/no/such-model"])
+def test_a_folder_that_does_not_exist_is_named_not_taken_for_a_hub_id(folder, monkeypatch):
+    # transformers takes a missing folder for a malformed hub id ("Repo id must be in the form
+    # 'repo_name' or 'namespace/repo_name'"), online or not; the notebooks load the tokenizer first
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    for load in (models.load_tokenizer, models.load_model):
+        with pytest.raises(ValueError, match=f"^model_id_or_path='{folder}': no such folder"):
+            load(folder)
+
+
+def test_a_folder_without_a_tokenizer_is_named(tmp_path):
+    with pytest.raises(ValueError, match="^model_id_or_path=.*no tokenizer could be loaded"):
+        models.load_tokenizer(tmp_path)
 
 
 def test_folder_without_config_is_a_clear_error(tmp_path):

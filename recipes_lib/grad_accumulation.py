@@ -24,7 +24,9 @@ LossFn = Callable[[torch.nn.Module, dict[str, torch.Tensor]], torch.Tensor]
 def split_micro_batches(
     batch: dict[str, torch.Tensor], grad_accum_steps: int
 ) -> list[dict[str, torch.Tensor]]:
-    """Split a padded batch into ``grad_accum_steps`` micro-batches, each trimmed of pad columns.
+    """Split a padded batch into ``grad_accum_steps`` micro-batches, each trimmed of the pad
+    columns at its end (all of them under right padding, the course's; a left-padded batch
+    keeps its leading pad columns and every token).
 
     Args:
         batch: ``input_ids``, ``attention_mask`` and ``labels`` of the global batch.
@@ -47,8 +49,9 @@ def split_micro_batches(
     micro = []
     for i in range(0, n, size):
         mb = {k: v[i:i + size] for k, v in batch.items()}
-        if "attention_mask" in mb:
-            width = int(mb["attention_mask"].sum(1).max())
+        if "attention_mask" in mb:  # up to the last column any row attends to
+            used = mb["attention_mask"].any(0).nonzero()
+            width = int(used[-1]) + 1 if len(used) else 0
             mb = {k: v[:, :width] for k, v in mb.items()}
         micro.append(mb)
     return micro

@@ -38,6 +38,23 @@ def test_split_trims_padding_and_validates(varlen_batch):
         ga.split_micro_batches(varlen_batch, 3)
 
 
+def _left_padded(batch):
+    # each row's pad columns moved to its front, as a tokenizer with padding_side="left" pads
+    shifts = (batch["attention_mask"] == 0).sum(1)
+    return {k: torch.stack([row.roll(int(n)) for row, n in zip(v, shifts)])
+            for k, v in batch.items()}
+
+
+def test_a_left_padded_batch_keeps_every_token_and_still_equals_one_batch(small_llama,
+                                                                          varlen_batch):
+    left = _left_padded(varlen_batch)
+    assert not left["attention_mask"][:, 0].all() and left["attention_mask"][:, -1].all()
+    micro = ga.split_micro_batches(left, 4)
+    assert sum(int(m["attention_mask"].sum()) for m in micro) == int(left["attention_mask"].sum())
+    ref = ga.batch_gradients(small_llama, left, 1)
+    assert max_rel_error(ga.batch_gradients(small_llama, left, 4), ref) <= 1e-5
+
+
 def test_no_targets_is_a_clear_error(small_llama, varlen_batch):
     empty = dict(varlen_batch, labels=torch.full_like(varlen_batch["labels"], -100))
     with pytest.raises(ValueError, match="no target tokens"):

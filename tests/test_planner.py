@@ -29,13 +29,21 @@ def test_more_gpus_make_fsdp_fit():
 
 
 def test_fsdp_row_plans_the_busiest_gpus_share_of_a_batch_the_gpus_do_not_divide(
-        tmp_path, small_llama):
+        tmp_path, small_llama, monkeypatch):
     # 3 sequences over 2 GPUs: one GPU takes 2, and its peak decides whether the step fits
+    from types import SimpleNamespace
+
+    from recipes_lib import fake_memory
+
     small_llama.config.save_pretrained(tmp_path)
-    fsdp = {b: planner.plan(str(tmp_path), "1GB", 64, b, gpus=2, measure=True)["rows"][-1]
-            for b in (2, 3, 4)}
-    for key in ("total_GiB", "measured_GiB"):
-        assert fsdp[3][key] == fsdp[4][key] > fsdp[2][key]
+    calculated = {b: planner.plan(str(tmp_path), "1GB", 64, b, gpus=2)["rows"][-1]["total_GiB"]
+                  for b in (2, 3, 4)}
+    assert calculated[3] == calculated[4] > calculated[2]
+    measured = []  # the batch each fake FSDP step is measured with (no step run here)
+    monkeypatch.setattr(fake_memory, "measure_step", lambda model, stack, seq, batch: (
+        measured.append((stack.fsdp_ranks, batch)) or SimpleNamespace(peak_bytes=1, host_bytes=0)))
+    planner.plan(str(tmp_path), "1GB", 64, 3, gpus=2, measure=True)
+    assert (2, 4) in measured and (1, 3) in measured  # FSDP: 2 ranks x 2; one GPU: the batch
 
 
 def test_config_file_and_hub_style_names(tmp_path, small_llama):

@@ -49,7 +49,7 @@ from recipes_lib.train import TrainConfig, make_optimizer, optimizer_step
 
 METHODS = ("full", "lora", "qlora")
 PRECISIONS = ("fp32", "bf16", "fp16", "bf16-mixed")
-OPTIMIZERS = ("adamw", "adamw-8bit", "sgd")
+OPTIMIZERS = ("adamw", "adamw-foreach", "adamw-fused", "adamw-8bit", "sgd")
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
            "bf16-mixed": torch.float32}
 _AUTOCAST = {"bf16-mixed": "bf16"}  # precision -> the training loop's autocast precision
@@ -92,7 +92,14 @@ class Stack:
     ``bf16=True`` on a 4-bit model until trl #4577 (November 2025; its
     ``peft_module_casting_to_bf16`` after ``get_peft_model``). Since then it runs no k-bit
     preparation and keeps them in the load dtype, which ``precision="bf16"`` measures.
-    ``optimizer="adamw-8bit"`` is bitsandbytes' blockwise 8-bit AdamW. ``chunked_loss`` is the
+    ``optimizer="adamw-8bit"`` is bitsandbytes' blockwise 8-bit AdamW. ``"adamw"`` is the
+    course loop's ``torch.optim.AdamW`` as torch runs it on the device measured: on a CPU the
+    for-loop implementation, whose temporaries are a few copies of one parameter (its
+    ``sqrt(v)`` and the ratio, freed before the next). The other two are how a GPU runs it:
+    ``"adamw-foreach"`` (``foreach=True``, torch's default for CUDA tensors, so the course's own
+    loop on a GPU) updates every parameter of a dtype at once and holds one temporary the size
+    of all their second moments; ``"adamw-fused"`` (``fused=True``: transformers' ``Trainer``
+    default, ``optim="adamw_torch_fused"``, and torchtitan's) holds none. ``chunked_loss`` is the
     chunk size of the chunked cross-entropy (0: the full logits). ``loss`` is how the full
     loss holds the logits: ``"course"`` (the course's loop, and transformers since #35646), or
     ``"transformers-4.46"`` (``TransformersLoss``: 4.46 until #35646, late 2024), for measuring
@@ -112,7 +119,7 @@ class Stack:
         precision: "fp32", "bf16", "fp16" or "bf16-mixed" (above).
         checkpointing: activation checkpointing of every decoder layer.
         selective_checkpointing: keep some outputs inside each checkpointed layer (above).
-        optimizer: "adamw", "adamw-8bit" or "sgd".
+        optimizer: "adamw", "adamw-foreach", "adamw-fused", "adamw-8bit" or "sgd" (above).
         grad_accum_steps: micro-batches per step (the batch is split into them).
         lora_rank: the adapters' rank.
         chunked_loss: tokens per chunk of the chunked cross-entropy (0: the full logits).
@@ -177,10 +184,12 @@ class Stack:
                 and all(isinstance(t, str) for t in self.lora_targets)):
             raise ValueError(f"lora_targets={self.lora_targets!r}: 'all-linear' or a tuple of "
                              "module names, e.g. ('q_proj', 'v_proj')")
-        if self.offload_optimizer and (self.fsdp_ranks > 1 or self.optimizer == "adamw-8bit"):
+        if self.offload_optimizer and (self.fsdp_ranks > 1
+                                       or self.optimizer not in ("adamw", "sgd")):
             raise ValueError("offload_optimizer=True: the course offloads AdamW or SGD states of "
-                             "one device (offload.CPUOffloadOptimizer); with FSDP use its "
-                             "CPUOffloadPolicy, and 8-bit states are not offloaded")
+                             "one device (offload.CPUOffloadOptimizer, which steps them on the "
+                             "host as torch picks there); with FSDP use its CPUOffloadPolicy, "
+                             "and 8-bit states are not offloaded")
         if self.offload_activations and self.fsdp_ranks > 1:
             raise ValueError("offload_activations=True with fsdp_ranks > 1: not measured here "
                              "(one device's saved tensors go to its host)")
@@ -635,7 +644,12 @@ def _optimizer(model: torch.nn.Module, stack: Stack, host: torch.device | str = 
         return torch.optim.SGD(trainable, lr=1e-4)
     if stack.optimizer == "adamw-8bit":  # its code tables are built here, outside fake mode
         return make_adamw_8bit(trainable, lr=1e-4)
-    return make_optimizer(model, TrainConfig(lr=1e-4))  # the training loop's AdamW
+    config = TrainConfig(lr=1e-4)
+    if stack.optimizer in ("adamw-foreach", "adamw-fused"):  # as a GPU runs it, on any device
+        implementation = stack.optimizer.split("-")[1]
+        return torch.optim.AdamW(trainable, lr=config.lr, weight_decay=config.weight_decay,
+                                 **{implementation: True})
+    return make_optimizer(model, config)  # the training loop's AdamW
 
 
 def _saved_on(host: str):

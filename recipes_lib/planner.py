@@ -163,7 +163,9 @@ def plan(model: str, gpu_mem: str | float, seq_len: int = 2048, batch_size: int 
         measure: also measure the rows on fake tensors (``fake_memory``): each gets
             ``measured_GiB`` (the trace's peak on the GPU), ``host_GiB`` (what offload keeps in
             CPU RAM), ``gpu_GiB`` (the peak plus ``gpu_overhead``), ``measured_stack`` and
-            ``measured_fits``; a row that cannot be measured says why.
+            ``measured_fits``; a row that cannot be measured says why. The first row (the full
+            fine-tune) also gets ``adamw_GiB``: its trace with AdamW stepped as measured (a
+            CPU's for-loop), as ``foreach`` and as ``fused`` (``fake_memory.Stack.optimizer``).
 
     Returns:
         ``{"model", "params_B", "gpu_bytes", "rows", "cheapest"}``; each row has step,
@@ -208,6 +210,12 @@ def plan(model: str, gpu_mem: str | float, seq_len: int = 2048, batch_size: int 
                        host_GiB=report.host_bytes / 2**30,
                        gpu_GiB=(peak + gpu_overhead(peak)) / 2**30,
                        measured_fits=peak + gpu_overhead(peak) <= budget)
+            if row is rows[0]:  # the full fine-tune: how a GPU runs AdamW moves its peak
+                row["adamw_GiB"] = {"for-loop (as measured)": peak / 2**30} | {
+                    impl: fake_memory.measure_step(
+                        model, replace(stack, optimizer=f"adamw-{impl}"), seq_len,
+                        _whole_shares(stack, batch_size)).peak_bytes / 2**30
+                    for impl in ("foreach", "fused")}
         out["cheapest_measured"] = next((r["step"] for r in rows if r.get("measured_fits")),
                                         "nothing measured fits")
     return out
@@ -331,4 +339,11 @@ def format_plan(result: dict[str, Any]) -> str:
             else:
                 lines.append(f"{r['step']:<52} {'':>8} {'':>8}  {'':<4} {r['measured_stack']}")
         lines.append(f"cheapest measured that fits: {result['cheapest_measured']}")
+        impls = result["rows"][0].get("adamw_GiB")
+        if impls:
+            lines.append("AdamW is measured as a CPU steps it (one parameter at a time); on a GPU "
+                         "the full fine-tune's trace is " + ", ".join(
+                             f"{v:.1f}G {k}" for k, v in impls.items() if k != next(iter(impls)))
+                         + " (foreach: torch.optim.AdamW's default on CUDA, the course's loop; "
+                         "fused: Trainer's default)")
     return "\n".join(lines)

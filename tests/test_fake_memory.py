@@ -31,13 +31,32 @@ def config():
     Stack(precision="bf16-mixed", checkpointing=True, selective_checkpointing=True),
     Stack(method="qlora", precision="bf16-mixed", lora_dropout=0.1, gpu_dropout=True,
           nf4_keeps_input=True),
-    Stack(method="qlora", precision="bf16", checkpointing=True, nf4_keeps_input=True)],
+    Stack(method="qlora", precision="bf16", checkpointing=True, nf4_keeps_input=True),
+    Stack(optimizer="adamw-foreach", precision="fp32"), Stack(optimizer="adamw-fused")],
     ids=lambda s: s.label)
 def test_fake_step_equals_the_real_step_in_every_category(config, stack):
     r = fake_memory.fake_vs_real(config, stack, seq_len=128, batch_size=2)
     assert r["real"].peak_bytes > 0
     assert r["fake"].by_category == r["real"].by_category
     assert r["peak_ratio"] == 1.0
+
+
+def test_foreach_adamw_holds_one_more_copy_of_the_second_moments_than_fused(config):
+    """How a GPU runs AdamW decides the optimizer step's peak: foreach (torch's default for
+    CUDA tensors) takes sqrt(v) of every parameter at once, fused (Trainer's default) none; the
+    CPU's for-loop, one parameter's at a time. At a short length the step's peak is there (fused:
+    in backward, its optimizer step adding nothing to the states)."""
+    peaks = {opt: fake_memory.measure_step(config, Stack(optimizer=opt, precision="fp32"), 16, 1)
+             for opt in ("adamw", "adamw-foreach", "adamw-fused")}
+    second_moments = 4 * calc.param_count(calc.ModelShape.from_config(
+        fake_memory.model_config(config)))["total"]  # fp32, as the parameters
+    optimizer = {opt: r.by_category["optimizer"] for opt, r in peaks.items()}
+    assert optimizer["adamw-foreach"] - optimizer["adamw-fused"] == second_moments
+    assert peaks["adamw-fused"].peak_bytes <= peaks["adamw"].peak_bytes
+    assert peaks["adamw"].peak_bytes < peaks["adamw-foreach"].peak_bytes
+    assert "adamw-foreach" in Stack(optimizer="adamw-foreach").label
+    with pytest.raises(ValueError, match="offload_optimizer=True"):
+        Stack(optimizer="adamw-fused", offload_optimizer=True)
 
 
 def test_a_fake_fsdp_rank_matches_each_real_rank(sharded_runs):

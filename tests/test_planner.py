@@ -110,7 +110,12 @@ def test_measure_puts_a_fake_measurement_or_its_reason_beside_each_row(tmp_path,
         assert r["gpu_GiB"] * 2**30 == pytest.approx(
             r["measured_GiB"] * 2**30 + planner.gpu_overhead(r["measured_GiB"] * 2**30))
     assert result["cheapest_measured"] == "full fine-tune (bf16 + AdamW)"
-    assert "measured on fake tensors" in planner.format_plan(result)
+    impls = measured[0]["adamw_GiB"]
+    assert list(impls) == ["for-loop (as measured)", "foreach", "fused"]
+    assert impls["foreach"] >= impls["for-loop (as measured)"] == measured[0]["measured_GiB"]
+    assert impls["fused"] <= impls["for-loop (as measured)"]
+    text = planner.format_plan(result)
+    assert "measured on fake tensors" in text and "G foreach" in text and "G fused" in text
 
 
 def test_max_context_is_the_longest_measured_length_within_the_budget(tmp_path, small_llama):

@@ -96,10 +96,11 @@ class Stack:
     course loop's ``torch.optim.AdamW`` as torch runs it on the device measured: on a CPU the
     for-loop implementation, whose temporaries are a few copies of one parameter (its
     ``sqrt(v)`` and the ratio, freed before the next). The other two are how a GPU runs it:
-    ``"adamw-foreach"`` (``foreach=True``, torch's default for CUDA tensors, so the course's own
-    loop on a GPU) updates every parameter of a dtype at once and holds one temporary the size
-    of all their second moments; ``"adamw-fused"`` (``fused=True``: transformers' ``Trainer``
-    default, ``optim="adamw_torch_fused"``, and torchtitan's) holds none. ``chunked_loss`` is the
+    ``"adamw-foreach"`` (``foreach=True``, torch's default for CUDA tensors: a plain
+    ``torch.optim.AdamW`` on a GPU) updates every parameter of a dtype at once and holds one
+    temporary the size of all their second moments; ``"adamw-fused"`` (``fused=True``: the
+    course's loop on a GPU, transformers' ``Trainer`` default, ``optim="adamw_torch_fused"``,
+    and torchtitan's) holds none. ``chunked_loss`` is the
     chunk size of the chunked cross-entropy (0: the full logits). ``loss`` is how the full
     loss holds the logits: ``"course"`` (the course's loop, and transformers since #35646), or
     ``"transformers-4.46"`` (``TransformersLoss``: 4.46 until #35646, late 2024), for measuring

@@ -344,6 +344,6 @@ def format_plan(result: dict[str, Any]) -> str:
             lines.append("AdamW is measured as a CPU steps it (one parameter at a time); on a GPU "
                          "the full fine-tune's trace is " + ", ".join(
                              f"{v:.1f}G {k}" for k, v in impls.items() if k != next(iter(impls)))
-                         + " (foreach: torch.optim.AdamW's default on CUDA, the course's loop; "
-                         "fused: Trainer's default)")
+                         + " (foreach: a plain torch.optim.AdamW's default on CUDA; fused: "
+                         "the course's loop and Trainer's default there)")
     return "\n".join(lines)

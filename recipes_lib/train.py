@@ -116,7 +116,14 @@ class TrainResult:
 
 
 def make_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
-    """AdamW over the trainable parameters (peft leaves only the adapters trainable).
+    """AdamW over the trainable parameters (peft leaves only the adapters trainable), fused
+    where they are all on a GPU.
+
+    On CUDA tensors torch's default is the foreach implementation, which steps every parameter
+    at once and holds a temporary as large as all the second moments at the optimizer step (a
+    full fine-tune of an 8 B model in bf16: 15 GiB more, ``fake_memory.Stack(optimizer=...)``);
+    ``fused=True`` holds none and is what transformers' ``Trainer`` (``adamw_torch_fused``) and
+    torchtitan run. On a CPU torch's own default, the for-loop, stays.
 
     Args:
         model: the model.
@@ -131,7 +138,9 @@ def make_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.O
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ValueError("model: has no trainable parameters")
-    return torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
+    on_gpu = all(p.device.type == "cuda" and p.is_floating_point() for p in params)
+    return torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay,
+                             fused=True if on_gpu else None)
 
 
 def optimizer_step(

@@ -1,6 +1,7 @@
 import pytest
+import torch
 
-from recipes_lib.train import TrainConfig, train
+from recipes_lib.train import TrainConfig, make_optimizer, train
 
 
 def _examples(n=32):
@@ -78,3 +79,15 @@ def test_kill_rank_after_spares_other_ranks_and_restarts(monkeypatch):
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
     distributed.kill_rank_after(rank=0, step=2)(2, None)
     assert killed == [distributed.signal.SIGKILL]
+
+
+def test_adamw_is_fused_where_every_parameter_is_on_a_gpu():
+    # fused holds no temporary the size of the second moments, as foreach (CUDA's default) does
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True):  # a CUDA parameter without a GPU
+        on_gpu = torch.nn.Module()
+        on_gpu.w = torch.nn.Parameter(torch.empty(4, 4, device="cuda"))
+        assert make_optimizer(on_gpu, TrainConfig()).param_groups[0]["fused"]
+    on_cpu = make_optimizer(torch.nn.Linear(4, 4), TrainConfig())
+    assert not on_cpu.param_groups[0]["fused"]  # the CPU keeps torch's default, the for-loop

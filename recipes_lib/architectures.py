@@ -147,12 +147,21 @@ def lm_head_weight(model: nn.Module) -> torch.Tensor:
         The weight (the parameter itself, not a copy).
 
     Raises:
-        ValueError: naming the architecture, if there is no bias-free linear head.
+        ValueError: naming the architecture, if there is no bias-free linear head, or if the
+            head carries unmerged LoRA adapters (its weight alone would leave them out).
     """
     head = model.get_output_embeddings()
     if head is None or getattr(head, "weight", None) is None:
         raise ValueError(f"model: {architecture_name(model)} exposes no output head "
                          "(get_output_embeddings() is None)")
+    # peft's LoRA layer answers .weight with its base layer's: the product with the hidden
+    # states would silently drop the adapters' low-rank term (a loss 145.6 for 149.0)
+    if getattr(head, "base_layer", None) is not None and getattr(head, "lora_A", None) and \
+            not getattr(head, "merged", False):
+        raise ValueError(f"model: {architecture_name(model)}'s output head carries LoRA adapters "
+                         "('lm_head' in target_modules), which a loss that multiplies by the "
+                         "head's weight would leave out; adapt the layers without it, train "
+                         "the head itself (modules_to_save=['lm_head']) or use the full loss")
     if getattr(head, "bias", None) is not None:
         raise ValueError(f"model: {architecture_name(model)}'s output head has a bias; the "
                          "chunked losses expect a bias-free LM head")

@@ -175,3 +175,28 @@ def test_compiled_and_cce_join_the_tokens_sweep_or_say_why_not(monkeypatch):
     monkeypatch.setattr(chunked_loss, "cce_available", lambda: False)
     with pytest.raises(ValueError, match="include_cce=True: cut-cross-entropy"):
         chunked_loss.tokens_sweep([16, 32, 64], 128, 32, include_cce=True)
+
+
+def test_a_head_with_lora_adapters_is_refused_and_a_trained_head_is_followed(small_llama):
+    # peft's LoRA layer answers .weight with its base layer's: multiplying by it would drop the
+    # adapters (silently: 145.6 for the model's 149.0 on a tiny Llama)
+    from peft import LoraConfig, get_peft_model
+
+    from recipes_lib.grad_accumulation import causal_lm_loss_sum
+
+    ids = torch.randint(0, small_llama.config.vocab_size, (2, 16))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+    loss = chunked_loss.ChunkedCausalLMLoss(8)
+    adapted = get_peft_model(small_llama, LoraConfig(r=4, target_modules=["q_proj", "lm_head"],
+                                                     init_lora_weights=False))
+    with pytest.raises(ValueError, match="output head carries LoRA adapters"):
+        loss(adapted, batch)
+    adapted.merge_adapter()  # merged into the head's weight, the product is the model's again
+    torch.testing.assert_close(loss(adapted, batch), causal_lm_loss_sum(adapted(**batch).logits,
+                                                                        ids))
+    adapted.unmerge_adapter()
+    base = adapted.unload()
+    trained_head = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj"],
+                                                   modules_to_save=["lm_head"]))
+    torch.testing.assert_close(loss(trained_head, batch),
+                               causal_lm_loss_sum(trained_head(**batch).logits, ids))

@@ -168,6 +168,27 @@ def lm_head_weight(model: nn.Module) -> torch.Tensor:
     return head.weight
 
 
+def final_hidden_states(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The decoder's last hidden states for ``batch``, as the model's own forward makes them
+    before its head: what a loss computed from the head's weight (chunked cross-entropy,
+    distillation) multiplies. Packed rows (``position_ids`` restarting at each document, no
+    attention mask) are passed on as the training loop passes them, without a KV cache, so each
+    document attends only to itself.
+
+    Args:
+        model: a causal LM, wrapped or not.
+        batch: ``input_ids``, and ``attention_mask`` or ``position_ids`` where present.
+
+    Returns:
+        (batch, seq, hidden) hidden states.
+    """
+    packed = {} if "position_ids" not in batch else {
+        "position_ids": batch["position_ids"], "use_cache": False}
+    return model.get_decoder()(input_ids=batch["input_ids"],
+                               attention_mask=batch.get("attention_mask"),
+                               **packed).last_hidden_state
+
+
 def final_logit_softcap(model: nn.Module) -> float | None:
     """Gemma-2's ``final_logit_softcapping`` (logits become ``cap * tanh(logits / cap)``), or
     None for architectures whose head is a plain matmul.

@@ -21,7 +21,12 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import is_fake
 
-from recipes_lib.architectures import final_logit_softcap, lm_head_weight, softcap
+from recipes_lib.architectures import (
+    final_hidden_states,
+    final_logit_softcap,
+    lm_head_weight,
+    softcap,
+)
 
 IGNORE_INDEX = -100
 ChunkLoss = Callable[..., torch.Tensor]
@@ -383,9 +388,7 @@ class ChunkedCausalLMLoss:
 
     def __call__(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         weight = lm_head_weight(model)  # tied or not: the same matrix the model multiplies by
-        hidden = model.get_decoder()(input_ids=batch["input_ids"],
-                                     attention_mask=batch.get("attention_mask")
-                                     ).last_hidden_state
+        hidden = final_hidden_states(model, batch)  # packed rows stay packed
         # the labels shift, not the hidden states (as Liger-Kernel's LigerForCausalLMLoss and
         # transformers' loss): slicing several rows' last position off would copy them all
         labels = F.pad(batch["labels"][:, 1:], (0, 1), value=IGNORE_INDEX)

@@ -20,7 +20,12 @@ import copy
 import torch
 import torch.nn.functional as F
 
-from recipes_lib.architectures import final_logit_softcap, lm_head_weight, softcap
+from recipes_lib.architectures import (
+    final_hidden_states,
+    final_logit_softcap,
+    lm_head_weight,
+    softcap,
+)
 from recipes_lib.chunked_loss import IGNORE_INDEX, chunked_linear_loss, upcast
 
 
@@ -80,12 +85,6 @@ def kd_loss(
     return per_token.sum() / (labels != IGNORE_INDEX).sum()
 
 
-def _last_hidden(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    out = model.get_decoder()(input_ids=batch["input_ids"],
-                              attention_mask=batch["attention_mask"])
-    return out.last_hidden_state
-
-
 class DistillationLoss:
     """``loss_fn`` for ``train.train``: KD + CE summed over target tokens, logits never whole.
 
@@ -123,9 +122,9 @@ class DistillationLoss:
         # transformers' loss), so only the labelled rows of the hidden states are ever copied
         labels = F.pad(batch["labels"][:, 1:], (0, 1), value=IGNORE_INDEX).reshape(-1)
         keep = labels != IGNORE_INDEX
-        h_s = _last_hidden(student, batch).reshape(-1, w_s.shape[1])[keep]
+        h_s = final_hidden_states(student, batch).reshape(-1, w_s.shape[1])[keep]
         with torch.no_grad():
-            h_t = _last_hidden(self.teacher, batch)
+            h_t = final_hidden_states(self.teacher, batch)
             h_t = h_t.reshape(-1, h_t.shape[-1])[keep]
         w_t, temperature, alpha = self.teacher_weight, self.temperature, self.alpha
         # Gemma-2 soft-caps its final logits: both sides as their own forward would make them

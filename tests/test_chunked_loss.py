@@ -200,3 +200,21 @@ def test_a_head_with_lora_adapters_is_refused_and_a_trained_head_is_followed(sma
                                                    modules_to_save=["lm_head"]))
     torch.testing.assert_close(loss(trained_head, batch),
                                causal_lm_loss_sum(trained_head(**batch).logits, ids))
+
+
+def test_packed_rows_stay_packed_documents(small_llama):
+    # padding-free rows (position_ids restarting at each document, no attention mask): the
+    # chunked loss's hidden states are the model's own, each document attending only to itself
+    from recipes_lib.grad_accumulation import causal_lm_loss_sum
+    from recipes_lib.packing import collate_padding_free
+
+    g = torch.Generator().manual_seed(0)
+    docs = [{"input_ids": torch.randint(3, 128, (n,), generator=g).tolist()} for n in (9, 14, 6)]
+    batch = collate_padding_free([docs[:2], docs[2:]], pad_token_id=0)
+    full = causal_lm_loss_sum(small_llama(input_ids=batch["input_ids"], use_cache=False,
+                                          position_ids=batch["position_ids"]).logits,
+                              batch["labels"])
+    torch.testing.assert_close(chunked_loss.ChunkedCausalLMLoss(8)(small_llama, batch), full)
+    as_one_sequence = causal_lm_loss_sum(small_llama(input_ids=batch["input_ids"]).logits,
+                                         batch["labels"])
+    assert abs(float(as_one_sequence - full)) > 1e-3  # what ignoring the positions would give

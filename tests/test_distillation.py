@@ -44,6 +44,25 @@ def test_chunked_distillation_loss_equals_the_full_logit_reference(small_llama, 
         torch.testing.assert_close(g_got[name], p.grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
+def test_packed_rows_distil_each_document_alone(small_llama):
+    # padding-free rows carry position_ids and no attention mask (packing.collate_padding_free):
+    # both models see each document alone, as their own forward does
+    from recipes_lib.packing import collate_padding_free
+
+    g = torch.Generator().manual_seed(0)
+    docs = [{"input_ids": torch.randint(3, 128, (n,), generator=g).tolist()} for n in (9, 14, 6)]
+    batch = collate_padding_free([docs[:2], docs[2:]], pad_token_id=0)
+    teacher, student = small_llama, distillation.make_student(small_llama, 0.5, 0.5)
+    got = distillation.DistillationLoss(teacher, temperature=2.0, alpha=0.7)(student, batch)
+    packed = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"],
+              "use_cache": False}
+    labels = batch["labels"][:, 1:]
+    with torch.no_grad():
+        ref = distillation.kd_loss(student(**packed).logits[:, :-1],
+                                   teacher(**packed).logits[:, :-1], labels, 2.0, 0.7)
+    torch.testing.assert_close(got, ref * (labels != -100).sum(), rtol=1e-5, atol=1e-4)
+
+
 def test_plugs_into_the_training_loop(small_llama, varlen_batch):
     from recipes_lib import train
 

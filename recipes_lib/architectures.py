@@ -137,6 +137,16 @@ def check_adapter_targets(model: nn.Module, targets: str | list[str] | tuple[str
                          f"{', '.join(adapter_targets(model))} ('all-linear' takes them all)")
 
 
+# config fields by which a transformers causal LM scales its logits (or the hidden states
+# entering its head) outside the head's matmul, and where (transformers 5.x modeling files)
+HEAD_SCALINGS = {
+    "logits_scaling": "(Granite: logits / logits_scaling)",
+    "logit_scale": "(Cohere: logits * logit_scale)",
+    "output_multiplier": "(logits * output_multiplier)",
+    "dim_model_base": "(MiniCPM3: hidden states / (hidden_size / dim_model_base) before the head)",
+}
+
+
 def lm_head_weight(model: nn.Module) -> torch.Tensor:
     """The output projection's weight (vocab x hidden), tied to the embeddings or not.
 
@@ -147,9 +157,18 @@ def lm_head_weight(model: nn.Module) -> torch.Tensor:
         The weight (the parameter itself, not a copy).
 
     Raises:
-        ValueError: naming the architecture, if there is no bias-free linear head, or if the
-            head carries unmerged LoRA adapters (its weight alone would leave them out).
+        ValueError: naming the architecture, if there is no bias-free linear head, if the
+            head carries unmerged LoRA adapters (its weight alone would leave them out), or if
+            the model scales its logits or the hidden states after the decoder in a way the
+            chunked losses do not (:data:`HEAD_SCALINGS`; Gemma-2's soft-capping they do).
     """
+    config = _base(model).config
+    for attr, who in HEAD_SCALINGS.items():
+        value = getattr(getattr(config, "text_config", None) or config, attr, None)
+        if value is not None and value != 1:
+            raise ValueError(f"model: {architecture_name(model)} applies config.{attr}={value} "
+                             f"{who}, which a loss that multiplies by the head's weight does not; "
+                             "use the full loss (the model's own logits)")
     head = model.get_output_embeddings()
     if head is None or getattr(head, "weight", None) is None:
         raise ValueError(f"model: {architecture_name(model)} exposes no output head "

@@ -232,3 +232,22 @@ def test_fake_tensors_measure_every_architecture_exactly(arch_path):
     r = fake_memory.fake_vs_real(config, fake_memory.Stack(method="lora", checkpointing=True),
                                  seq_len=64, batch_size=2)
     assert r["fake"].by_category == r["real"].by_category and r["peak_ratio"] == 1.0
+
+
+@pytest.mark.parametrize("name, scaling", [("CohereConfig", {}),
+                                           ("GraniteConfig", {"logits_scaling": 4.0})])
+def test_a_model_that_rescales_its_logits_is_refused_by_the_chunked_losses(name, scaling):
+    # the chunked losses multiply by the head's weight (and apply Gemma-2's soft cap); Cohere's
+    # logit_scale and Granite's logits_scaling act after the head, so they would be left out
+    import transformers
+
+    sizes = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+             "num_attention_heads": 2, "num_key_value_heads": 1, "eos_token_id": 2}
+    config = getattr(transformers, name)(**sizes, **scaling)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    attr = next(a for a in architectures.HEAD_SCALINGS if getattr(config, a, None) not in (None, 1))
+    with pytest.raises(ValueError, match=f"applies config.{attr}="):
+        architectures.lm_head_weight(model)
+    if name == "GraniteConfig":  # its default, 1, changes nothing
+        plain = transformers.AutoModelForCausalLM.from_config(getattr(transformers, name)(**sizes))
+        assert architectures.lm_head_weight(plain) is plain.get_output_embeddings().weight

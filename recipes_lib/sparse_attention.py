@@ -16,6 +16,8 @@ backward is not available, so it is an option on GPUs only (``flex_available``).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
@@ -226,9 +228,12 @@ def flex_attention_fn(window: int | None, n_global: int = 0):
 def register_with_transformers(window: int | None, n_global: int = 0) -> str:
     """Register the pattern as a transformers attention implementation; return its name.
 
-    Load or switch a model with ``attn_implementation=<name>``. The function ignores the padding
-    mask, which is exact for right-padded or packed causal batches (pad keys come after every real
-    query); it refuses left padding.
+    Load or switch a model with ``attn_implementation=<name>``. The function applies no padding
+    mask, which is exact on the real tokens of right-padded batches (pad keys come after every
+    real query); it refuses left padding, and packed documents (``position_ids`` restarting),
+    where each document must attend only to itself. transformers hands a registered function no
+    mask unless a mask function is registered under the same name: the one registered here
+    passes the 2-D padding mask through (nothing of size s x s is built), so the check can see it.
 
     Args:
         window: the local window (None: full causal attention).
@@ -238,13 +243,14 @@ def register_with_transformers(window: int | None, n_global: int = 0) -> str:
         The implementation's name, for ``attn_implementation``.
 
     Raises:
-        ValueError: (from the registered function) for a left-padded batch.
+        ValueError: (from the registered function) for a left-padded batch or packed documents.
 
     Example:
         >>> name = register_with_transformers(window=256)  # doctest: +SKIP
         >>> model.set_attn_implementation(name)  # doctest: +SKIP
     """
     from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
 
     name = f"blockwise_w{window}_g{n_global}"
 
@@ -254,6 +260,13 @@ def register_with_transformers(window: int | None, n_global: int = 0) -> str:
                 bool((attention_mask[:, 0] == 0).any()):
             raise ValueError("attention_mask: left padding is not supported by blockwise "
                              "attention; pad on the right")
+        positions = kwargs.get("position_ids")
+        if positions is not None and positions.shape[-1] > 1 and \
+                bool((positions.diff(dim=-1) != 1).any()):
+            raise ValueError("position_ids: packed documents (positions restarting at each one) "
+                             "are not supported by blockwise attention, which would let each "
+                             "document attend to the ones before it; use sdpa or "
+                             "flash_attention_2 for padding-free batches")
         # a layer with its own sliding window (Mistral, Qwen2, Gemma-2's local layers) sees the
         # narrower of the two windows; the global tokens stay global
         own = kwargs.get("sliding_window")
@@ -266,7 +279,15 @@ def register_with_transformers(window: int | None, n_global: int = 0) -> str:
         return out.transpose(1, 2).contiguous(), None
 
     AttentionInterface.register(name, attention_forward)
+    AttentionMaskInterface.register(name, _padding_mask_only)
     return name
+
+
+def _padding_mask_only(*args: Any, attention_mask: torch.Tensor | None = None,
+                       **kwargs: Any) -> torch.Tensor | None:
+    """transformers' mask function for the registered attention: the 2-D padding mask as given
+    (bool, batch x keys), or None; the causal and window structure is the attention's own."""
+    return attention_mask
 
 
 def time_exponent(seq_lens: list[int], seconds: list[float]) -> float:

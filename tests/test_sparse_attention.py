@@ -82,6 +82,28 @@ def test_plugs_into_a_transformers_model(small_llama):
     assert float((local[:, 8:] - ref[:, 8:]).abs().max()) > 1e-3
 
 
+def test_in_a_model_right_padding_is_exact_and_left_padding_or_packing_refused(small_llama):
+    # transformers hands a registered attention no mask of its own: without the registered mask
+    # function, left padding and packed documents both ran, silently wrong (0.36 and 0.40 off)
+    from recipes_lib.packing import collate_padding_free
+
+    ids = torch.randint(3, 128, (2, 12))
+    right, left = torch.ones_like(ids), torch.ones_like(ids)
+    right[0, 8:], left[0, :4] = 0, 0
+    with torch.no_grad():
+        ref = small_llama(input_ids=ids, attention_mask=right).logits
+        small_llama.set_attn_implementation(sa.register_with_transformers(window=None))
+        got = small_llama(input_ids=ids, attention_mask=right).logits
+        torch.testing.assert_close(got[right.bool()], ref[right.bool()], rtol=1e-5, atol=1e-5)
+        with pytest.raises(ValueError, match="attention_mask: left padding"):
+            small_llama(input_ids=ids, attention_mask=left)
+        docs = [{"input_ids": list(range(3, 3 + n))} for n in (9, 14, 6)]
+        packed = collate_padding_free([docs[:2], docs[2:]], pad_token_id=0)
+        with pytest.raises(ValueError, match="position_ids: packed documents"):
+            small_llama(input_ids=packed["input_ids"], position_ids=packed["position_ids"],
+                        use_cache=False)
+
+
 def test_time_exponent():
     assert sa.time_exponent([1, 2, 4], [3.0, 12.0, 48.0]) == pytest.approx(2.0)
     with pytest.raises(ValueError, match="seq_lens"):

@@ -208,6 +208,25 @@ def final_hidden_states(model: nn.Module, batch: dict[str, torch.Tensor]) -> tor
                                **packed).last_hidden_state
 
 
+def padding_mask_only(*args: Any, attention_mask: torch.Tensor | None = None,
+                      **kwargs: Any) -> torch.Tensor | None:
+    """A mask function for ``transformers.masking_utils.AttentionMaskInterface``, to register
+    beside an attention a recipe registers (``AttentionInterface``) under the same name: the
+    2-D padding mask as given (bool, batch x keys), or None. transformers hands a registered
+    attention no mask at all without one, so padding would pass unseen; with this one the
+    attention sees the padding and keeps its own causal structure (nothing s x s is built).
+
+    Args:
+        *args: transformers' mask arguments (unused).
+        attention_mask: the padding mask transformers prepared.
+        **kwargs: transformers' mask arguments (unused).
+
+    Returns:
+        ``attention_mask``.
+    """
+    return attention_mask
+
+
 def final_logit_softcap(model: nn.Module) -> float | None:
     """Gemma-2's ``final_logit_softcapping`` (logits become ``cap * tanh(logits / cap)``), or
     None for architectures whose head is a plain matmul.

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from recipes_lib.architectures import padding_mask_only
 from recipes_lib.max_context import max_seq_len
 from recipes_lib.memory import measure_memory
 from recipes_lib.model import small_llama
@@ -389,15 +390,23 @@ def register_with_transformers(stats: RingStats | None = None, group: Any = None
 
     Returns:
         The implementation's name.
+
+    Raises:
+        ValueError: (from the registered function) for a padded batch.
     """
     from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
 
     def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                   **kwargs):
+        if attention_mask is not None and not bool(attention_mask.all()):
+            raise ValueError("attention_mask: ring attention takes whole, unpadded sequences "
+                             "(each rank holds a shard of every one); padding is not supported")
         out = ring_attention(query, key, value, scaling, group, stats)
         return out.transpose(1, 2).contiguous(), None
 
     AttentionInterface.register(ATTN_NAME, attention)
+    AttentionMaskInterface.register(ATTN_NAME, padding_mask_only)  # so padding is seen
     return ATTN_NAME
 
 

@@ -16,10 +16,10 @@ backward is not available, so it is an option on GPUs only (``flex_available``).
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.nn.functional as F
+
+from recipes_lib.architectures import padding_mask_only
 
 PATTERNS = ("causal", "sliding_window", "local_global")
 
@@ -279,15 +279,8 @@ def register_with_transformers(window: int | None, n_global: int = 0) -> str:
         return out.transpose(1, 2).contiguous(), None
 
     AttentionInterface.register(name, attention_forward)
-    AttentionMaskInterface.register(name, _padding_mask_only)
+    AttentionMaskInterface.register(name, padding_mask_only)
     return name
-
-
-def _padding_mask_only(*args: Any, attention_mask: torch.Tensor | None = None,
-                       **kwargs: Any) -> torch.Tensor | None:
-    """transformers' mask function for the registered attention: the 2-D padding mask as given
-    (bool, batch x keys), or None; the causal and window structure is the attention's own."""
-    return attention_mask
 
 
 def time_exponent(seq_lens: list[int], seconds: list[float]) -> float:

@@ -71,3 +71,14 @@ def test_pytorch_context_parallel_is_refused_without_nccl():
         pytest.skip("CUDA present: the refusal is for machines without it")
     with pytest.raises(ValueError, match="needs NCCL"):
         context_parallel.check_torch_context_parallel()
+
+
+def test_a_padded_batch_is_refused_before_the_ring_runs(small_llama):
+    # the ring knows only whole sequences; without a registered mask function transformers
+    # handed it no mask and a padded batch went through unseen
+    small_llama.set_attn_implementation(context_parallel.register_with_transformers())
+    ids = torch.randint(3, 128, (2, 8))
+    padded = torch.ones_like(ids)
+    padded[1, 6:] = 0
+    with pytest.raises(ValueError, match="attention_mask: ring attention takes whole"):
+        small_llama(input_ids=ids, attention_mask=padded)

@@ -201,11 +201,30 @@ def final_hidden_states(model: nn.Module, batch: dict[str, torch.Tensor]) -> tor
     Returns:
         (batch, seq, hidden) hidden states.
     """
+    return model.get_decoder()(**model_inputs(batch)).last_hidden_state
+
+
+def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """A batch's keyword arguments for a model's forward: ``input_ids`` and ``attention_mask``,
+    or, for packed rows, ``position_ids`` without a KV cache (transformers reads restarting
+    positions as packed documents only without one, which ``config.use_cache`` would create:
+    Trainer sets it False too). The labels stay out: the course computes its losses itself.
+
+    Args:
+        batch: ``input_ids``, and ``attention_mask`` or ``position_ids`` where present.
+
+    Returns:
+        The keyword arguments.
+
+    Example:
+        >>> ids = torch.zeros(1, 4, dtype=torch.long)
+        >>> sorted(model_inputs({"input_ids": ids, "position_ids": ids}))
+        ['attention_mask', 'input_ids', 'position_ids', 'use_cache']
+    """
     packed = {} if "position_ids" not in batch else {
         "position_ids": batch["position_ids"], "use_cache": False}
-    return model.get_decoder()(input_ids=batch["input_ids"],
-                               attention_mask=batch.get("attention_mask"),
-                               **packed).last_hidden_state
+    return {"input_ids": batch["input_ids"], "attention_mask": batch.get("attention_mask"),
+            **packed}
 
 
 def padding_mask_only(*args: Any, attention_mask: torch.Tensor | None = None,

@@ -13,6 +13,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from recipes_lib.architectures import model_inputs
 from recipes_lib.data import IGNORE_INDEX
 from recipes_lib.device import autocast
 
@@ -160,12 +161,7 @@ def forward_backward(
             if loss_fn is not None:
                 loss_sum = loss_fn(model, mb)
             else:
-                packed = {} if "position_ids" not in mb else {
-                    # transformers reads restarting positions as packed documents only without
-                    # a KV cache (config.use_cache would create one): Trainer sets it False too
-                    "position_ids": mb["position_ids"], "use_cache": False}
-                logits = model(input_ids=mb["input_ids"], attention_mask=mb.get("attention_mask"),
-                               **packed).logits
+                logits = model(**model_inputs(mb)).logits  # packed rows stay packed
         if loss_fn is None:
             loss_sum = causal_lm_loss_sum(logits, mb["labels"])
             # autograd saved what backward needs; a reference held here would keep one more

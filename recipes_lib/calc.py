@@ -40,10 +40,21 @@ class ModelShape:
         num_key_value_heads: key/value heads (fewer than the query heads with grouped-query
             attention).
         tie_word_embeddings: the LM head shares the embedding's weight.
+        head_dim: width of one attention head (None: ``hidden_size // num_attention_heads``).
+            Qwen3, Gemma and Mistral-Nemo set it wider than that, so their query projection
+            is ``num_attention_heads * head_dim`` wide, not ``hidden_size``.
+        sliding_window: tokens a sliding-window layer attends to (None: no such layers).
+        sliding_layers: how many layers use the sliding window (Mistral v0.1: all of them;
+            Gemma-2: every other one; the rest attend to everything).
+
+    Parameter counts leave out what is below 0.1 % of a real model: attention biases (Qwen2),
+    query/key norms (Qwen3) and Gemma's extra norms.
 
     Example:
         >>> ModelShape(32000, 4096, 11008, 32, 32, 32).head_dim  # Llama-2-7B
         128
+        >>> ModelShape(151936, 2560, 9728, 36, 32, 8, True, head_dim=128).q_size  # Qwen3-4B
+        4096
     """
 
     vocab_size: int
@@ -53,11 +64,34 @@ class ModelShape:
     num_attention_heads: int
     num_key_value_heads: int
     tie_word_embeddings: bool = False
+    head_dim: int | None = None
+    sliding_window: int | None = None
+    sliding_layers: int = 0
+
+    def __post_init__(self) -> None:
+        if self.head_dim is None:  # frozen: set once, here
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window={self.sliding_window}: must be >= 1 or None")
+        if not 0 <= self.sliding_layers <= self.num_hidden_layers or (
+                self.sliding_layers and self.sliding_window is None):
+            raise ValueError(f"sliding_layers={self.sliding_layers}: must be in [0, "
+                             f"{self.num_hidden_layers}], and 0 without a sliding_window")
 
     @classmethod
     def from_config(cls, config: Any) -> ModelShape:
         """From a transformers config (or any object / dict with the same fields)."""
         get = (config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d))
+        window = get("sliding_window")
+        # which layers slide, as transformers' cache decides: the config's layer_types, else
+        # every layer when a window is set
+        types = get("layer_types")
+        if window is None:
+            sliding = 0
+        elif types:
+            sliding = sum(t == "sliding_attention" for t in types)
+        else:
+            sliding = get("num_hidden_layers")
         try:
             return cls(vocab_size=int(get("vocab_size")), hidden_size=int(get("hidden_size")),
                        intermediate_size=int(get("intermediate_size")),
@@ -65,14 +99,18 @@ class ModelShape:
                        num_attention_heads=int(get("num_attention_heads")),
                        num_key_value_heads=int(get("num_key_value_heads")
                                                or get("num_attention_heads")),
-                       tie_word_embeddings=bool(get("tie_word_embeddings", False)))
+                       tie_word_embeddings=bool(get("tie_word_embeddings", False)),
+                       head_dim=int(get("head_dim")) if get("head_dim") else None,
+                       sliding_window=int(window) if window is not None and sliding else None,
+                       sliding_layers=int(sliding))
         except TypeError as err:
             raise ValueError(f"config: not a decoder config with hidden_size, intermediate_size, "
                              f"num_hidden_layers, ... ({err})") from err
 
     @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+    def q_size(self) -> int:
+        """Width of the queries (and of the attention's output): heads x head_dim."""
+        return self.num_attention_heads * self.head_dim
 
 
 def bytes_per_param(fmt: str) -> float:
@@ -150,7 +188,7 @@ def param_count(shape: ModelShape) -> dict[str, int]:
     """
     h, L = shape.hidden_size, shape.num_hidden_layers
     kv = shape.num_key_value_heads * shape.head_dim
-    attn = L * (2 * h * h + 2 * h * kv)
+    attn = L * (2 * h * shape.q_size + 2 * h * kv)
     mlp = L * 3 * h * shape.intermediate_size
     norms = L * 2 * h + h
     emb = shape.vocab_size * h
@@ -449,7 +487,8 @@ def llama_layer_bytes(shape: ModelShape, seq_len: int, batch_size: int, method: 
     adapted = set() if trains_base else set(lora_targets)
     a = 4 if (fp32_adapters or p == 4) else 2  # peft's adapters: fp32 unless told otherwise
     gate_bytes = p if method == "qlora" else c  # a 4-bit matmul returns its input's dtype
-    shapes = {"q_proj": (h, h), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (h, h),
+    q = shape.q_size
+    shapes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
               "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}
     # the tensor each linear reads, its dtype, and whether something else keeps it already
     inputs = {"q_proj": ("attn_norm", p, False), "k_proj": ("attn_norm", p, False),
@@ -463,7 +502,7 @@ def llama_layer_bytes(shape: ModelShape, seq_len: int, batch_size: int, method: 
         return {"per_token": float(per_token), "weight_copies": 0.0,
                 "total": float(per_token * seq_len * batch_size)}
     per_token = 2 * (4 * h + 4 + (p * h if trains_base else 0))  # two RMSNorms
-    per_token += c * (2 * h + 2 * kv) + 4 * heads + 3 * gate_bytes * inter  # SDPA, SwiGLU
+    per_token += c * (2 * q + 2 * kv) + 4 * heads + 3 * gate_bytes * inter  # SDPA, SwiGLU
     weight_copies, shared = 0, set()
     for name, (d_in, d_out) in shapes.items():
         x, x_bytes, kept = inputs[name]
@@ -501,10 +540,11 @@ def llama_activation_bytes(shape: ModelShape, seq_len: int, batch_size: int,
     """What autograd saves in a Llama full fine-tune (transformers, SDPA, no recomputation), in
     fp32 (``bytes_per_value=4``) or 16-bit weights (2).
 
-    Every layer as ``llama_layer_bytes`` counts it, ``(8 + 6p) h + 2p kv + 4p I + 4 heads + 8``
-    bytes a token (``p = bytes_per_value``), plus the final norm (``3h``) and the loss's
-    log-probabilities (``V``, fp32). Korthikanti's ``34 s b h`` (GPT, 16-bit) undercounts a Llama
-    layer, whose SwiGLU and RMSNorms keep more.
+    Every layer as ``llama_layer_bytes`` counts it, ``(8 + 4p) h + 2p (q + kv) + 4p I
+    + 4 heads + 8`` bytes a token (``p = bytes_per_value``; the queries' width ``q = h`` in a
+    Llama), plus the final norm (``3h``) and the loss's log-probabilities (``V``, fp32).
+    Korthikanti's ``34 s b h`` (GPT, 16-bit) undercounts a Llama layer, whose SwiGLU and
+    RMSNorms keep more.
 
     Args:
         shape: the model's sizes.
@@ -580,6 +620,10 @@ def kv_cache_bytes(shape: ModelShape, seq_len: int, batch_size: int, bytes_per_v
                    ) -> float:
     """Keys and values of every layer: ``2 * L * kv_heads * head_dim * s * b * bytes``.
 
+    A sliding-window layer keeps only the last ``sliding_window - 1`` tokens (transformers'
+    cache: the next token attends to them and itself), so beyond the window only the other
+    layers grow.
+
     Args:
         shape: the model's sizes.
         seq_len: tokens cached per sequence.
@@ -593,8 +637,10 @@ def kv_cache_bytes(shape: ModelShape, seq_len: int, batch_size: int, bytes_per_v
         >>> kv_cache_bytes(ModelShape(32000, 4096, 11008, 32, 32, 32), 4096, 1) / 2**30
         2.0
     """
-    return (2 * shape.num_hidden_layers * shape.num_key_value_heads * shape.head_dim
-            * seq_len * batch_size * bytes_per_value)
+    kept = shape.num_hidden_layers * seq_len
+    if shape.sliding_layers:
+        kept -= shape.sliding_layers * max(0, seq_len - (shape.sliding_window - 1))
+    return 2 * shape.num_key_value_heads * shape.head_dim * kept * batch_size * bytes_per_value
 
 
 def ring_attention_bytes(shape: ModelShape, seq_len: int, batch_size: int, world_size: int,
@@ -682,7 +728,8 @@ def amdahl_speedup(fraction: float, part_speedup: float) -> float:
 
 
 def kv_cache_bytes_per_token(shape: ModelShape, bytes_per_value: int = 2) -> float:
-    """KV cache bytes one token adds: ``2 (k and v) * L * kv_heads * head_dim * bytes``.
+    """KV cache bytes one token adds: ``2 (k and v) * L * kv_heads * head_dim * bytes``, while
+    the cache is shorter than any sliding window (beyond it, :func:`kv_cache_bytes`).
 
     Args:
         shape: the model's sizes.

@@ -141,8 +141,8 @@ def make_student(teacher: torch.nn.Module, width_factor: float = 0.5, depth_fact
                  seed: int = 0) -> torch.nn.Module:
     """A freshly initialised, smaller model of the teacher's architecture and vocabulary.
 
-    Hidden and MLP widths are scaled by ``width_factor`` (head size kept, so fewer heads), the
-    number of layers by ``depth_factor`` (at least 1).
+    Hidden and MLP widths are scaled by ``width_factor`` (head size kept, so fewer heads: the
+    hidden width follows the head count), the number of layers by ``depth_factor`` (at least 1).
 
     Args:
         teacher: a transformers causal LM.
@@ -173,8 +173,10 @@ def make_student(teacher: torch.nn.Module, width_factor: float = 0.5, depth_fact
         cfg.num_key_value_heads = max(1, min(heads, int(kv * width_factor)))
         while heads % cfg.num_key_value_heads:
             cfg.num_key_value_heads -= 1
+    # the residual stream shrinks with the heads; it is heads x head_dim only where the teacher's
+    # is (Qwen3 and Gemma make their heads wider than hidden / heads)
+    cfg.hidden_size = round(cfg.hidden_size * heads / cfg.num_attention_heads)
     cfg.num_attention_heads = heads
-    cfg.hidden_size = heads * head_dim
     if hasattr(cfg, "head_dim"):
         cfg.head_dim = head_dim
     cfg.intermediate_size = max(1, int(cfg.intermediate_size * width_factor))

@@ -383,7 +383,7 @@ def model_config(model: Any):
                              num_attention_heads=shape.num_attention_heads,
                              num_key_value_heads=shape.num_key_value_heads,
                              tie_word_embeddings=shape.tie_word_embeddings,
-                             max_position_embeddings=131072)
+                             head_dim=shape.head_dim, max_position_embeddings=131072)
     else:
         path = Path(str(model))
         if path.name == "config.json":

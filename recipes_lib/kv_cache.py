@@ -21,7 +21,8 @@ def measure_kv_cache(model: torch.nn.Module, input_ids: torch.Tensor) -> dict[st
         input_ids: (batch, seq) tokens.
 
     Returns:
-        ``{"bytes": total, "bytes_per_token": total / (batch * seq), "layers": n}``.
+        ``{"bytes": total, "bytes_per_token": total / (batch * seq), "layers": n}``; beyond a
+        sliding window the per-token figure falls (``calc.kv_cache_bytes`` predicts the total).
 
     Raises:
         ValueError: if the model returns no cache (e.g. ``use_cache`` unsupported).
@@ -33,9 +34,10 @@ def measure_kv_cache(model: torch.nn.Module, input_ids: torch.Tensor) -> dict[st
     model.eval()
     device = next(model.parameters()).device
     out = model(input_ids=input_ids.to(device), use_cache=True)
-    cache = getattr(out, "past_key_values", None)
+    # transformers 5.24 renamed the output's past_key_values to cache (the old name warns)
+    cache = out.get("cache") if "cache" in out else getattr(out, "past_key_values", None)
     if cache is None:
-        raise ValueError("model: returned no past_key_values with use_cache=True")
+        raise ValueError("model: returned no cache (past_key_values) with use_cache=True")
     total = 0
     for layer in cache.layers:
         for t in (layer.keys, layer.values):

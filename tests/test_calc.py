@@ -139,3 +139,56 @@ def test_parallelism_table_picks_the_least_sharding_that_fits():
         calc.data_parallel_bytes(calc.PRESETS["Llama-3.2-1B"], 8, "zero1", 128, 1)
     with pytest.raises(ValueError, match="gpu_bytes=0"):
         calc.parallelism_table(8, 0)
+
+
+# real sizes, built on the meta device (no memory): heads wider than hidden / heads (Qwen3,
+# Gemma-2, Mistral-Nemo) and Gemma-2's sliding-window layers
+WIDE_HEAD_CONFIGS = {
+    "Qwen3-0.6B": ("Qwen3Config", {
+        "vocab_size": 151936, "hidden_size": 1024, "intermediate_size": 3072,
+        "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8,
+        "head_dim": 128, "tie_word_embeddings": True}),
+    "Gemma-2-2B": ("Gemma2Config", {
+        "vocab_size": 256000, "hidden_size": 2304, "intermediate_size": 9216,
+        "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
+        "head_dim": 256, "sliding_window": 4096}),
+    "Mistral-Nemo-12B": ("MistralConfig", {
+        "vocab_size": 131072, "hidden_size": 5120, "intermediate_size": 14336,
+        "num_hidden_layers": 40, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "head_dim": 128, "sliding_window": None}),
+}
+
+
+@pytest.mark.parametrize("name", WIDE_HEAD_CONFIGS)
+def test_parameter_count_follows_the_configs_head_dim(name):
+    import transformers
+
+    config_class, sizes = WIDE_HEAD_CONFIGS[name]
+    config = getattr(transformers, config_class)(**sizes)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    real = sum(p.numel() for p in model.parameters())
+    shape = calc.ModelShape.from_config(config)
+    assert shape.head_dim == sizes["head_dim"] != shape.hidden_size // shape.num_attention_heads
+    # what the count leaves out (query/key norms, Gemma's extra norms) is below 0.01 % here
+    assert calc.param_count(shape)["total"] == pytest.approx(real, rel=1e-4)
+
+
+def test_model_shape_reads_which_layers_slide():
+    import transformers
+
+    gemma = calc.ModelShape.from_config(transformers.Gemma2Config(
+        **WIDE_HEAD_CONFIGS["Gemma-2-2B"][1]))
+    assert (gemma.sliding_window, gemma.sliding_layers) == (4096, 13)  # every other layer
+    mistral = calc.ModelShape.from_config({**vars(LLAMA2_7B), "sliding_window": 4096})
+    assert mistral.sliding_layers == 32  # a window and no layer types: every layer
+    qwen = calc.ModelShape.from_config(transformers.Qwen2Config(sliding_window=4096,
+                                                                use_sliding_window=False))
+    assert (qwen.sliding_window, qwen.sliding_layers) == (None, 0)  # a window it does not use
+    # beyond the window, only the full-attention layers' cache grows
+    grown = calc.kv_cache_bytes(gemma, 8192, 1) - calc.kv_cache_bytes(gemma, 4096, 1)
+    assert grown == 13 * 4096 * calc.kv_cache_bytes_per_token(gemma) / 26
+    with pytest.raises(ValueError, match="sliding_layers"):
+        calc.ModelShape(32000, 4096, 11008, 32, 32, 32, sliding_layers=2)
+    with pytest.raises(ValueError, match="sliding_window"):
+        calc.ModelShape(32000, 4096, 11008, 32, 32, 32, sliding_window=0, sliding_layers=2)

@@ -33,3 +33,10 @@ def test_worst_errors_are_the_largest_and_are_saved(errors, tmp_path, summary):
 def test_a_bad_size_is_refused():
     with pytest.raises(ValueError, match="size="):
         calc_validation.relative_errors((64, 1, 192))
+
+
+def test_heads_wider_than_hidden_over_heads_are_counted():
+    # Qwen3 and Gemma: head_dim set wider than hidden / heads, so q_proj and o_proj are wider
+    e = calc_validation.relative_errors((128, 2, 384, 2, 1, 128, 2), head_dim=128)
+    assert e["params"] == 0.0 and e["grads"] == 0.0 and e["optimizer"] == 0.0, e
+    assert e["activations"] <= 0.05, e

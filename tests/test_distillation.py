@@ -122,3 +122,17 @@ def test_depth_sweep_times_teacher_against_student_by_depth():
     assert s.flops[2] - s.flops[1] == pytest.approx(s.flops[1] - s.flops[0])
     with pytest.raises(ValueError, match="sizes="):
         distillation.depth_sweep([6, 3, 9])
+
+
+def test_a_student_of_a_wide_head_teacher_is_narrower_too():
+    # Qwen3 / Gemma: head_dim wider than hidden / heads; the student's residual stream must
+    # shrink with its heads, not become heads x head_dim (here that is the teacher's own width)
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    teacher = Qwen3ForCausalLM(Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                           num_hidden_layers=2, num_attention_heads=4,
+                                           num_key_value_heads=2, head_dim=32))
+    student = distillation.make_student(teacher, 0.5, 0.5)
+    assert (student.config.hidden_size, student.config.num_attention_heads,
+            student.config.head_dim) == (32, 2, 32)
+    assert distillation.param_ratio(student, teacher) < 0.5

@@ -54,3 +54,22 @@ def test_length_sweep_times_generation_with_and_without_the_cache(small_llama):
     s = kv_cache.length_sweep(small_llama, torch.tensor([[1, 5, 7, 9]]), [2, 4, 8], repeats=1)
     assert (s.recipe, s.dimension, s.sizes) == ("kv_cache", "new_tokens", [2, 4, 8])
     assert s.flops[2] > s.flops[0]  # the baseline recomputes longer prefixes
+
+
+@pytest.mark.parametrize("arch", ["mistral", "gemma2", "qwen2", "qwen3"])
+def test_the_calculator_counts_sliding_windows_and_wide_heads(arch):
+    import transformers
+
+    sizes = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+             "num_hidden_layers": 4, "num_attention_heads": 2, "num_key_value_heads": 1,
+             "pad_token_id": 0}
+    config = {"mistral": lambda: transformers.MistralConfig(sliding_window=16, **sizes),
+              "gemma2": lambda: transformers.Gemma2Config(sliding_window=16, head_dim=32, **sizes),
+              "qwen2": lambda: transformers.Qwen2Config(sliding_window=16, use_sliding_window=True,
+                                                        max_window_layers=1, **sizes),
+              "qwen3": lambda: transformers.Qwen3Config(head_dim=32, **sizes)}[arch]()
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    shape = calc.ModelShape.from_config(config)
+    for seq in (8, 40):  # below and beyond the window
+        got = kv_cache.measure_kv_cache(model, torch.randint(1, 64, (2, seq)))
+        assert got["bytes"] == calc.kv_cache_bytes(shape, seq, 2, bytes_per_value=4), seq

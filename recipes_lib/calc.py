@@ -81,6 +81,7 @@ class ModelShape:
     @classmethod
     def from_config(cls, config: Any) -> ModelShape:
         """From a transformers config (or any object / dict with the same fields)."""
+        check_dense(config)
         get = (config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d))
         window = get("sliding_window")
         # which layers slide, as transformers' cache decides: the config's layer_types, else
@@ -111,6 +112,39 @@ class ModelShape:
     def q_size(self) -> int:
         """Width of the queries (and of the attention's output): heads x head_dim."""
         return self.num_attention_heads * self.head_dim
+
+
+# how transformers' configs count routed experts (Mixtral, Llama-4 / Qwen-MoE / DeepSeek)
+EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts")
+
+
+def check_dense(config: Any, name: str = "config") -> None:
+    """Refuse a mixture-of-experts config, which neither the formulas nor a fake-tensor step
+    measure: the formulas count one MLP a layer, and on fake tensors the router's choice, which
+    depends on values fake tensors do not have, sends no token to any expert (a tiny Mixtral's
+    fake step counted 512 bytes of activations and none of its experts').
+
+    Args:
+        config: a transformers config, or a dict of its fields.
+        name: the parameter named in the error.
+
+    Raises:
+        ValueError: naming ``name`` and the expert count, for a config with more than one expert.
+
+    Example:
+        >>> check_dense({"num_local_experts": 8})
+        Traceback (most recent call last):
+        ...
+        ValueError: config: a mixture-of-experts model (num_local_experts=8): ...
+    """
+    get = (config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d))
+    for key in EXPERT_COUNTS:
+        n = get(key)
+        if isinstance(n, int) and n > 1:
+            raise ValueError(f"{name}: a mixture-of-experts model ({key}={n}): the calculator "
+                             "counts dense decoders (one MLP a layer), and a fake-tensor step "
+                             "routes no token to an expert (the router needs values); measure "
+                             "a real step instead (memory.measure_memory)")
 
 
 def bytes_per_param(fmt: str) -> float:

@@ -363,8 +363,8 @@ def model_config(model: Any):
         The config (a ``PretrainedConfig``).
 
     Raises:
-        ValueError: naming ``model`` for an unknown name (listing the presets) or a config that
-            is not a causal LM.
+        ValueError: naming ``model`` for an unknown name (listing the presets), a config that
+            is not a causal LM, or a mixture-of-experts one (``calc.check_dense``).
     """
     from transformers import AutoConfig, LlamaConfig, PretrainedConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -397,6 +397,7 @@ def model_config(model: Any):
         given = type(model).__name__ if isinstance(model, PretrainedConfig) else str(model)[:80]
         raise ValueError(f"model={given!r}: a {config.model_type!r} config is not a causal "
                          "language model (transformers maps no AutoModelForCausalLM to it)")
+    calc.check_dense(config, "model")
     return config
 
 

@@ -123,8 +123,8 @@ def resolve_shape(model: str) -> tuple[str, calc.ModelShape]:
         ``(name, shape)``.
 
     Raises:
-        ValueError: for an unknown name (listing the built-ins) or a file that is not a
-            transformers decoder config.
+        ValueError: for an unknown name (listing the built-ins), a file that is not a
+            transformers decoder config, or a mixture-of-experts one.
     """
     by_lower = {k.lower(): k for k in calc.PRESETS}
     key = model.split("/")[-1].lower()  # "meta-llama/Llama-2-7B" -> "llama-2-7b"
@@ -140,6 +140,7 @@ def resolve_shape(model: str) -> tuple[str, calc.ModelShape]:
             raise ValueError(f"model={model!r}: not a JSON config file ({err})") from err
         if not isinstance(config, dict):
             raise ValueError(f"model={model!r}: not a transformers config")
+        calc.check_dense(config, f"model={model!r}")
         return path.parent.name or model, calc.ModelShape.from_config(config)
     raise ValueError(f"model={model!r}: not a built-in model ({', '.join(calc.PRESETS)}) and "
                      "no config.json there; hub ids cannot be fetched offline, so pass a "

@@ -219,6 +219,12 @@ def test_bad_inputs_name_the_parameter(config, tmp_path):
         fake_memory.model_config(tmp_path)
     with pytest.raises(ValueError, match=r"^model='ViTConfig': a 'vit' config is not a causal"):
         fake_memory.model_config(ViTConfig())  # named by its class, not its whole JSON
+    from transformers import MixtralConfig, Qwen2MoeConfig
+
+    for moe in (MixtralConfig(num_local_experts=4), Qwen2MoeConfig(num_experts=4)):
+        # a fake step would route no token to an expert: refused, not counted without them
+        with pytest.raises(ValueError, match=r"^model: a mixture-of-experts model \(num_"):
+            fake_memory.model_config(moe)
     with pytest.raises(ValueError, match="seq_len=512.*RoPE scaling"):
         fake_memory.measure_step(config, Stack(), 512, 1)
     with pytest.raises(ValueError, match="grad_accum_steps=2"):

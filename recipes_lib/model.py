@@ -142,13 +142,15 @@ def train_tokenizer(texts: list[str], vocab_size: int, max_length: int):
 
 # What each architecture changes beside Llama, at the tiny size (from its transformers config):
 # Qwen2 and Qwen3 tie the head to the embeddings as their small checkpoints do (Qwen3 adds q/k
-# RMSNorm), Mistral is Llama with a sliding window option, Phi-3 fuses qkv_proj and gate_up_proj,
-# Gemma-2 ties, soft-caps attention and final logits, and alternates sliding (half the context,
-# as Gemma-2's 4096 of 8192) and global layers.
+# RMSNorm and, as its checkpoints do, heads twice hidden / heads wide: Qwen3-0.6B has 16 heads of
+# 128 on a 1024-wide stream, so q_proj widens and o_proj narrows), Mistral is Llama with a
+# sliding window option, Phi-3 fuses qkv_proj and gate_up_proj, Gemma-2 ties, soft-caps
+# attention and final logits, and alternates sliding (half the context, as Gemma-2's 4096 of
+# 8192) and global layers.
 _EXTRA: dict[str, dict[str, Any]] = {
     "llama": {"tie_word_embeddings": False},
     "qwen2": {"tie_word_embeddings": True},
-    "qwen3": {"tie_word_embeddings": True, "head_dim": "auto"},
+    "qwen3": {"tie_word_embeddings": True, "head_dim": "wide"},
     "mistral": {"tie_word_embeddings": False, "sliding_window": None, "head_dim": "auto"},
     "phi3": {"tie_word_embeddings": False, "original_max_position_embeddings": "positions"},
     "gemma2": {"tie_word_embeddings": True, "head_dim": "auto", "query_pre_attn_scalar": "auto",
@@ -181,7 +183,7 @@ def model_config(spec: TinyModelSpec, tokenizer) -> Any:
             max_position_embeddings=spec.max_position_embeddings, rotary_pct=1.0,
             tie_word_embeddings=False, **special)
     head_dim = spec.hidden_size // spec.num_attention_heads
-    resolve = {"auto": head_dim, "positions": spec.max_position_embeddings,
+    resolve = {"auto": head_dim, "wide": 2 * head_dim, "positions": spec.max_position_embeddings,
                "half": spec.max_position_embeddings // 2}
     extra = {k: resolve.get(v, v) if isinstance(v, str) else v
              for k, v in _EXTRA[spec.architecture].items()}

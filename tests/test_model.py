@@ -124,3 +124,18 @@ def test_save_temporary_round_trip(small_llama, tokenizer):
     path = models.save_temporary(small_llama, tokenizer)
     again = models.load_model(path)
     assert all(torch.equal(a, b) for a, b in zip(small_llama.parameters(), again.parameters()))
+
+
+def test_the_tiny_qwen3_has_wide_heads_as_its_checkpoints_do():
+    # Qwen3-0.6B: 16 heads of 128 on a 1024-wide stream; the architecture tests run on the same
+    # layout, so a recipe that assumes heads x head_dim == hidden fails there
+    from recipes_lib.model import TinyModelSpec, model_config
+
+    class Tokenizer:  # what model_config reads of one
+        bos_token_id, eos_token_id, pad_token_id = 1, 2, 0
+
+        def __len__(self):
+            return 512
+
+    cfg = model_config(TinyModelSpec.smallest("qwen3"), Tokenizer())
+    assert cfg.head_dim * cfg.num_attention_heads == 2 * cfg.hidden_size

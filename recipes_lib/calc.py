@@ -9,6 +9,7 @@ Kaplan et al. (2020) for 6N training FLOPs per token (8N with full recomputation
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,7 +83,7 @@ class ModelShape:
     def from_config(cls, config: Any) -> ModelShape:
         """From a transformers config (or any object / dict with the same fields)."""
         check_dense(config)
-        get = (config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d))
+        get = _field_reader(config)
         window = get("sliding_window")
         # which layers slide, as transformers' cache decides: the config's layer_types, else
         # every layer when a window is set
@@ -114,6 +115,11 @@ class ModelShape:
         return self.num_attention_heads * self.head_dim
 
 
+def _field_reader(config: Any) -> Callable[..., Any]:
+    """``get(field, default=None)`` on a config object or a dict of its fields."""
+    return config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d)
+
+
 # how transformers' configs count routed experts (Mixtral, Llama-4 / Qwen-MoE / DeepSeek)
 EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts")
 
@@ -137,7 +143,7 @@ def check_dense(config: Any, name: str = "config") -> None:
         ...
         ValueError: config: a mixture-of-experts model (num_local_experts=8): ...
     """
-    get = (config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d))
+    get = _field_reader(config)
     for key in EXPERT_COUNTS:
         n = get(key)
         if isinstance(n, int) and n > 1:

@@ -16,6 +16,9 @@ Pitfalls the settings avoid, each a known issue:
   accumulated tokens, is fixed by passing ``num_items_in_batch`` to the loss; the course's loop
   divides by the global token count too (``grad_accumulation``).
 - bf16 on a GPU without it (a T4, unsloth #780): :func:`precision_settings` picks fp16 there.
+  TRL's ``SFTConfig`` defaults to ``bf16=True``, which a CPU without native bf16 emulates (one
+  padded SFT step of the course model ran 35 s on a 2-core AVX2 EPYC): :func:`run_trainer` asks
+  :func:`precision_settings` instead, so such a CPU trains in fp32, said aloud.
 """
 
 from __future__ import annotations
@@ -240,7 +243,9 @@ def run_trainer(
     course's collator, so the trainer sees the batches the course's loop sees; TRL's own collator
     is used with ``sft=True`` (that is what ``padding_free`` changes). Constant learning rate,
     no weight decay, nothing saved or reported; checkpointing off unless ``settings`` turn it on
-    (TRL's ``SFTConfig`` has it on by default).
+    (TRL's ``SFTConfig`` has it on by default). ``SFTTrainer`` runs in the precision
+    :func:`precision_settings` picks for the model's device unless ``settings`` name ``bf16`` or
+    ``fp16`` (``SFTConfig`` alone would take bf16 where it is only emulated).
 
     Args:
         model: a causal LM (peft-wrapped for LoRA / QLoRA).
@@ -278,8 +283,12 @@ def run_trainer(
         raise ValueError(f"steps={steps!r}: must be an integer >= 1")
     if not examples:
         raise ValueError("examples: empty list, nothing to train on")
-    settings = check_settings(model, {"optim": optim, **(settings or {})})
-    on_gpu = next(model.parameters()).device.type == "cuda"
+    where = next(model.parameters()).device
+    settings = dict(settings or {})
+    if sft and not {"bf16", "fp16"} & settings.keys():  # SFTConfig's default is bf16=True
+        settings = {"bf16": False, **precision_settings(where), **settings}
+    settings = check_settings(model, {"optim": optim, **settings})
+    on_gpu = where.type == "cuda"
     common = dict(output_dir=tempfile.mkdtemp(prefix="trainer-"), max_steps=steps,
                   per_device_train_batch_size=micro_batch_size, learning_rate=lr,
                   lr_scheduler_type="constant", weight_decay=0.0, logging_steps=1,

@@ -188,6 +188,28 @@ def test_precision_settings_fall_back_aloud_on_cpu_without_bf16(monkeypatch):
     assert trainers.precision_settings("cpu") == {"bf16": True}
 
 
+def test_sft_trains_in_the_precision_the_device_supports(small, monkeypatch):
+    """SFTConfig defaults to bf16=True, which a CPU without native bf16 only emulates: run_trainer
+    trains in fp32 there, said aloud, and keeps a precision the settings name."""
+    pytest.importorskip("trl")
+    from recipes_lib import device
+
+    path, tok, examples = small
+
+    def args(settings, **kw):
+        return trainers.run_trainer(models.load_model(path), examples[:2], tok, settings, steps=1,
+                                    sft=True, micro_batch_size=2, measure_step=0).trainer.args
+
+    monkeypatch.setattr(device, "supports_bf16", lambda d: False)
+    with pytest.warns(UserWarning, match="no native bf16: training in fp32"):
+        fell_back = args({})
+    assert (fell_back.bf16, fell_back.fp16) == (False, False)
+    monkeypatch.setattr(device, "supports_bf16", lambda d: True)
+    assert args({}).bf16
+    monkeypatch.setattr(device, "supports_bf16", lambda d: False)
+    assert args({"bf16": True}).bf16  # named: the caller's choice
+
+
 def test_bad_inputs(small):
     path, tok, examples = small
     with pytest.raises(ValueError, match="steps=0"):

@@ -240,7 +240,7 @@ def train(
 
     Raises:
         ValueError: for an invalid config, a global batch larger than the data, or a
-            checkpoint that does not match the model.
+            checkpoint that does not match the model or is past ``config.steps``.
 
     Example:
         >>> config = TrainConfig(steps=50)
@@ -276,6 +276,12 @@ def train(
     start = 0
     if config.checkpoint_dir is not None:
         found = train_state.latest(config.checkpoint_dir)
+        if found is not None and train_state.step_of(found) > config.steps:
+            raise ValueError(
+                f"checkpoint_dir={str(config.checkpoint_dir)!r}: holds step "
+                f"{train_state.step_of(found)}, beyond steps={config.steps} (a longer run's "
+                f"weights and losses): pass steps >= {train_state.step_of(found)} to continue "
+                "it, or a new checkpoint_dir to start over")
         if found is not None:
             restored = train_state.load(found, model, optimizer, scheduler, scaler)
             start = result.resumed_from = min(restored["step"], config.steps)

@@ -24,6 +24,7 @@ last complete one.
 from __future__ import annotations
 
 import random
+import re
 import shutil
 import warnings
 from pathlib import Path
@@ -206,6 +207,24 @@ def latest(checkpoint_dir: str | Path) -> Path | None:
     if path.suffix == ".tmp" or not complete or not (path / STATE).exists():
         return None
     return path
+
+
+def step_of(path: str | Path) -> int:
+    """The optimizer step a checkpoint folder holds, from its name (``step-000123`` -> 123).
+
+    Args:
+        path: a checkpoint folder (:func:`latest`).
+
+    Returns:
+        The step.
+
+    Raises:
+        ValueError: for a folder not named by :func:`save`.
+    """
+    name = Path(path).name
+    if not re.fullmatch(r"step-\d+", name):
+        raise ValueError(f"path={str(path)!r}: not a checkpoint folder (expected step-NNNNNN)")
+    return int(name.split("-", 1)[1])
 
 
 def load(path: str | Path, model: torch.nn.Module, optimizer: Any, scheduler: Any, scaler: Any

@@ -32,7 +32,7 @@ def test_killed_at_a_random_step_resumes_bit_identical(tmp_path, uninterrupted, 
     deadline = time.time() + 240
     while time.time() < deadline:  # wait until the run is past step kill_after, then SIGKILL it
         found = train_state.latest(tmp_path / "ckpt")
-        if found is not None and int(found.name.split("-")[1]) >= kill_after:
+        if found is not None and train_state.step_of(found) >= kill_after:
             break
         time.sleep(0.005)
     proc.send_signal(signal.SIGKILL)
@@ -62,6 +62,20 @@ def test_torn_checkpoint_is_never_picked_up(tmp_path, uninterrupted, monkeypatch
     resumed = run(str(tmp_path / "ckpt"), str(tmp_path / "out.json"), STEPS)
     assert resumed["losses"] == uninterrupted["losses"]
     assert not list((tmp_path / "ckpt").glob("*.tmp"))
+
+
+def test_a_checkpoint_past_the_configured_steps_is_refused(tmp_path, uninterrupted):
+    """A shorter run pointed at a longer run's folder would return that run's weights and
+    losses as its own: refused, naming the folder and both step counts."""
+    ckpt = tmp_path / "ckpt"
+    run(str(ckpt), str(tmp_path / "out.json"), 4)
+    assert train_state.step_of(train_state.latest(ckpt)) == 4
+    with pytest.raises(ValueError, match="checkpoint_dir=.*holds step 4, beyond steps=3"):
+        run(str(ckpt), str(tmp_path / "out.json"), 3)
+    assert run(str(ckpt), str(tmp_path / "out.json"), 5)["losses"][:4] == (
+        uninterrupted["losses"][:4])  # more steps continue it
+    with pytest.raises(ValueError, match="path=.*not a checkpoint folder"):
+        train_state.step_of(tmp_path)
 
 
 def test_checkpoint_files_are_safe_to_load(tmp_path, small_llama, varlen_batch):

@@ -460,16 +460,17 @@ def compare_with_full(tokens: int, vocab_size: int, hidden_size: int, chunk_size
 
         fused = LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE_INDEX)
         losses["liger"] = lambda: fused(w, h, y)
+    # backward(), not autograd.grad: Liger's hooks refuse the latter
     steps = {name: (lambda f=f: f().backward()) for name, f in losses.items()}
     device = torch.device(device)
-    peaks = {name: measure_memory(step, device=device).peak_bytes for name, step in steps.items()}
+    peaks, grads = {}, {}
+    for name, step in steps.items():  # each memory run also leaves its gradients to compare
+        h.grad = w.grad = None
+        peaks[name] = measure_memory(step, device=device).peak_bytes
+        grads[name] = (h.grad, w.grad)
+    h.grad = w.grad = None  # the timed runs accumulate into new tensors, not the ones kept
     # the memory runs above were the warm-up
     times = time_interleaved(steps, warmup=0, repeats=repeats, device=device)
-    grads = {}
-    for name, f in losses.items():  # backward(), not autograd.grad: Liger's hooks refuse the latter
-        h.grad = w.grad = None
-        f().backward()
-        grads[name] = (h.grad, w.grad)
     out = {"peak_full": peaks["full"], "time_full": times["full"].median_s,
            "spread_full": times["full"].spread}
     for name in losses.keys() - {"full"}:

@@ -281,11 +281,14 @@ def matrix_from_figures(figures: list[dict]) -> dict[str, dict[str, str]]:
     return out
 
 
-def record_matrix(matrix: dict[str, dict[str, str]]) -> str:
+def record_matrix(matrix: dict[str, dict[str, str]], kept: tuple[list[str], str] | None = None
+                  ) -> str:
     """Write the matrix as ``architectures.json`` and the README's table.
 
     Args:
         matrix: architecture -> notebook -> status.
+        kept: the architectures whose rows come from an earlier file, and that file's device
+            line: the new file's device line names both machines.
 
     Returns:
         The table, as Markdown.
@@ -294,7 +297,11 @@ def record_matrix(matrix: dict[str, dict[str, str]]) -> str:
 
     from recipes_lib import device, notebooks, results
 
-    r = results.Results("architectures", device.describe_device(torch.device("cpu")))
+    where = device.describe_device(torch.device("cpu"))
+    if kept and kept[0]:
+        ran = [a for a in matrix if a not in kept[0]]
+        where = f"{', '.join(ran)}: {where}; {', '.join(kept[0])} as recorded: {kept[1]}"
+    r = results.Results("architectures", where)
     for arch, row in matrix.items():
         for stem, state in row.items():
             print(f"  {arch:<9} {stem}: {state}")
@@ -327,9 +334,11 @@ def architectures_matrix(names: list[str] | None = None) -> bool:
 
     matrix = notebooks.architecture_matrix(tuple(names) if names else None,
                                            parameters=ARCHS_PARAMETERS)
-    recorded = results.load_results().get("architectures", {}).get("figures", []) if names else []
-    merged = {a: matrix.get(a, row) for a, row in matrix_from_figures(recorded).items()}
-    print(record_matrix({**merged, **matrix}))
+    before = results.load_results().get("architectures", {}) if names else {}
+    merged = {a: matrix.get(a, row)
+              for a, row in matrix_from_figures(before.get("figures", [])).items()}
+    kept = [a for a in merged if a not in matrix]
+    print(record_matrix({**merged, **matrix}, (kept, before.get("device", "unknown"))))
     return all(s == "ok" for row in matrix.values() for s in row.values())
 
 

@@ -173,8 +173,10 @@ def test_architecture_matrix_runs_each_notebook_on_each_folder(monkeypatch, tmp_
 
 
 def test_archs_rerun_keeps_the_other_architectures_rows(monkeypatch, tmp_path):
+    import torch
+
     from recipes_lib import __main__ as cli
-    from recipes_lib import results
+    from recipes_lib import device, results
 
     monkeypatch.setenv(results.RESULTS_ENV, str(tmp_path))
     runs = iter([{"qwen2": {"01_x": "failed: AssertionError: kd"}, "phi3": {"01_x": "ok"}},
@@ -192,6 +194,9 @@ def test_archs_rerun_keeps_the_other_architectures_rows(monkeypatch, tmp_path):
     assert cli.architectures_matrix(["qwen2"])
     saved = results.load_results(tmp_path)["architectures"]["figures"]
     assert sorted((f["recipe"], f["value"]) for f in saved) == [("phi3", 1.0), ("qwen2", 1.0)]
+    here = device.describe_device(torch.device("cpu"))  # each row's machine is named
+    assert results.load_results(tmp_path)["architectures"]["device"] == (
+        f"qwen2: {here}; phi3 as recorded: {here}")
     # notebook 03's compiled decode (Gemma-2 recompiles at every token) runs in the matrix
     assert asked == [{"COMPILE_GENERATION": True}] * 2
 

@@ -288,12 +288,12 @@ def run_trainer(
     if sft and not {"bf16", "fp16"} & settings.keys():  # SFTConfig's default is bf16=True
         settings = {"bf16": False, **precision_settings(where), **settings}
     settings = check_settings(model, {"optim": optim, **settings})
-    on_gpu = where.type == "cuda"
     common = dict(output_dir=tempfile.mkdtemp(prefix="trainer-"), max_steps=steps,
                   per_device_train_batch_size=micro_batch_size, learning_rate=lr,
                   lr_scheduler_type="constant", weight_decay=0.0, logging_steps=1,
                   report_to="none", save_strategy="no", disable_tqdm=True, seed=seed,
-                  use_cpu=not on_gpu, train_sampling_strategy="sequential",
+                  use_cpu=where.type == "cpu",  # on MPS too, Trainer runs where the model is
+                  train_sampling_strategy="sequential",
                   dataloader_num_workers=0,
                   # explicit: TRL's SFTConfig turns checkpointing on by default, Trainer off
                   **{next(iter(checkpointing_settings())): False, **settings})

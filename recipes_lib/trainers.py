@@ -23,6 +23,7 @@ Pitfalls the settings avoid, each a known issue:
 
 from __future__ import annotations
 
+import shutil
 import tempfile
 import warnings
 from dataclasses import dataclass, field
@@ -317,7 +318,10 @@ def run_trainer(
                                   data_collator=lambda rows: data.collate(rows, pad))
     trainer._measure_step, trainer._report, trainer._loss_fn = measure_step, None, loss_fn
     trainer.remove_callback(PrinterCallback)  # the losses come back in TrainerRun instead
-    trainer.train()
+    try:
+        trainer.train()
+    finally:  # nothing is saved there (save_strategy="no"): the folder goes with the run
+        shutil.rmtree(args.output_dir, ignore_errors=True)
     state = state_bytes(getattr(trainer.optimizer, "optimizer", trainer.optimizer))
     # optim="adamw_bnb_8bit" left its embeddings' 32-bit override in bitsandbytes' process-wide
     # manager, which would hold them after this run and apply to later optimizers

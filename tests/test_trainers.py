@@ -1,6 +1,8 @@
 """The recipes in transformers' Trainer and TRL's SFTTrainer: the same figures as the course's
 loop, measured with the course's meter, and the settings that conflict said aloud."""
 
+from pathlib import Path
+
 import pytest
 
 from recipes_lib import checkpointing, data, trainers
@@ -208,6 +210,13 @@ def test_sft_trains_in_the_precision_the_device_supports(small, monkeypatch):
     assert args({}).bf16
     monkeypatch.setattr(device, "supports_bf16", lambda d: False)
     assert args({"bf16": True}).bf16  # named: the caller's choice
+
+
+def test_a_trainer_run_leaves_no_output_folder(small):
+    path, tok, examples = small
+    run = trainers.run_trainer(models.load_model(path), examples[:2], tok, steps=1,
+                               micro_batch_size=2, measure_step=0)
+    assert not Path(run.trainer.args.output_dir).exists()
 
 
 def test_bad_inputs(small):

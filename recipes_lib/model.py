@@ -384,9 +384,28 @@ def load_tokenizer(model_id_or_path: str | Path):
     return tok
 
 
+def scratch_folder(prefix: str = "recipes-") -> Path:
+    """A new temporary folder, removed when this process (a notebook's kernel) exits: a notebook's
+    checkpoints, exports and adapters (notebook 02 writes ~100 MB a run) do not pile up in the
+    temporary directory run after run.
+
+    Args:
+        prefix: the folder name's prefix.
+
+    Returns:
+        The folder.
+    """
+    import atexit
+    import tempfile
+
+    out = Path(tempfile.mkdtemp(prefix=prefix))
+    atexit.register(shutil.rmtree, out, ignore_errors=True)
+    return out
+
+
 def save_temporary(model: torch.nn.Module, tokenizer, prefix: str = "model-") -> Path:
-    """Save ``model`` and ``tokenizer`` to a new temporary folder (for reloading in another dtype,
-    attention implementation or quantization) and return it.
+    """Save ``model`` and ``tokenizer`` to a new :func:`scratch_folder` (for reloading in another
+    dtype, attention implementation or quantization) and return it.
 
     Args:
         model: a transformers model.
@@ -394,11 +413,9 @@ def save_temporary(model: torch.nn.Module, tokenizer, prefix: str = "model-") ->
         prefix: the folder name's prefix.
 
     Returns:
-        The folder, loadable with ``from_pretrained``.
+        The folder, loadable with ``from_pretrained`` until this process exits.
     """
-    import tempfile
-
-    out = Path(tempfile.mkdtemp(prefix=prefix))
+    out = scratch_folder(prefix)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out

@@ -126,6 +126,18 @@ def test_save_temporary_round_trip(small_llama, tokenizer):
     assert all(torch.equal(a, b) for a, b in zip(small_llama.parameters(), again.parameters()))
 
 
+def test_a_scratch_folder_goes_when_its_process_exits():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("from recipes_lib import model; "
+            "p = model.scratch_folder('t-'); (p / 'f').write_text('x'); print(p)")
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
+                         text=True).stdout.strip()
+    assert out and not Path(out).exists()
+
+
 def test_the_tiny_qwen3_has_wide_heads_as_its_checkpoints_do():
     # Qwen3-0.6B: 16 heads of 128 on a 1024-wide stream; the architecture tests run on the same
     # layout, so a recipe that assumes heads x head_dim == hidden fails there

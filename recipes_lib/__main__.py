@@ -281,14 +281,14 @@ def matrix_from_figures(figures: list[dict]) -> dict[str, dict[str, str]]:
     return out
 
 
-def record_matrix(matrix: dict[str, dict[str, str]], kept: tuple[list[str], str] | None = None
-                  ) -> str:
+def record_matrix(matrix: dict[str, dict[str, str]], kept: list[str] = (),
+                  kept_device: str = "") -> str:
     """Write the matrix as ``architectures.json`` and the README's table.
 
     Args:
         matrix: architecture -> notebook -> status.
-        kept: the architectures whose rows come from an earlier file, and that file's device
-            line: the new file's device line names both machines.
+        kept: the architectures whose rows come from an earlier file ...
+        kept_device: ... and that file's device line: the new file's names both machines.
 
     Returns:
         The table, as Markdown.
@@ -298,9 +298,9 @@ def record_matrix(matrix: dict[str, dict[str, str]], kept: tuple[list[str], str]
     from recipes_lib import device, notebooks, results
 
     where = device.describe_device(torch.device("cpu"))
-    if kept and kept[0]:
-        ran = [a for a in matrix if a not in kept[0]]
-        where = f"{', '.join(ran)}: {where}; {', '.join(kept[0])} as recorded: {kept[1]}"
+    if kept:
+        ran = [a for a in matrix if a not in kept]
+        where = f"{', '.join(ran)}: {where}; {', '.join(kept)} as recorded: {kept_device}"
     r = results.Results("architectures", where)
     for arch, row in matrix.items():
         for stem, state in row.items():
@@ -338,7 +338,7 @@ def architectures_matrix(names: list[str] | None = None) -> bool:
     merged = {a: matrix.get(a, row)
               for a, row in matrix_from_figures(before.get("figures", [])).items()}
     kept = [a for a in merged if a not in matrix]
-    print(record_matrix({**merged, **matrix}, (kept, before.get("device", "unknown"))))
+    print(record_matrix({**merged, **matrix}, kept, before.get("device", "unknown")))
     return all(s == "ok" for row in matrix.values() for s in row.values())
 
 

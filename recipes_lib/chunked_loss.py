@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -494,6 +495,32 @@ def cce_available() -> bool:
     from recipes_lib.device import has_module
 
     return has_module("cut_cross_entropy") and has_module("triton")
+
+
+def record_compiled_ratios(ce_sweep: Any, results: Any, chunk_size: int,
+                           compiled_chunk_size: int, strict: bool | None = None) -> None:
+    """Compiled against compiled, from a :func:`tokens_sweep` run with ``include_compiled`` and
+    ``compiled_chunk_size``: the full loss compiled as Cut Cross-Entropy's CPU path compiles it,
+    over our chunks compiled at ``chunk_size`` and at ``compiled_chunk_size`` tokens, each
+    recorded at the largest size (``Sweep.record_ratio``); the second is the speed claim
+    (``strict`` as ``checks.check_speed``'s).
+
+    Args:
+        ce_sweep: the sweep.
+        results: the notebook's ``results.Results``.
+        chunk_size: the chunk size the sweep's plain chunks ran at.
+        compiled_chunk_size: the sweep's ``compiled_chunk_size``.
+        strict: True asserts the claim, None reports it.
+    """
+    unit = "x the full loss compiled as Cut Cross-Entropy's CPU path compiles it"
+    ce_sweep.record_ratio(results, "full (compiled)", "chunked (compiled)", "compiled_speedup",
+                          f"{unit}, {chunk_size}-token chunks")
+    ce_sweep.record_ratio(results, "full (compiled)",
+                          f"chunked (compiled, {compiled_chunk_size} tokens)",
+                          f"compiled_speedup_chunk_{compiled_chunk_size}",
+                          f"{unit}, {compiled_chunk_size}-token chunks",
+                          claim=f"compiled chunks ({compiled_chunk_size} tokens) vs the full loss "
+                                "compiled as CCE's CPU path, largest tokens", strict=strict)
 
 
 def tokens_sweep(tokens: list[int], vocab_size: int, hidden_size: int, chunk_size: int = 1024,

@@ -276,15 +276,15 @@ def train(
     start = 0
     if config.checkpoint_dir is not None:
         found = train_state.latest(config.checkpoint_dir)
-        if found is not None and train_state.step_of(found) > config.steps:
+        held = train_state.step_of(found) if found is not None else 0
+        if held > config.steps:
             raise ValueError(
-                f"checkpoint_dir={str(config.checkpoint_dir)!r}: holds step "
-                f"{train_state.step_of(found)}, beyond steps={config.steps} (a longer run's "
-                f"weights and losses): pass steps >= {train_state.step_of(found)} to continue "
-                "it, or a new checkpoint_dir to start over")
+                f"checkpoint_dir={str(config.checkpoint_dir)!r}: holds step {held}, beyond "
+                f"steps={config.steps} (a longer run's weights and losses): pass steps >= "
+                f"{held} to continue it, or a new checkpoint_dir to start over")
         if found is not None:
             restored = train_state.load(found, model, optimizer, scheduler, scaler)
-            start = result.resumed_from = min(restored["step"], config.steps)
+            start = result.resumed_from = restored["step"]
             history = restored["history"]
             result.losses, result.step_times = history["losses"], history["step_times"]
             result.target_tokens = history["target_tokens"]

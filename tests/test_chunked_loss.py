@@ -218,3 +218,22 @@ def test_packed_rows_stay_packed_documents(small_llama):
     as_one_sequence = causal_lm_loss_sum(small_llama(input_ids=batch["input_ids"]).logits,
                                          batch["labels"])
     assert abs(float(as_one_sequence - full)) > 1e-3  # what ignoring the positions would give
+
+
+def test_compiled_ratios_are_recorded_at_the_largest_size_and_the_second_is_the_claim():
+    from recipes_lib.results import Results
+    from recipes_lib.sweep import Sweep
+    from recipes_lib.timing import Timing
+
+    def t(ms):
+        return [Timing(ms / 1e3, [ms / 1e3])] * 3
+    s = Sweep("chunked_ce", "tokens", [256, 512, 1024], t(10), t(12),
+              extra={"full (compiled)": t(9), "chunked (compiled)": t(10),
+                     "chunked (compiled, 512 tokens)": t(6)})
+    r = Results("demo", "cpu")
+    chunked_loss.record_compiled_ratios(s, r, 128, 512, strict=False)
+    assert r.get("chunked_ce", "compiled_speedup_at_tokens_1024").value == pytest.approx(0.9)
+    fig = r.get("chunked_ce", "compiled_speedup_chunk_512_at_tokens_1024")
+    assert fig.value == pytest.approx(1.5) and fig.unit.endswith("512-token chunks")
+    [claim] = r.claims
+    assert claim.claim.startswith("compiled chunks (512 tokens)")

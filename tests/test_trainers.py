@@ -198,7 +198,7 @@ def test_sft_trains_in_the_precision_the_device_supports(small, monkeypatch):
 
     path, tok, examples = small
 
-    def args(settings, **kw):
+    def args(settings):
         return trainers.run_trainer(models.load_model(path), examples[:2], tok, settings, steps=1,
                                     sft=True, micro_batch_size=2, measure_step=0).trainer.args
 

@@ -41,13 +41,14 @@ archs: $(STAMP)
 	$(PY) -m recipes_lib archs
 
 # Correctness and memory only: speed claims are reported, never asserted; results go to a
-# temporary folder, so the tests leave the tree as they found it. Notebooks 01-03 run under
+# temporary folder (tests/conftest.py: removed at the end), so the tests leave the tree as they
+# found it. Notebooks 01-03 run under
 # nbval; notebook 04 runs through papermill with MODEL_ID set to a local folder
 # (tests/test_notebooks.py), the path the README documents. TEST_WORKERS parallel workers, one
 # thread each on a 2-core machine (tests/conftest.py splits the work); TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 2
 test: $(STAMP)
-	RECIPES_RESULTS_DIR=$$(mktemp -d) $(PY) -m pytest -q --durations=10 tests notebooks \
+	$(PY) -m pytest -q --durations=10 tests notebooks \
 		--nbval-lax --ignore=notebooks/executed \
 		--ignore=notebooks/04_training_long_sequences.ipynb \
 		-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import shutil
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -71,8 +72,8 @@ def require_compile(device: torch.device | str = "cpu") -> None:
 def cold_compile():
     """A context in which ``torch.compile`` compiles from scratch, as on a machine that never
     compiled this graph: a new, empty Inductor cache folder (``torch._inductor.utils.fresh_cache``,
-    what PyTorch's own compile-time benchmarks use; deleted on exit, the kernels already loaded
-    stay usable) with Inductor's and AOTAutograd's graph caches off.
+    what PyTorch's own compile-time benchmarks use; deleted on exit, also when the call raised,
+    the kernels already loaded stay usable) with Inductor's and AOTAutograd's graph caches off.
 
     Turning the graph caches off alone is not enough: Inductor also keeps every generated C++
     kernel, compiled by the system compiler, in its cache folder, keyed by source. With that
@@ -85,8 +86,12 @@ def cold_compile():
     import torch._inductor.config as inductor_config
     import torch._inductor.utils as inductor_utils
 
+    # fresh_cache keeps its folder when the compiled call raises (a decode step that recompiles
+    # at every token, below): it is made inside one of ours, removed whatever happens
+    parent = tempfile.mkdtemp(prefix="cold-compile-")
     stack = contextlib.ExitStack()
-    stack.enter_context(inductor_utils.fresh_cache())
+    stack.callback(shutil.rmtree, parent, ignore_errors=True)
+    stack.enter_context(inductor_utils.fresh_cache(dir=parent))
     stack.enter_context(inductor_config.patch(fx_graph_cache=False))
     if hasattr(functorch_config, "enable_autograd_cache"):
         stack.enter_context(functorch_config.patch(enable_autograd_cache=False))

@@ -447,7 +447,8 @@ def launch(
     except subprocess.TimeoutExpired:
         _kill_group(proc)
         raise DistributedRunError(f"distributed run exceeded timeout_s={timeout_s:.0f}s; all "
-                                  f"{world_size} ranks were killed") from None
+                                  f"{world_size} ranks were killed\n  (every rank's output: "
+                                  f"{work / 'logs'})") from None
     finally:
         if proc.poll() is None:  # interrupted (KeyboardInterrupt): leave no rank behind
             _kill_group(proc)

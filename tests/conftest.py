@@ -1,6 +1,7 @@
 import importlib.util
 import os
 import random
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -8,9 +9,19 @@ import numpy as np
 import pytest
 import torch
 
-# Results from the notebooks and tests go to a temporary folder, never the committed results/
-# (`make test` sets it too; this covers a plain `pytest`). Kernels started by nbval inherit it.
-os.environ.setdefault("RECIPES_RESULTS_DIR", tempfile.mkdtemp(prefix="recipes-results-"))
+# Results from the notebooks and tests go to a temporary folder, never the committed results/,
+# unless RECIPES_RESULTS_DIR names one. Made here, in the process pytest starts, before xdist
+# starts its workers: they and nbval's kernels inherit the variable; removed when that process
+# ends (pytest_unconfigure).
+_OWN_RESULTS_DIR = None
+if "RECIPES_RESULTS_DIR" not in os.environ:
+    _OWN_RESULTS_DIR = os.environ["RECIPES_RESULTS_DIR"] = tempfile.mkdtemp(
+        prefix="recipes-results-")
+
+
+def pytest_unconfigure(config):
+    if _OWN_RESULTS_DIR is not None and not hasattr(config, "workerinput"):
+        shutil.rmtree(_OWN_RESULTS_DIR, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)

@@ -82,6 +82,20 @@ def test_a_cold_compile_writes_its_kernels_to_a_new_empty_folder_and_they_outliv
     torch.testing.assert_close(compiled(x), f(x))  # the loaded kernels still run
 
 
+def test_a_cold_compile_whose_call_raises_leaves_no_folder():
+    """PyTorch's fresh_cache keeps its folder when the body raises (for debugging): a refused
+    compile (a decode step that recompiles at every token) left one in /tmp per run."""
+    from pathlib import Path
+
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    with pytest.raises(RuntimeError, match="on purpose"), compiling.cold_compile():
+        inside = Path(cache_dir())
+        (inside / "kernel.cpp").write_text("// generated")
+        raise RuntimeError("on purpose")
+    assert not inside.exists() and not inside.parent.exists()
+
+
 @pytest.mark.skipif(not compiling.compile_available("cpu")[0], reason="no C++ compiler")
 def test_compiled_generation_equals_eager_static_cache():
     model = small_llama(vocab_size=128, hidden_size=32, num_hidden_layers=1, max_positions=32)

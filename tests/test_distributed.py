@@ -120,11 +120,13 @@ def test_a_hung_rank_becomes_a_timeout_not_a_hang(launch_tag):
 
 
 def test_launcher_wall_clock_timeout_kills_every_rank(launch_tag):
-    with pytest.raises(distributed.DistributedRunError, match="timeout_s=4"):
+    with pytest.raises(distributed.DistributedRunError, match="timeout_s=4") as err:
         distributed.launch([("recipes_lib.distributed:fail_on_rank",
                              {"rank": 1, "mode": "hang"})], timeout_s=4, pg_timeout_s=600,
                            verbose=False)
     assert _rank_processes(launch_tag) == []
+    logs = Path(str(err.value).rsplit("every rank's output: ", 1)[1].rstrip(")"))
+    assert logs.is_dir()  # kept, and named: which rank hung is in there
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU error")

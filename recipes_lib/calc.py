@@ -47,6 +47,12 @@ class ModelShape:
         sliding_window: tokens a sliding-window layer attends to (None: no such layers).
         sliding_layers: how many layers use the sliding window (Mistral v0.1: all of them;
             Gemma-2: every other one; the rest attend to everything).
+        score_bytes: bytes autograd keeps per attention score (batch x heads x s x s) where
+            transformers has no fused attention for the architecture (0: it has SDPA, whose flash
+            kernel keeps none). Its eager attention keeps the fp32 softmax output and the 16-bit
+            probabilities, 6 (:data:`EAGER_SCORE_BYTES`), and with Gemma-2's logit soft-capping
+            the tanh's output too, 8: counted with saved-tensor hooks in
+            ``tests/test_calc.py``. Set by :meth:`from_config`.
 
     Parameter counts leave out what is below 0.1 % of a real model: attention biases (Qwen2),
     query/key norms (Qwen3) and Gemma's extra norms.
@@ -68,6 +74,7 @@ class ModelShape:
     head_dim: int | None = None
     sliding_window: int | None = None
     sliding_layers: int = 0
+    score_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.head_dim is None:  # frozen: set once, here
@@ -81,13 +88,19 @@ class ModelShape:
 
     @classmethod
     def from_config(cls, config: Any) -> ModelShape:
-        """From a transformers config (or any object / dict with the same fields)."""
+        """From a transformers config (or any object / dict with the same fields; a dict with
+        a ``model_type`` transformers knows is also read as that config class reads it, for
+        its defaults and what it derives: Gemma-2's tied embeddings, which its config.json
+        leaves out, its alternating ``layer_types``, whether the model has SDPA). The sizes
+        come from the fields themselves: a config without them is refused, not defaulted."""
         check_dense(config)
         get = _field_reader(config)
+        full = _transformers_config(config)
+        derived = _field_reader(full if full is not None else config)
         window = get("sliding_window")
         # which layers slide, as transformers' cache decides: the config's layer_types, else
         # every layer when a window is set
-        types = get("layer_types")
+        types = derived("layer_types")
         if window is None:
             sliding = 0
         elif types:
@@ -101,10 +114,10 @@ class ModelShape:
                        num_attention_heads=int(get("num_attention_heads")),
                        num_key_value_heads=int(get("num_key_value_heads")
                                                or get("num_attention_heads")),
-                       tie_word_embeddings=bool(get("tie_word_embeddings", False)),
+                       tie_word_embeddings=bool(derived("tie_word_embeddings", False)),
                        head_dim=int(get("head_dim")) if get("head_dim") else None,
                        sliding_window=int(window) if window is not None and sliding else None,
-                       sliding_layers=int(sliding))
+                       sliding_layers=int(sliding), score_bytes=_score_bytes(full))
         except TypeError as err:
             raise ValueError(f"config: not a decoder config with hidden_size, intermediate_size, "
                              f"num_hidden_layers, ... ({err})") from err
@@ -113,6 +126,39 @@ class ModelShape:
     def q_size(self) -> int:
         """Width of the queries (and of the attention's output): heads x head_dim."""
         return self.num_attention_heads * self.head_dim
+
+
+# what transformers' eager attention keeps per score for backward: softmax's fp32 output (4) and
+# the 16-bit probabilities that multiply the values (2); logit soft-capping adds its tanh's output
+EAGER_SCORE_BYTES = 6
+SOFTCAP_SCORE_BYTES = 2
+
+
+def _transformers_config(config: Any) -> Any:
+    """``config`` as its transformers config class (a dict read as ``AutoConfig`` reads a
+    config.json); None where transformers does not know its ``model_type``."""
+    if not isinstance(config, dict):
+        return config if hasattr(config, "model_type") else None
+    from transformers import AutoConfig
+
+    fields = {k: v for k, v in config.items() if k != "model_type"}
+    try:
+        return AutoConfig.for_model(config.get("model_type"), **fields)
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def _score_bytes(config: Any) -> int:
+    """:attr:`ModelShape.score_bytes` for a transformers config (0 for None or an unknown one)."""
+    from recipes_lib.architectures import supports_sdpa
+
+    try:
+        if config is None or supports_sdpa(config):
+            return 0
+    except ValueError:  # not a causal LM transformers maps
+        return 0
+    softcap = getattr(config, "attn_logit_softcapping", None)
+    return EAGER_SCORE_BYTES + (SOFTCAP_SCORE_BYTES if softcap else 0)
 
 
 def _field_reader(config: Any) -> Callable[..., Any]:
@@ -350,7 +396,7 @@ def training_state_bytes(n_params: int, weights: str = "bf16", optimizer: str = 
 
 def activation_bytes_per_layer(seq_len: int, batch_size: int, hidden_size: int, num_heads: int,
                                recompute: str = "none", bytes_per_value: int = 2,
-                               flash_attention: bool = False) -> float:
+                               flash_attention: bool = False, score_bytes: float = 5) -> float:
     """Korthikanti et al.'s activation bytes for one transformer layer.
 
     ``s*b*h*(34 + 5*a*s/h)`` bytes with 16-bit activations and no recomputation; the ``5*a*s/h``
@@ -366,6 +412,9 @@ def activation_bytes_per_layer(seq_len: int, batch_size: int, hidden_size: int, 
         recompute: "none", "selective" or "full".
         bytes_per_value: 2 for 16-bit activations, 4 for fp32.
         flash_attention: a fused attention kernel that keeps no score matrix.
+        score_bytes: bytes kept per score without one (Korthikanti's 5: 16-bit scores and
+            softmax, a 1-byte dropout mask; transformers' eager attention: ``ModelShape``'s
+            ``score_bytes``), in 16-bit; scaled by ``bytes_per_value`` like the rest.
 
     Returns:
         Bytes one layer keeps for backward.
@@ -387,9 +436,9 @@ def activation_bytes_per_layer(seq_len: int, batch_size: int, hidden_size: int, 
     scale = bytes_per_value / 2
     if recompute == "full":
         return 2 * sbh * scale
-    attn_scores = 0 if (recompute == "selective" or flash_attention) else \
-        5 * num_heads * seq_len / hidden_size
-    return sbh * (34 + attn_scores) * scale
+    scores = 0 if (recompute == "selective" or flash_attention) else \
+        score_bytes * num_heads * seq_len * seq_len * batch_size
+    return (sbh * 34 + scores) * scale
 
 
 def activation_bytes(shape: ModelShape, seq_len: int, batch_size: int, recompute: str = "none",
@@ -408,7 +457,9 @@ def activation_bytes(shape: ModelShape, seq_len: int, batch_size: int, recompute
         batch_size: sequences per step.
         recompute: "none", "selective" or "full".
         bytes_per_value: 2 for 16-bit activations, 4 for fp32.
-        flash_attention: a fused attention kernel that keeps no score matrix.
+        flash_attention: a fused attention kernel that keeps no score matrix, where the
+            architecture has one: a shape with ``score_bytes`` (transformers runs it with eager
+            attention) keeps that many bytes per score whatever this says.
         loss_chunk: tokens per chunk of a chunked loss (None: the full loss).
 
     Returns:
@@ -424,9 +475,11 @@ def activation_bytes(shape: ModelShape, seq_len: int, batch_size: int, recompute
     """
     L = shape.num_hidden_layers
     args = (seq_len, batch_size, shape.hidden_size, shape.num_attention_heads)
-    layers = L * activation_bytes_per_layer(*args, recompute, bytes_per_value, flash_attention)
+    flash = flash_attention and not shape.score_bytes
+    score = {"score_bytes": shape.score_bytes} if shape.score_bytes else {}
+    layers = L * activation_bytes_per_layer(*args, recompute, bytes_per_value, flash, **score)
     if recompute == "full":
-        layers += activation_bytes_per_layer(*args, "none", bytes_per_value, flash_attention)
+        layers += activation_bytes_per_layer(*args, "none", bytes_per_value, flash, **score)
     tokens = seq_len * batch_size if loss_chunk is None else min(loss_chunk, seq_len * batch_size)
     logits = 3 * tokens * shape.vocab_size * max(bytes_per_value, 4)
     return {"layers": layers, "logits": logits, "total": layers + logits}

@@ -169,8 +169,9 @@ def plan(model: str, gpu_mem: str | float, seq_len: int = 2048, batch_size: int 
             CPU's for-loop), as ``foreach`` and as ``fused`` (``fake_memory.Stack.optimizer``).
 
     Returns:
-        ``{"model", "params_B", "gpu_bytes", "rows", "cheapest"}``; each row has step,
-        state_GiB, activations_GiB, total_GiB, fits.
+        ``{"model", "params_B", "gpu_bytes", "rows", "cheapest", "notes"}``; each row has
+        step, state_GiB, activations_GiB, total_GiB, fits; ``notes``: what the formulas assume
+        that this model does not do (eager attention's scores).
 
     Raises:
         ValueError: naming the parameter, for an unknown model, a size that does not parse, or
@@ -195,7 +196,14 @@ def plan(model: str, gpu_mem: str | float, seq_len: int = 2048, batch_size: int 
                  "total_GiB": fs["gpu_total"] / 2**30, "fits": fs["gpu_total"] <= budget})
     cheapest = next((r["step"] for r in rows if r["fits"]), "nothing fits")
     out = {"model": name, "params_B": calc.param_count(shape)["total"] / 1e9,
-           "gpu_bytes": budget, "rows": rows, "cheapest": cheapest}
+           "gpu_bytes": budget, "rows": rows, "cheapest": cheapest, "notes": []}
+    if shape.score_bytes:
+        out["notes"].append(
+            f"attention: transformers has no SDPA for {name}'s architecture, so it runs eager "
+            f"attention, which keeps {shape.score_bytes} bytes per score (batch x heads x s x s) "
+            "for backward: counted in the rows above (a fused kernel, flash-attn's where the "
+            "architecture supports it, keeps none); what else its layers keep beyond the "
+            "formulas' (more norms, soft-capped logits) is not: --measure measures it")
     if measure:
         from recipes_lib import fake_memory
 
@@ -326,6 +334,7 @@ def format_plan(result: dict[str, Any]) -> str:
         lines.append(f"{r['step']:<52} {r['state_GiB']:>7.1f}G {r['activations_GiB']:>7.1f}G "
                      f"{r['total_GiB']:>7.1f}G  {'yes' if r['fits'] else 'no'}")
     lines.append(f"cheapest that fits: {result['cheapest']}")
+    lines += result.get("notes", [])
     if "cheapest_measured" in result:
         lines += ["", ("measured on fake tensors (peak + modelled GPU overhead: "
                        f"{CUDA_CONTEXT_BYTES / 2**30:.1f} GiB context + {ALLOCATOR_RESERVE:.0%} "

@@ -192,3 +192,48 @@ def test_model_shape_reads_which_layers_slide():
         calc.ModelShape(32000, 4096, 11008, 32, 32, 32, sliding_layers=2)
     with pytest.raises(ValueError, match="sliding_window"):
         calc.ModelShape(32000, 4096, 11008, 32, 32, 32, sliding_window=0, sliding_layers=2)
+
+
+@pytest.mark.parametrize("model_type, softcap", [("llama", None), ("gemma2", 50.0),
+                                                 ("gemma2", None)])
+def test_eager_attentions_score_bytes_are_what_autograd_keeps(model_type, softcap):
+    """The bytes per score (batch x heads x s x s) that ModelShape counts for an architecture
+    transformers runs with eager attention, against the tensors autograd saves, counted with
+    saved-tensor hooks in a real bf16-autocast forward of one eager layer."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    extra = {"attn_logit_softcapping": softcap, "head_dim": 32} if model_type == "gemma2" else {}
+    config = AutoConfig.for_model(model_type, vocab_size=64, hidden_size=64,
+                                  intermediate_size=128, num_hidden_layers=1,
+                                  num_attention_heads=2, num_key_value_heads=1,
+                                  max_position_embeddings=128, **extra)
+    config._attn_implementation = "eager"
+    model = AutoModelForCausalLM.from_config(config).train()
+    s, heads = 96, 2
+    kept: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.shape[-2:] == (s, s):  # a score-sized tensor, once per storage
+            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autocast("cpu", dtype=torch.bfloat16), \
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(input_ids=torch.randint(64, (1, s)))
+    per_score = sum(kept.values()) / (heads * s * s)
+    expected = calc.EAGER_SCORE_BYTES + (calc.SOFTCAP_SCORE_BYTES if softcap else 0)
+    assert per_score == expected
+    if model_type == "gemma2":  # transformers has no SDPA for it: the shape carries the count
+        assert calc.ModelShape.from_config(config).score_bytes == expected
+    else:  # Llama has SDPA: a flash kernel keeps no scores, nothing to count
+        assert calc.ModelShape.from_config(config).score_bytes == 0
+
+
+def test_a_shape_with_score_bytes_counts_its_scores_even_where_flash_is_asked():
+    sdpa = calc.ModelShape(1000, 256, 512, 4, 4, 2)
+    eager = calc.ModelShape(1000, 256, 512, 4, 4, 2, score_bytes=8)
+    s, b = 512, 2
+    for recompute, layers in (("none", 4), ("full", 1), ("selective", 0)):
+        gap = (calc.activation_bytes(eager, s, b, recompute, flash_attention=True)["total"]
+               - calc.activation_bytes(sdpa, s, b, recompute, flash_attention=True)["total"])
+        assert gap == layers * 8 * 4 * s * s * b  # full: the layer recomputed in backward

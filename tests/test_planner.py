@@ -154,3 +154,24 @@ def test_max_context_per_step_searches_each_measured_stack_once(tmp_path, small_
     assert len(searched) == len(set(searched)) == 6  # 8 rows, FSDP not measured, k=1 shared
     lengths = [r["max_seq_len"] for r in rows if "tries" in r]
     assert all(0 <= n <= small_llama.config.max_position_embeddings for n in lengths)
+
+
+def test_a_gemma2_config_json_is_read_as_transformers_reads_it(tmp_path):
+    """A Gemma-2 config.json leaves out tie_word_embeddings (True in Gemma2Config) and its
+    layer types; transformers has no SDPA for it, so the plan counts eager attention's scores
+    and says so."""
+    fields = {"model_type": "gemma2", "vocab_size": 256000, "hidden_size": 3584,
+              "intermediate_size": 14336, "num_hidden_layers": 42, "num_attention_heads": 16,
+              "num_key_value_heads": 8, "head_dim": 256, "sliding_window": 4096,
+              "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}
+    (tmp_path / "config.json").write_text(json.dumps(fields))
+    _, shape = planner.resolve_shape(str(tmp_path))
+    assert shape.tie_word_embeddings and shape.sliding_layers == 21 and shape.score_bytes == 8
+    assert round(calc.param_count(shape)["total"] / 1e9, 2) == 9.24  # Gemma-2-9B's published
+    result = planner.plan(str(tmp_path), "24GB", seq_len=2048, batch_size=1, grad_accum_steps=1)
+    flash = calc.escalation_table(calc.ModelShape(**{**shape.__dict__, "score_bytes": 0}), 2048,
+                                  1, 24e9, 1)
+    scores = 42 * 8 * 16 * 2048**2 / 2**30  # every layer's, without checkpointing
+    assert result["rows"][0]["activations_GiB"] == pytest.approx(
+        flash[0]["activations_GiB"] + scores)
+    assert "runs eager attention, which keeps 8 bytes per score" in planner.format_plan(result)

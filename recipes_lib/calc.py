@@ -93,9 +93,12 @@ class ModelShape:
         its defaults and what it derives: Gemma-2's tied embeddings, which its config.json
         leaves out, its alternating ``layer_types``, whether the model has SDPA). The sizes
         come from the fields themselves: a config without them is refused, not defaulted."""
+        full = _transformers_config(config)
+        text = language_model_config(full) if full is not None else None
+        if text is not full:  # a multimodal checkpoint's config: its language model's
+            config = full = text
         check_dense(config)
         get = _field_reader(config)
-        full = _transformers_config(config)
         derived = _field_reader(full if full is not None else config)
         window = get("sliding_window")
         # which layers slide, as transformers' cache decides: the config's layer_types, else
@@ -146,6 +149,21 @@ def _transformers_config(config: Any) -> Any:
         return AutoConfig.for_model(config.get("model_type"), **fields)
     except (ValueError, KeyError, TypeError):
         return None
+
+
+def language_model_config(config: Any) -> Any:
+    """The language model's config of a multimodal checkpoint's (Gemma-3 4B and up, Mistral-3,
+    Qwen2.5-VL: its ``text_config``, ``get_text_config``); any other config itself. What the
+    course trains and measures is the decoder: the vision encoder's weights are not counted.
+
+    Args:
+        config: a transformers config.
+
+    Returns:
+        The decoder's config.
+    """
+    get_text = getattr(config, "get_text_config", None)
+    return get_text(decoder=True) if get_text is not None else config
 
 
 def _score_bytes(config: Any) -> int:

@@ -360,7 +360,8 @@ def model_config(model: Any):
         model: a preset name (``calc.PRESETS``), a path, or a config object.
 
     Returns:
-        The config (a ``PretrainedConfig``).
+        The config (a ``PretrainedConfig``); for a multimodal checkpoint's, its language
+        model's (``calc.language_model_config``).
 
     Raises:
         ValueError: naming ``model`` for an unknown name (listing the presets), a config that
@@ -392,6 +393,7 @@ def model_config(model: Any):
             raise ValueError(f"model={str(model)!r}: not a built-in preset "
                              f"({', '.join(calc.PRESETS)}) and no config.json there")
         config = AutoConfig.from_pretrained(path)
+    config = calc.language_model_config(config)  # a multimodal checkpoint: its decoder
     if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         # a config object's str() is its whole JSON: name it by its class
         given = type(model).__name__ if isinstance(model, PretrainedConfig) else str(model)[:80]

@@ -147,6 +147,16 @@ def resolve_shape(model: str) -> tuple[str, calc.ModelShape]:
                      "local config.json")
 
 
+def _multimodal(model: str) -> bool:
+    """Whether ``model`` is a config.json (or its folder) with a ``text_config``."""
+    path = Path(model)
+    path = path / "config.json" if path.is_dir() else path
+    try:
+        return path.is_file() and "text_config" in json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError, TypeError):
+        return False
+
+
 def plan(model: str, gpu_mem: str | float, seq_len: int = 2048, batch_size: int = 8,
          gpus: int = 1, grad_accum_steps: int | None = None, measure: bool = False
          ) -> dict[str, Any]:
@@ -197,6 +207,10 @@ def plan(model: str, gpu_mem: str | float, seq_len: int = 2048, batch_size: int 
     cheapest = next((r["step"] for r in rows if r["fits"]), "nothing fits")
     out = {"model": name, "params_B": calc.param_count(shape)["total"] / 1e9,
            "gpu_bytes": budget, "rows": rows, "cheapest": cheapest, "notes": []}
+    if _multimodal(model):
+        out["notes"].append(
+            f"{name} is a multimodal checkpoint: planned and measured is its language model "
+            "(text_config); the vision encoder's weights, frozen or not, are not counted")
     if shape.score_bytes:
         out["notes"].append(
             f"attention: transformers has no SDPA for {name}'s architecture, so it runs eager "

@@ -175,3 +175,30 @@ def test_a_gemma2_config_json_is_read_as_transformers_reads_it(tmp_path):
     assert result["rows"][0]["activations_GiB"] == pytest.approx(
         flash[0]["activations_GiB"] + scores)
     assert "runs eager attention, which keeps 8 bytes per score" in planner.format_plan(result)
+
+
+def test_a_multimodal_config_plans_and_measures_its_language_model(tmp_path):
+    """Gemma-3 4B and up, Mistral-3, Qwen2.5-VL: the decoder's sizes sit in text_config, and
+    the top level alone read as 'not a decoder config'."""
+    from recipes_lib import fake_memory
+
+    text = {"model_type": "gemma3_text", "vocab_size": 512, "hidden_size": 64,
+            "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2,
+            "num_key_value_heads": 1, "head_dim": 32, "sliding_window": 16}
+    vision = {"model_type": "siglip_vision_model", "hidden_size": 32, "intermediate_size": 64,
+              "num_hidden_layers": 1, "num_attention_heads": 2, "image_size": 28,
+              "patch_size": 14}
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"model_type": "gemma3", "text_config": text, "vision_config": vision}))
+    _, shape = planner.resolve_shape(str(tmp_path))
+    assert (shape.hidden_size, shape.num_hidden_layers, shape.vocab_size) == (64, 2, 512)
+    assert shape.tie_word_embeddings  # Gemma3TextConfig's default
+    result = planner.plan(str(tmp_path), "1GB", seq_len=64, batch_size=1)
+    assert "multimodal checkpoint: planned and measured is its language model" in \
+        planner.format_plan(result)
+    report = fake_memory.measure_step(str(tmp_path), fake_memory.Stack(precision="fp32"), 64, 1)
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    decoder = AutoModelForCausalLM.from_config(AutoConfig.for_model(**text))
+    assert type(decoder).__name__ == "Gemma3ForCausalLM"  # no vision tower
+    assert report.by_category["parameters"] == 4 * sum(p.numel() for p in decoder.parameters())

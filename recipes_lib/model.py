@@ -443,9 +443,14 @@ def load_model(
             "eager" or "flash_attention_2" (an explicit choice the architecture lacks is an
             error, with transformers' reason).
 
+    A multimodal checkpoint (Gemma-3 4B and up, Mistral-3) loads as its language model alone,
+    said aloud: with the vision tower in, LoRA's "all-linear", FSDP's blocks and checkpointing
+    would take the vision encoder's layers too (Gemma-3's first blocks found were SigLIP's).
+
     Raises:
-        ValueError: if a hub id is asked for while offline, with how to fix it; or if the model
-            cannot be loaded, with the reason transformers gave.
+        ValueError: if a hub id is asked for while offline, with how to fix it; if the model
+            cannot be loaded, with the reason transformers gave; or if a multimodal
+            checkpoint's language model is not where its weights were looked for.
     """
     from transformers import AutoModelForCausalLM
 
@@ -459,13 +464,17 @@ def load_model(
         kwargs["quantization_config"] = quantization_config
         kwargs["device_map"] = {"": str(device) if device is not None else "cpu"}
     try:
+        multimodal = _language_model_only(ident, kwargs)
         try:
-            model = AutoModelForCausalLM.from_pretrained(ident, **kwargs)
+            with _quiet_transformers(bool(multimodal)):  # its table of vision-side weights
+                model, info = AutoModelForCausalLM.from_pretrained(
+                    ident, output_loading_info=True, **kwargs)
         except ValueError as err:
             if not (auto and "does not support an attention implementation" in str(err)):
                 raise
             del kwargs["attn_implementation"]  # transformers picks what this architecture has
-            model = AutoModelForCausalLM.from_pretrained(ident, **kwargs)
+            model, info = AutoModelForCausalLM.from_pretrained(ident, output_loading_info=True,
+                                                               **kwargs)
             warnings.warn(f"{type(model).__name__} has no SDPA attention in this transformers "
                           f"version: loaded with {model.config._attn_implementation!r} attention "
                           "(it materialises the s x s scores)", stacklevel=2)
@@ -474,11 +483,56 @@ def load_model(
             f"model_id_or_path={ident!r}: could not be loaded: {_first_line(err)} "
             "(a local folder with config.json, or a hub id with network access?)"
         ) from err
+    if multimodal:
+        missing = [k for k in info["missing_keys"] if not k.startswith("lm_head.")]
+        if missing:  # the language model's weights were not where the mapping looked
+            raise ValueError(f"model_id_or_path={ident!r}: {multimodal}'s language model did not "
+                             f"load: {len(missing)} weights missing ({', '.join(missing[:3])}, "
+                             "...)")
+        warnings.warn(f"{ident}: a {multimodal} checkpoint: loaded its language model alone "
+                      f"({type(model).__name__}, {len(info['unexpected_keys'])} vision-side "
+                      "weights left out); the recipes train text", stacklevel=2)
     if device is not None and quantization_config is None:
         model = model.to(device)
     if quantization_config is not None:
         keep_4bit_compute_dtype(model)
     return model
+
+
+# where a multimodal checkpoint keeps its language model: "language_model.model.*" (Gemma-3's
+# and Mistral-3's published files), "model.language_model.*" (transformers' newer layout)
+LANGUAGE_MODEL_KEYS = {r"^(?:language_model\.model|model\.language_model)\.": "model.",
+                       r"^language_model\.lm_head\.": "lm_head."}
+
+
+@contextlib.contextmanager
+def _quiet_transformers(quiet: bool) -> Iterator[None]:
+    """transformers' logging at error level while the block runs, when ``quiet``."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    if quiet:
+        hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
+
+
+def _language_model_only(ident: str, kwargs: dict[str, Any]) -> str | None:
+    """For a multimodal checkpoint (Gemma-3 4B and up, Mistral-3), set ``kwargs`` to load its
+    language model alone (its ``text_config``, the weights renamed by
+    :data:`LANGUAGE_MODEL_KEYS`) and return the checkpoint's class name; None for any other."""
+    from transformers import AutoConfig
+
+    from recipes_lib.calc import language_model_config
+
+    config = AutoConfig.from_pretrained(ident)
+    text = language_model_config(config)
+    if text is config:
+        return None
+    kwargs.update(config=text, key_mapping=LANGUAGE_MODEL_KEYS)
+    return (config.architectures or [type(config).__name__])[0]
 
 
 def keep_4bit_compute_dtype(model: torch.nn.Module) -> int:

@@ -151,3 +151,53 @@ def test_the_tiny_qwen3_has_wide_heads_as_its_checkpoints_do():
 
     cfg = model_config(TinyModelSpec.smallest("qwen3"), Tokenizer())
     assert cfg.head_dim * cfg.num_attention_heads == 2 * cfg.hidden_size
+
+
+def _multimodal_gemma3(folder, rename=None):
+    """A tiny Gemma-3 vision-language checkpoint (its published layout, or with the weights
+    renamed by ``rename(key)``); returns the full model it was saved from."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    text = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+            "head_dim": 32}
+    vision = {"model_type": "siglip_vision_model", "hidden_size": 32, "intermediate_size": 64,
+              "num_hidden_layers": 1, "num_attention_heads": 2, "image_size": 28,
+              "patch_size": 14}
+    full = AutoModelForCausalLM.from_config(
+        AutoConfig.for_model("gemma3", text_config=text, vision_config=vision))
+    full.save_pretrained(folder)
+    if rename is not None:
+        weights = load_file(folder / "model.safetensors")
+        save_file({rename(k): v for k, v in weights.items()}, folder / "model.safetensors",
+                  metadata={"format": "pt"})
+    return full
+
+
+@pytest.mark.parametrize("layout", ["published", "newer"])
+def test_a_multimodal_checkpoint_loads_as_its_language_model_and_says_so(tmp_path, layout):
+    """With the vision tower in, the recipes' blocks were SigLIP's and LoRA's targets took the
+    vision encoder's fc1 / fc2 / out_proj too."""
+    from recipes_lib import architectures
+
+    newer = {"published": None, "newer": lambda k: k.replace("language_model.model.",
+                                                             "model.language_model.")}[layout]
+    full = _multimodal_gemma3(tmp_path, newer)
+    with pytest.warns(UserWarning, match="Gemma3ForConditionalGeneration checkpoint: loaded its "
+                                         "language model alone"):
+        lm = models.load_model(tmp_path)
+    assert type(lm).__name__ == "Gemma3ForCausalLM"
+    for mine, theirs in zip(lm.model.parameters(), full.model.language_model.parameters(),
+                            strict=True):
+        assert torch.equal(mine, theirs)
+    described = architectures.describe(lm)
+    assert described["blocks"] == "2 x Gemma3DecoderLayer"
+    assert described["adapter_targets"] == ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                            "up_proj", "down_proj")
+
+
+def test_a_multimodal_checkpoint_whose_language_model_is_elsewhere_is_refused(tmp_path):
+    _multimodal_gemma3(tmp_path, lambda k: k.replace("language_model.model.", "text.model."))
+    with pytest.raises(ValueError, match="language model did not load: .* weights missing"):
+        models.load_model(tmp_path)

@@ -180,8 +180,10 @@ def plan(model: str, gpu_mem: str | float, seq_len: int = 2048, batch_size: int 
 
     Returns:
         ``{"model", "params_B", "gpu_bytes", "rows", "cheapest", "notes"}``; each row has
-        step, state_GiB, activations_GiB, total_GiB, fits; ``notes``: what the formulas assume
-        that this model does not do (eager attention's scores).
+        step, state_GiB, activations_GiB, total_GiB (the formulas' bytes), total_gpu_GiB (plus
+        the modelled ``gpu_overhead``, as a measured trace gets) and fits (on that);
+        ``notes``: what the formulas assume that this model does not do (eager attention's
+        scores).
 
     Raises:
         ValueError: naming the parameter, for an unknown model, a size that does not parse, or
@@ -204,6 +206,10 @@ def plan(model: str, gpu_mem: str | float, seq_len: int = 2048, batch_size: int 
                  "state_GiB": (fs["state"] + fs["gathered"]) / 2**30,
                  "activations_GiB": fs["activations"] / 2**30,
                  "total_GiB": fs["gpu_total"] / 2**30, "fits": fs["gpu_total"] <= budget})
+    for row in rows:  # what the GPU needs beyond the formulas' bytes, as for a measured trace
+        total = row["total_GiB"] * 2**30
+        row["total_gpu_GiB"] = (total + gpu_overhead(total)) / 2**30
+        row["fits"] = total + gpu_overhead(total) <= budget
     cheapest = next((r["step"] for r in rows if r["fits"]), "nothing fits")
     out = {"model": name, "params_B": calc.param_count(shape)["total"] / 1e9,
            "gpu_bytes": budget, "rows": rows, "cheapest": cheapest, "notes": []}
@@ -343,10 +349,13 @@ def format_plan(result: dict[str, Any]) -> str:
     """
     lines = [(f"{result['model']}: {result['params_B']:.2f} B parameters, "
               f"{result['gpu_bytes'] / 2**30:.1f} GiB per GPU"),
-             f"{'step':<52} {'state':>8} {'activ.':>8} {'total':>8}  fits"]
+             f"{'step':<52} {'state':>8} {'activ.':>8} {'total':>8} {'on GPU':>8}  fits"]
     for r in result["rows"]:
         lines.append(f"{r['step']:<52} {r['state_GiB']:>7.1f}G {r['activations_GiB']:>7.1f}G "
-                     f"{r['total_GiB']:>7.1f}G  {'yes' if r['fits'] else 'no'}")
+                     f"{r['total_GiB']:>7.1f}G {r['total_gpu_GiB']:>7.1f}G  "
+                     f"{'yes' if r['fits'] else 'no'}")
+    lines.append(f"on GPU: the total plus the modelled overhead, {CUDA_CONTEXT_BYTES / 2**30:.1f} "
+                 f"GiB of CUDA context and a {ALLOCATOR_RESERVE:.0%} allocator reserve")
     lines.append(f"cheapest that fits: {result['cheapest']}")
     lines += result.get("notes", [])
     if "cheapest_measured" in result:

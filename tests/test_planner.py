@@ -202,3 +202,18 @@ def test_a_multimodal_config_plans_and_measures_its_language_model(tmp_path):
     decoder = AutoModelForCausalLM.from_config(AutoConfig.for_model(**text))
     assert type(decoder).__name__ == "Gemma3ForCausalLM"  # no vision tower
     assert report.by_category["parameters"] == 4 * sum(p.numel() for p in decoder.parameters())
+
+
+def test_the_calculators_verdict_counts_the_gpu_overhead_a_measured_trace_gets():
+    """Llama-2-7B's QLoRA row needs its total plus the CUDA context and the allocator's
+    reserve: a card between the two does not fit it, as a measured trace of it would not."""
+    rows = planner.plan("Llama-2-7B", "80GB", 512, 1, grad_accum_steps=1)["rows"]
+    qlora = next(r for r in rows if r["step"] == "QLoRA (NF4 base)")
+    total = qlora["total_GiB"] * 2**30
+    assert qlora["total_gpu_GiB"] * 2**30 == pytest.approx(total + planner.gpu_overhead(total))
+    between = (total + total + planner.gpu_overhead(total)) / 2 / 2**30  # a bare number: GiB
+    row = next(r for r in planner.plan("Llama-2-7B", between, 512, 1, grad_accum_steps=1)["rows"]
+               if r["step"] == "QLoRA (NF4 base)")
+    assert not row["fits"]
+    assert "on GPU: the total plus the modelled overhead" in planner.format_plan(
+        planner.plan("Llama-2-7B", "80GB", 512, 1))

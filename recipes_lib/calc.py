@@ -493,11 +493,11 @@ def activation_bytes(shape: ModelShape, seq_len: int, batch_size: int, recompute
     """
     L = shape.num_hidden_layers
     args = (seq_len, batch_size, shape.hidden_size, shape.num_attention_heads)
-    flash = flash_attention and not shape.score_bytes
-    score = {"score_bytes": shape.score_bytes} if shape.score_bytes else {}
-    layers = L * activation_bytes_per_layer(*args, recompute, bytes_per_value, flash, **score)
+    # an architecture transformers runs with eager attention keeps its scores whatever is asked
+    kind = (flash_attention and not shape.score_bytes, shape.score_bytes or 5)
+    layers = L * activation_bytes_per_layer(*args, recompute, bytes_per_value, *kind)
     if recompute == "full":
-        layers += activation_bytes_per_layer(*args, "none", bytes_per_value, flash, **score)
+        layers += activation_bytes_per_layer(*args, "none", bytes_per_value, *kind)
     tokens = seq_len * batch_size if loss_chunk is None else min(loss_chunk, seq_len * batch_size)
     logits = 3 * tokens * shape.vocab_size * max(bytes_per_value, 4)
     return {"layers": layers, "logits": logits, "total": layers + logits}

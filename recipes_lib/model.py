@@ -465,19 +465,20 @@ def load_model(
         kwargs["device_map"] = {"": str(device) if device is not None else "cpu"}
     try:
         multimodal = _language_model_only(ident, kwargs)
-        try:
-            with _quiet_transformers(bool(multimodal)):  # its table of vision-side weights
+        with _quiet_transformers(bool(multimodal)):  # its table of vision-side weights
+            try:
                 model, info = AutoModelForCausalLM.from_pretrained(
                     ident, output_loading_info=True, **kwargs)
-        except ValueError as err:
-            if not (auto and "does not support an attention implementation" in str(err)):
-                raise
-            del kwargs["attn_implementation"]  # transformers picks what this architecture has
-            model, info = AutoModelForCausalLM.from_pretrained(ident, output_loading_info=True,
-                                                               **kwargs)
-            warnings.warn(f"{type(model).__name__} has no SDPA attention in this transformers "
-                          f"version: loaded with {model.config._attn_implementation!r} attention "
-                          "(it materialises the s x s scores)", stacklevel=2)
+            except ValueError as err:
+                if not (auto and "does not support an attention implementation" in str(err)):
+                    raise
+                del kwargs["attn_implementation"]  # transformers picks what it has
+                model, info = AutoModelForCausalLM.from_pretrained(
+                    ident, output_loading_info=True, **kwargs)
+                warnings.warn(f"{type(model).__name__} has no SDPA attention in this "
+                              f"transformers version: loaded with "
+                              f"{model.config._attn_implementation!r} attention (it materialises "
+                              "the s x s scores)", stacklevel=2)
     except (OSError, ValueError) as err:
         raise ValueError(
             f"model_id_or_path={ident!r}: could not be loaded: {_first_line(err)} "

@@ -41,11 +41,12 @@ archs: $(STAMP)
 	$(PY) -m recipes_lib archs
 
 # Correctness and memory only: speed claims are reported, never asserted; results go to a
-# temporary folder (tests/conftest.py: removed at the end), so the tests leave the tree as they
-# found it. Notebooks 01-03 run under
+# temporary folder (conftest.py: removed at the end, whatever paths pytest is given), so the
+# tests leave the tree as they found it. Notebooks 01-03 run under
 # nbval; notebook 04 runs through papermill with MODEL_ID set to a local folder
 # (tests/test_notebooks.py), the path the README documents. TEST_WORKERS parallel workers, one
-# thread each on a 2-core machine (tests/conftest.py splits the work); TEST_WORKERS=0: one process.
+# thread each on a 2-core machine (conftest.py; tests/conftest.py splits the work);
+# TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(PY) -m pytest -q --durations=10 tests notebooks \
@@ -57,7 +58,7 @@ lab: $(STAMP)
 	$(VENV)/bin/jupyter lab notebooks/
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check recipes_lib tests bench notebooks
+	$(VENV)/bin/ruff check recipes_lib tests bench notebooks conftest.py
 
 clean:
 	rm -rf notebooks/executed .cache

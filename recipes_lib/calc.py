@@ -100,9 +100,10 @@ class ModelShape:
         check_dense(config)
         get = _field_reader(config)
         derived = _field_reader(full if full is not None else config)
-        window = get("sliding_window")
-        # which layers slide, as transformers' cache decides: the config's layer_types, else
-        # every layer when a window is set
+        # the window and which layers slide, as transformers decides: its default window where
+        # the config leaves it out (Mistral's and Gemma-2's 4096), none where the config turns
+        # it off (Qwen2's use_sliding_window), the config's layer_types, else every layer
+        window = derived("sliding_window")
         types = derived("layer_types")
         if window is None:
             sliding = 0

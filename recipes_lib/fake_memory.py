@@ -357,7 +357,8 @@ def model_config(model: Any):
     config object.
 
     Args:
-        model: a preset name (``calc.PRESETS``), a path, or a config object.
+        model: a preset name (``calc.PRESETS``), a folder with a config.json or a config
+            file (of any name), or a config object.
 
     Returns:
         The config (a ``PretrainedConfig``); for a multimodal checkpoint's, its language
@@ -386,13 +387,16 @@ def model_config(model: Any):
                              tie_word_embeddings=shape.tie_word_embeddings,
                              head_dim=shape.head_dim, max_position_embeddings=131072)
     else:
-        path = Path(str(model))
-        if path.name == "config.json":
-            path = path.parent
-        if not (path / "config.json").is_file():
+        path = Path(str(model))  # a folder with a config.json, or a config file of any name
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
             raise ValueError(f"model={str(model)!r}: not a built-in preset "
                              f"({', '.join(calc.PRESETS)}) and no config.json there")
-        config = AutoConfig.from_pretrained(path)
+        try:
+            config = AutoConfig.from_pretrained(path)
+        except (OSError, ValueError) as err:  # not JSON, or no model_type transformers knows
+            raise ValueError(f"model={str(model)!r}: not a transformers config ({err})") from err
     config = calc.language_model_config(config)  # a multimodal checkpoint: its decoder
     if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         # a config object's str() is its whole JSON: name it by its class

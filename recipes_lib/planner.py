@@ -141,7 +141,9 @@ def resolve_shape(model: str) -> tuple[str, calc.ModelShape]:
         if not isinstance(config, dict):
             raise ValueError(f"model={model!r}: not a transformers config")
         calc.check_dense(config, f"model={model!r}")
-        return path.parent.name or model, calc.ModelShape.from_config(config)
+        # named by its folder (…/Qwen3-0.6B/config.json) or, saved under its own name, its file
+        name = path.parent.name if path.name == "config.json" else path.stem
+        return name or model, calc.ModelShape.from_config(config)
     raise ValueError(f"model={model!r}: not a built-in model ({', '.join(calc.PRESETS)}) and "
                      "no config.json there; hub ids cannot be fetched offline, so pass a "
                      "local config.json")

@@ -1,27 +1,10 @@
 import importlib.util
-import os
 import random
-import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-
-# Results from the notebooks and tests go to a temporary folder, never the committed results/,
-# unless RECIPES_RESULTS_DIR names one. Made here, in the process pytest starts, before xdist
-# starts its workers: they and nbval's kernels inherit the variable; removed when that process
-# ends (pytest_unconfigure).
-_OWN_RESULTS_DIR = None
-if "RECIPES_RESULTS_DIR" not in os.environ:
-    _OWN_RESULTS_DIR = os.environ["RECIPES_RESULTS_DIR"] = tempfile.mkdtemp(
-        prefix="recipes-results-")
-
-
-def pytest_unconfigure(config):
-    if _OWN_RESULTS_DIR is not None and not hasattr(config, "workerinput"):
-        shutil.rmtree(_OWN_RESULTS_DIR, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)
@@ -40,14 +23,6 @@ def _seed():
 # session fixture: one job per worker that asks for it).
 SHARDED_RUNS_FILES = ("test_context_parallel.py", "test_distributed.py", "test_fake_memory.py",
                       "test_fsdp_qlora.py", "test_trainers.py")
-
-
-def pytest_configure(config):
-    worker = getattr(config, "workerinput", None)
-    if worker is not None:
-        threads = max(1, (os.cpu_count() or 1) // int(worker["workercount"]))
-        os.environ["OMP_NUM_THREADS"] = str(threads)  # what nbval's kernels inherit
-        torch.set_num_threads(threads)
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -185,6 +185,16 @@ def test_model_shape_reads_which_layers_slide():
     qwen = calc.ModelShape.from_config(transformers.Qwen2Config(sliding_window=4096,
                                                                 use_sliding_window=False))
     assert (qwen.sliding_window, qwen.sliding_layers) == (None, 0)  # a window it does not use
+    # a config.json that leaves the window out gets the class's default, as the model does
+    bare = {k: v for k, v in WIDE_HEAD_CONFIGS["Gemma-2-2B"][1].items() if k != "sliding_window"}
+    assert calc.ModelShape.from_config({"model_type": "gemma2", **bare}).sliding_layers == 13
+    sizes = {k: v for k, v in vars(LLAMA2_7B).items() if v is not None}  # no sliding_window
+    mistral = calc.ModelShape.from_config({"model_type": "mistral", **sizes})
+    assert (mistral.sliding_window, mistral.sliding_layers) == (
+        transformers.MistralConfig().sliding_window, 32)
+    off = calc.ModelShape.from_config({"model_type": "mistral", **sizes,
+                                       "sliding_window": None})  # Mistral-7B-v0.3's config.json
+    assert (off.sliding_window, off.sliding_layers) == (None, 0)
     # beyond the window, only the full-attention layers' cache grows
     grown = calc.kv_cache_bytes(gemma, 8192, 1) - calc.kv_cache_bytes(gemma, 4096, 1)
     assert grown == 13 * 4096 * calc.kv_cache_bytes_per_token(gemma) / 26

@@ -209,6 +209,25 @@ def test_a_preset_is_built_on_fake_tensors_without_its_memory():
     assert n == calc.param_count(calc.PRESETS["Llama-3.2-1B"])["total"]
 
 
+def test_a_config_file_of_any_name_is_read_as_the_planner_reads_it(tmp_path):
+    """A downloaded config saved as e.g. qwen3-0.6b.json: the formulas read it (planner), and so
+    do the fake measurements (plan --measure), with its own head_dim."""
+    from transformers import Qwen3Config
+
+    cfg = Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+    path = tmp_path / "qwen3-tiny.json"
+    cfg.to_json_file(path)
+    read = fake_memory.model_config(path)
+    assert (read.model_type, read.head_dim) == ("qwen3", 32)
+    cfg.save_pretrained(tmp_path / "folder")
+    folder = fake_memory.model_config(tmp_path / "folder")
+    assert folder.to_dict() == {**read.to_dict(), "_name_or_path": folder._name_or_path}
+    (tmp_path / "notes.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match=r"^model='.*notes.json': not a transformers config"):
+        fake_memory.model_config(tmp_path / "notes.json")
+
+
 def test_bad_inputs_name_the_parameter(config, tmp_path):
     with pytest.raises(ValueError, match="model='Llama-9-1T'.*Llama-3.1-8B"):
         fake_memory.model_config("Llama-9-1T")

@@ -230,3 +230,29 @@ def test_the_parallel_suite_names_units_that_exist():
     root = notebooks.course_notebooks()[0].parent.parent
     assert all((root / unit).exists() for unit in LONGEST_FIRST if unit != "sharded_runs")
     assert all((root / "tests" / name).exists() for name in SHARDED_RUNS_FILES)
+
+
+def test_a_notebook_run_alone_under_pytest_writes_no_tracked_results():
+    """`pytest notebooks/<one>.ipynb --nbval-lax`, without tests/ (and its conftest): the
+    repository's conftest.py still sends the results to a temporary folder, removed at the end,
+    so the committed results/ and README are not rewritten by a debugging run."""
+    import subprocess
+    import sys
+
+    root = COURSE[0].parent.parent
+    code = (
+        "import os, pytest\n"
+        "seen = {}\n"
+        "class Seen:\n"
+        "    def pytest_collection_finish(self, session):\n"
+        "        seen['dir'] = os.environ.get('RECIPES_RESULTS_DIR')\n"
+        f"pytest.main(['--co', '-q', '-p', 'no:cacheprovider', '--nbval-lax', {str(COURSE[0])!r}],"
+        " plugins=[Seen()])\n"
+        "print('DIR', seen['dir'], os.path.exists(seen['dir']))\n")
+    env = {k: v for k, v in os.environ.items() if k != "RECIPES_RESULTS_DIR"}
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True,
+                         text=True, check=True).stdout
+    line = next(x for x in out.splitlines() if x.startswith("DIR "))
+    _, folder, exists = line.split(" ")
+    assert "recipes-results-" in folder and not folder.startswith(str(root)), line
+    assert exists == "False", line  # removed when pytest ended

@@ -47,9 +47,13 @@ def test_fsdp_row_plans_the_busiest_gpus_share_of_a_batch_the_gpus_do_not_divide
 
 
 def test_config_file_and_hub_style_names(tmp_path, small_llama):
-    small_llama.config.save_pretrained(tmp_path)
-    _, shape = planner.resolve_shape(str(tmp_path))
-    assert shape.hidden_size == 64 and shape.num_hidden_layers == 2
+    folder = tmp_path / "my-llama"
+    small_llama.config.save_pretrained(folder)
+    name, shape = planner.resolve_shape(str(folder))
+    assert name == "my-llama" and shape.hidden_size == 64 and shape.num_hidden_layers == 2
+    assert planner.resolve_shape(str(folder / "config.json"))[0] == "my-llama"
+    small_llama.config.to_json_file(tmp_path / "llama-tiny.json")  # saved under its own name
+    assert planner.resolve_shape(str(tmp_path / "llama-tiny.json")) == ("llama-tiny", shape)
     assert planner.resolve_shape("meta-llama/Llama-2-7B")[0] == "Llama-2-7B"
 
 

@@ -12,6 +12,8 @@ config), so a new architecture works if transformers describes it.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -340,3 +342,26 @@ def describe(model: nn.Module) -> dict[str, Any]:
         "attn_logit_softcap": getattr(cfg, "attn_logit_softcapping", None),
         "sliding_window": getattr(cfg, "sliding_window", None),
     }
+
+
+@contextlib.contextmanager
+def quiet_transformers(quiet: bool = True) -> Iterator[None]:
+    """transformers' logging at error level while the block runs, when ``quiet``: for builds
+    whose warnings are about what the course does on purpose (a multimodal checkpoint's vision
+    weights left out, a two-layer copy of an architecture counted on the meta device).
+
+    Args:
+        quiet: False leaves the logging as it is.
+
+    Returns:
+        A context manager; the level in force before it is restored on exit.
+    """
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    if quiet:
+        hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)

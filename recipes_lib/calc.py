@@ -8,6 +8,7 @@ Kaplan et al. (2020) for 6N training FLOPs per token (8N with full recomputation
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -53,6 +54,10 @@ class ModelShape:
             probabilities, 6 (:data:`EAGER_SCORE_BYTES`), and with Gemma-2's logit soft-capping
             the tanh's output too, 8: counted with saved-tensor hooks in
             ``tests/test_calc.py``. Set by :meth:`from_config`.
+        mlp_matrices: weight matrices in a layer's MLP: 3 for a gated one (gate, up and down
+            projections: Llama, Qwen, Mistral, Gemma, Phi-3's fused gate_up), 2 for a plain one
+            (up and down: GPT-NeoX / Pythia, Phi-2, StarCoder2, Nemotron). Set by
+            :meth:`from_config` from the model transformers builds.
 
     Parameter counts leave out what is below 0.1 % of a real model: attention biases (Qwen2),
     query/key norms (Qwen3) and Gemma's extra norms.
@@ -75,8 +80,11 @@ class ModelShape:
     sliding_window: int | None = None
     sliding_layers: int = 0
     score_bytes: int = 0
+    mlp_matrices: int = 3
 
     def __post_init__(self) -> None:
+        if self.mlp_matrices not in MLP_MATRICES:
+            raise ValueError(f"mlp_matrices={self.mlp_matrices}: expected one of {MLP_MATRICES}")
         if self.head_dim is None:  # frozen: set once, here
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
         if self.sliding_window is not None and self.sliding_window < 1:
@@ -121,7 +129,8 @@ class ModelShape:
                        tie_word_embeddings=bool(derived("tie_word_embeddings", False)),
                        head_dim=int(get("head_dim")) if get("head_dim") else None,
                        sliding_window=int(window) if window is not None and sliding else None,
-                       sliding_layers=int(sliding), score_bytes=_score_bytes(full))
+                       sliding_layers=int(sliding), score_bytes=_score_bytes(full),
+                       mlp_matrices=_mlp_matrices(full))
         except TypeError as err:
             raise ValueError(f"config: not a decoder config with hidden_size, intermediate_size, "
                              f"num_hidden_layers, ... ({err})") from err
@@ -178,6 +187,43 @@ def _score_bytes(config: Any) -> int:
         return 0
     softcap = getattr(config, "attn_logit_softcapping", None)
     return EAGER_SCORE_BYTES + (SOFTCAP_SCORE_BYTES if softcap else 0)
+
+
+MLP_MATRICES = (2, 3)  # plain, gated
+
+
+def _mlp_matrices(config: Any) -> int:
+    """:attr:`ModelShape.mlp_matrices` for a transformers config: counted on the architecture
+    itself (:func:`_mlp_matrices_of`), 3 (gated) for None or one transformers cannot build."""
+    model_type = getattr(config, "model_type", None)
+    return _mlp_matrices_of(model_type) if model_type else 3
+
+
+@functools.cache
+def _mlp_matrices_of(model_type: str) -> int:
+    """How many weight matrices a ``model_type``'s decoder layer has on the MLP's intermediate
+    width: a two-layer copy of the architecture (intermediate width 832, which no other size
+    shares) built on the meta device, its 2-D weights with 832 on one side counted (a fused
+    gate_up, 1664 wide, counts twice), per layer. Once per model type and process (~0.1 s);
+    3 where the copy cannot be built or counts neither 2 nor 3."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from recipes_lib.architectures import quiet_transformers
+
+    width, layers = 832, 2
+    try:
+        with quiet_transformers(), torch.device("meta"):
+            config = AutoConfig.for_model(
+                model_type, hidden_size=256, intermediate_size=width, num_hidden_layers=layers,
+                num_attention_heads=4, num_key_value_heads=4, head_dim=64)
+            model = AutoModelForCausalLM.from_config(config)
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError, RuntimeError,
+            ImportError):  # an architecture that cannot be built this small, or needs extras
+        return 3
+    count = sum((p.shape.count(width) + 2 * p.shape.count(2 * width))
+                for p in model.parameters() if p.dim() == 2)
+    return count // layers if count in (2 * layers, 3 * layers) else 3
 
 
 def _field_reader(config: Any) -> Callable[..., Any]:
@@ -294,7 +340,7 @@ def param_count(shape: ModelShape) -> dict[str, int]:
     h, L = shape.hidden_size, shape.num_hidden_layers
     kv = shape.num_key_value_heads * shape.head_dim
     attn = L * (2 * h * shape.q_size + 2 * h * kv)
-    mlp = L * 3 * h * shape.intermediate_size
+    mlp = L * shape.mlp_matrices * h * shape.intermediate_size
     norms = L * 2 * h + h
     emb = shape.vocab_size * h
     head = 0 if shape.tie_word_embeddings else emb
@@ -383,6 +429,27 @@ def adamw_8bit_state_bytes(numels: list[int], min_8bit_size: int = 4096,
         else:
             total += 8 * n
     return total + (2 * 256 * 4 if quantized else 0)
+
+
+def layer_linear_shapes(shape: ModelShape) -> list[tuple[int, int]]:
+    """``(out_features, in_features)`` of one decoder layer's linear weights, unfused: the
+    query, key, value and output projections, then the MLP's (gate and up, or up alone, then
+    down).
+
+    Args:
+        shape: the model's sizes.
+
+    Returns:
+        One pair per weight.
+
+    Example:
+        >>> layer_linear_shapes(ModelShape(32000, 4096, 11008, 32, 32, 8))[1:3]  # GQA: k, v
+        [(1024, 4096), (1024, 4096)]
+    """
+    h, kv = shape.hidden_size, shape.num_key_value_heads * shape.head_dim
+    mlp_in = [(shape.intermediate_size, h)] * (shape.mlp_matrices - 1)
+    return ([(shape.q_size, h), (kv, h), (kv, h), (h, shape.q_size)] + mlp_in
+            + [(h, shape.intermediate_size)])
 
 
 def training_state_bytes(n_params: int, weights: str = "bf16", optimizer: str = "adamw",
@@ -903,11 +970,12 @@ def escalation_table(shape: ModelShape, seq_len: int, batch_size: int, budget_by
                      bytes_per_value: int = 2) -> list[dict[str, Any]]:
     """Predicted training memory as practitioners escalate when a run does not fit.
 
-    Rows, cumulative: full fine-tune in mixed precision -> LoRA (bf16 base) -> QLoRA (NF4 base)
-    -> + activation checkpointing -> + gradient accumulation (micro-batch = batch / k) -> + CPU
-    offload of optimizer states. A full fine-tune with 8-bit AdamW states sits after the first
-    row: the step before giving up on full fine-tuning. Each row says whether it fits
-    ``budget_bytes``.
+    Rows, cumulative: full fine-tune in mixed precision -> LoRA (bf16 base) -> QLoRA (the
+    decoder layers' linear weights in NF4 with double quantization; embeddings, head and norms
+    in bf16, as bitsandbytes through transformers leaves them) -> + activation checkpointing
+    -> + gradient accumulation (micro-batch = batch / k) -> + CPU offload of optimizer states.
+    A full fine-tune with 8-bit AdamW states sits after the first row: the step before giving
+    up on full fine-tuning. Each row says whether it fits ``budget_bytes``.
 
     Args:
         shape: the model's sizes.
@@ -935,8 +1003,15 @@ def escalation_table(shape: ModelShape, seq_len: int, batch_size: int, budget_by
         raise ValueError(f"budget_bytes={budget_bytes}: must be > 0")
     if batch_size % grad_accum_steps:
         raise ValueError(f"grad_accum_steps={grad_accum_steps}: does not divide batch_size")
-    n = param_count(shape)["total"]
+    counts = param_count(shape)
+    n = counts["total"]
     n_lora = int(n * lora_fraction)
+    # QLoRA quantizes the decoder layers' linear weights (each with its scales and code
+    # tables); the embeddings, the LM head (which transformers leaves out of bitsandbytes'
+    # conversion) and the norms stay 16-bit
+    nf4_base = (shape.num_hidden_layers * sum(nf4_tensor_bytes(o, i)
+                                              for o, i in layer_linear_shapes(shape))
+                + (n - counts["linear"]) * bytes_per_param("bf16"))
 
     def act(recompute: str, b: int) -> float:
         return activation_bytes(shape, seq_len, b, recompute, bytes_per_value, True)["total"]
@@ -949,7 +1024,7 @@ def escalation_table(shape: ModelShape, seq_len: int, batch_size: int, budget_by
         ("full fine-tune, 8-bit AdamW states", training_state_bytes(n, "bf16", "adamw_8bit")
          ["total"], act("none", batch_size)),
         ("LoRA on a bf16 base", n * 2 + n_lora * 4 + lora_state, act("none", batch_size)),
-        ("QLoRA (NF4 base)", n * bytes_per_param("nf4_dq") + n_lora * 4 + lora_state,
+        ("QLoRA (NF4 base)", nf4_base + n_lora * 4 + lora_state,
          act("none", batch_size)),
         ("+ activation checkpointing", None, act("full", batch_size)),
         (f"+ gradient accumulation (k={grad_accum_steps})", None, act("full", micro)),

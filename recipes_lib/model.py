@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from recipes_lib import data
+from recipes_lib.architectures import quiet_transformers
 
 DEFAULT_CACHE = Path(os.environ.get("RECIPES_CACHE", Path(__file__).resolve().parent.parent
                                     / ".cache"))
@@ -465,7 +466,7 @@ def load_model(
         kwargs["device_map"] = {"": str(device) if device is not None else "cpu"}
     try:
         multimodal = _language_model_only(ident, kwargs)
-        with _quiet_transformers(bool(multimodal)):  # its table of vision-side weights
+        with quiet_transformers(bool(multimodal)):  # its table of vision-side weights
             try:
                 model, info = AutoModelForCausalLM.from_pretrained(
                     ident, output_loading_info=True, **kwargs)
@@ -504,20 +505,6 @@ def load_model(
 # and Mistral-3's published files), "model.language_model.*" (transformers' newer layout)
 LANGUAGE_MODEL_KEYS = {r"^(?:language_model\.model|model\.language_model)\.": "model.",
                        r"^language_model\.lm_head\.": "lm_head."}
-
-
-@contextlib.contextmanager
-def _quiet_transformers(quiet: bool) -> Iterator[None]:
-    """transformers' logging at error level while the block runs, when ``quiet``."""
-    from transformers.utils import logging as hf_logging
-
-    level = hf_logging.get_verbosity()
-    if quiet:
-        hf_logging.set_verbosity_error()
-    try:
-        yield
-    finally:
-        hf_logging.set_verbosity(level)
 
 
 def _language_model_only(ident: str, kwargs: dict[str, Any]) -> str | None:

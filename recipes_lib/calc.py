@@ -338,9 +338,8 @@ def param_count(shape: ModelShape) -> dict[str, int]:
         6.74
     """
     h, L = shape.hidden_size, shape.num_hidden_layers
-    kv = shape.num_key_value_heads * shape.head_dim
-    attn = L * (2 * h * shape.q_size + 2 * h * kv)
-    mlp = L * shape.mlp_matrices * h * shape.intermediate_size
+    weights = [o * i for o, i in layer_linear_shapes(shape)]  # q, k, v, o, then the MLP's
+    attn, mlp = L * sum(weights[:4]), L * sum(weights[4:])
     norms = L * 2 * h + h
     emb = shape.vocab_size * h
     head = 0 if shape.tie_word_embeddings else emb

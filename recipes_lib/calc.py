@@ -231,8 +231,9 @@ def _field_reader(config: Any) -> Callable[..., Any]:
     return config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d)
 
 
-# how transformers' configs count routed experts (Mixtral, Llama-4 / Qwen-MoE / DeepSeek)
-EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts")
+# how transformers' configs count routed experts (Mixtral, Llama-4 / Qwen-MoE / DeepSeek,
+# Aria / ERNIE-4.5-MoE)
+EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 
 
 def check_dense(config: Any, name: str = "config") -> None:
@@ -262,6 +263,76 @@ def check_dense(config: Any, name: str = "config") -> None:
                              "counts dense decoders (one MLP a layer), and a fake-tensor step "
                              "routes no token to an expert (the router needs values); measure "
                              "a real step instead (memory.measure_memory)")
+
+
+# how far the formulas' parameter count may fall from transformers' model of the same config
+# before the calculator refuses the architecture: what the formulas leave out of a dense decoder
+# (biases, Qwen3's and OLMo-2's q/k norms, Gemma-2's extra norms, Phi-2's and Persimmon's
+# LayerNorm biases) stays under 0.2 % on every dense decoder transformers ships; hybrid layers
+# (Qwen3.5's linear attention, LFM2's convolutions, Falcon-H1's Mamba mixers) miss by 5-40 %
+COUNT_TOLERANCE = 0.01
+
+
+def check_counted(config: Any, name: str = "config") -> None:
+    """Refuse a config whose layers the formulas do not describe: the formulas count every layer
+    as q, k, v, o attention and one MLP, which a hybrid (linear-attention, convolution or
+    Mamba layers beside attention), recurrent or latent-attention architecture does not have.
+    The check is by count: transformers' model of the config, built on the meta device (no
+    memory; once per config and process), against :func:`param_count`.
+
+    A fake-tensor step (``fake_memory.measure_step``) runs transformers' own model, so it
+    measures these architectures as exactly as a Llama (Qwen3.5, LFM2 and Falcon-H1 fake steps
+    equal real ones on a CPU, tests/test_fake_memory.py).
+
+    Args:
+        config: a transformers config, or a dict of a config.json's fields; one whose
+            ``model_type`` transformers does not know is not checked.
+        name: the parameter named in the error.
+
+    Raises:
+        ValueError: naming ``name``, the model type and both counts, where they differ by more
+            than :data:`COUNT_TOLERANCE`.
+    """
+    full = _transformers_config(config)
+    if full is None:
+        return
+    text = language_model_config(full)
+    built = _built_param_count(text)
+    if built is None:
+        return
+    counted = param_count(ModelShape.from_config(text))["total"]
+    if abs(counted - built) > COUNT_TOLERANCE * built:
+        raise ValueError(
+            f"{name}: the calculator counts {counted / 1e9:.3f} B parameters for this "
+            f"{text.model_type!r} config, transformers' model has {built / 1e9:.3f} B "
+            f"({counted / built:.2f}x): it is not only embeddings and decoder layers of "
+            "attention (q, k, v, o) and an MLP (a hybrid's linear-attention, convolution or "
+            "Mamba layers, a recurrent block, an encoder's extra tables, a vision or audio "
+            "tower), so the formulas do not describe it; measure its step on fake tensors "
+            "instead (fake_memory.measure_step, planner.max_context), which run transformers' "
+            "own model")
+
+
+_BUILT_COUNTS: dict[str, int | None] = {}  # config JSON -> parameters (check_counted)
+
+
+def _built_param_count(config: Any) -> int | None:
+    """Parameters of transformers' causal LM for ``config``, built on the meta device, once per
+    config and process; None where it cannot be built."""
+    key = config.to_json_string()
+    if key not in _BUILT_COUNTS:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from recipes_lib.architectures import quiet_transformers
+
+        try:
+            with quiet_transformers(), torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(config)
+            _BUILT_COUNTS[key] = sum(p.numel() for p in model.parameters())
+        except Exception:  # noqa: BLE001 - an architecture that cannot be built is not checked
+            _BUILT_COUNTS[key] = None
+    return _BUILT_COUNTS[key]
 
 
 def bytes_per_param(fmt: str) -> float:

@@ -124,7 +124,8 @@ def resolve_shape(model: str) -> tuple[str, calc.ModelShape]:
 
     Raises:
         ValueError: for an unknown name (listing the built-ins), a file that is not a
-            transformers decoder config, or a mixture-of-experts one.
+            transformers decoder config, a mixture-of-experts one, or one whose layers the
+            formulas do not describe (``calc.check_counted``).
     """
     by_lower = {k.lower(): k for k in calc.PRESETS}
     key = model.split("/")[-1].lower()  # "meta-llama/Llama-2-7B" -> "llama-2-7b"
@@ -141,9 +142,11 @@ def resolve_shape(model: str) -> tuple[str, calc.ModelShape]:
         if not isinstance(config, dict):
             raise ValueError(f"model={model!r}: not a transformers config")
         calc.check_dense(config, f"model={model!r}")
+        shape = calc.ModelShape.from_config(config)
+        calc.check_counted(config, f"model={model!r}")
         # named by its folder (…/Qwen3-0.6B/config.json) or, saved under its own name, its file
         name = path.parent.name if path.name == "config.json" else path.stem
-        return name or model, calc.ModelShape.from_config(config)
+        return name or model, shape
     raise ValueError(f"model={model!r}: not a built-in model ({', '.join(calc.PRESETS)}) and "
                      "no config.json there; hub ids cannot be fetched offline, so pass a "
                      "local config.json")

@@ -299,3 +299,27 @@ def test_a_shape_with_score_bytes_counts_its_scores_even_where_flash_is_asked():
         gap = (calc.activation_bytes(eager, s, b, recompute, flash_attention=True)["total"]
                - calc.activation_bytes(sdpa, s, b, recompute, flash_attention=True)["total"])
         assert gap == layers * 8 * 4 * s * s * b  # full: the layer recomputed in backward
+
+
+DENSE_DECODERS = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi",
+                  "phi3", "olmo2", "granite", "cohere", "smollm3", "starcoder2", "gpt_neox",
+                  "stablelm", "glm4", "exaone4", "helium")
+
+
+def test_the_count_check_passes_dense_decoders_and_refuses_hybrids():
+    """At each architecture's default (full-size) config, built on the meta device: what the
+    formulas leave out of a dense decoder stays under 0.2 %; a hybrid's layers miss by more
+    than the 1 % tolerance and are refused."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    for model_type in DENSE_DECODERS:
+        config = AutoConfig.for_model(model_type)
+        calc.check_counted(config, model_type)
+        with torch.device("meta"):
+            real = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+        counted = calc.param_count(calc.ModelShape.from_config(config))["total"]
+        assert counted == pytest.approx(real, rel=2e-3), model_type
+    for model_type in ("qwen3_5_text", "lfm2", "falcon_h1", "recurrent_gemma"):
+        with pytest.raises(ValueError, match=f"^{model_type}: the calculator counts"):
+            calc.check_counted(AutoConfig.for_model(model_type), model_type)
+    calc.check_counted({"hidden_size": 64})  # not a transformers config: nothing to build

@@ -238,11 +238,12 @@ def test_bad_inputs_name_the_parameter(config, tmp_path):
         fake_memory.model_config(tmp_path)
     with pytest.raises(ValueError, match=r"^model='ViTConfig': a 'vit' config is not a causal"):
         fake_memory.model_config(ViTConfig())  # named by its class, not its whole JSON
-    from transformers import MixtralConfig, Qwen2MoeConfig
+    from transformers import AriaTextConfig, MixtralConfig, Qwen2MoeConfig
 
-    for moe in (MixtralConfig(num_local_experts=4), Qwen2MoeConfig(num_experts=4)):
+    for moe in (MixtralConfig(num_local_experts=4), Qwen2MoeConfig(num_experts=4),
+                AriaTextConfig(moe_num_experts=4)):  # Aria's count was missed: 1 kB of activations
         # a fake step would route no token to an expert: refused, not counted without them
-        with pytest.raises(ValueError, match=r"^model: a mixture-of-experts model \(num_"):
+        with pytest.raises(ValueError, match=r"^model: a mixture-of-experts model \((num|moe)_"):
             fake_memory.model_config(moe)
     with pytest.raises(ValueError, match="seq_len=512.*RoPE scaling"):
         fake_memory.measure_step(config, Stack(), 512, 1)
@@ -490,3 +491,21 @@ def test_the_activation_anatomy_refuses_what_it_cannot_split(config):
     # 8 tokens: the peak falls at the end of backward, where the layers' activations are gone
     with pytest.raises(ValueError, match="seq_len=8: the step's peak"):
         fake_memory.activation_anatomy(config, Stack(), 8, small_vocab=64)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "lfm2", "falcon_h1"])
+def test_a_hybrid_architecture_the_calculator_refuses_is_measured_exactly(model_type):
+    """Linear-attention (Qwen3.5), convolution (LFM2) and Mamba (Falcon-H1) layers beside
+    attention: the formulas miscount them (calc.check_counted refuses), a fake step runs
+    transformers' own layers and equals the real step."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(model_type, vocab_size=256, hidden_size=64,
+                                  intermediate_size=128, num_hidden_layers=4,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    with pytest.raises(ValueError, match=f"^model: .* this '{model_type}' config, transformers' "
+                                         r"model has .*fake_memory.measure_step"):
+        calc.check_counted(config, "model")
+    fake = fake_memory.measure_step(config, Stack(), 32, 1)
+    real = fake_memory.measure_step(config, Stack(), 32, 1, fake=False)
+    assert fake.by_category == real.by_category and fake.peak_bytes == real.peak_bytes

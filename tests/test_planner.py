@@ -76,6 +76,15 @@ def test_bad_models(tmp_path):
         planner.resolve_shape(str(tmp_path))
     with pytest.raises(ValueError, match="batch_size=0"):
         planner.plan("Llama-2-7B", "16GB", batch_size=0)
+    # a hybrid: Qwen3.5's linear-attention layers are not what the formulas count (0.92x of
+    # Qwen3.5's 9 B at its defaults): refused, pointing to the fake-tensor measurement
+    from transformers import AutoConfig
+
+    AutoConfig.for_model("qwen3_5_text").save_pretrained(tmp_path / "qwen3.5")
+    with pytest.raises(ValueError, match=r"^model='.*qwen3.5': the calculator counts 8.209 B "
+                                         r".*'qwen3_5_text' config, transformers' model has "
+                                         r"8.954 B \(0.92x\).*fake_memory.measure_step"):
+        planner.plan(str(tmp_path / "qwen3.5"), "24GB")
 
 
 def test_cli(capsys):

@@ -13,6 +13,7 @@ config), so a new architecture works if transformers describes it.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -137,6 +138,43 @@ def check_adapter_targets(model: nn.Module, targets: str | list[str] | tuple[str
                          f"match{'es' if len(missing) == 1 else ''} no module of "
                          f"{architecture_name(model)}; its decoder blocks' linear layers are "
                          f"{', '.join(adapter_targets(model))} ('all-linear' takes them all)")
+
+
+# peft (0.21) refuses LoRA on a Mamba mixer's out_proj and conv1d for these model types
+# (peft.tuners.tuners_utils._check_lora_target_modules_mamba), yet its "all-linear" picks out_proj
+PEFT_MAMBA_MODEL_TYPES = ("falcon_h1", "mamba", "mamba2", "falcon_mamba", "nemotron_h")
+PEFT_MAMBA_REFUSED = ("out_proj", "conv1d")
+
+
+def lora_target_modules(model: nn.Module, targets: str | list[str] | tuple[str, ...],
+                        name: str = "target_modules") -> str | list[str] | tuple[str, ...]:
+    """What to hand peft as ``target_modules``: ``targets`` checked
+    (:func:`check_adapter_targets`) and returned, except ``"all-linear"`` on an architecture
+    with Mamba layers (Falcon-H1): peft's "all-linear" takes their ``out_proj``, which its own
+    check then refuses ("incompatible with Mamba-based models"); there it becomes the decoder
+    blocks' other linear layers, said aloud.
+
+    Args:
+        model: the model the adapters go on.
+        targets: peft's ``target_modules``.
+        name: the caller's parameter, for errors and the warning.
+
+    Returns:
+        ``targets``, or the names that replace ``"all-linear"``.
+
+    Raises:
+        ValueError: as :func:`check_adapter_targets`.
+    """
+    check_adapter_targets(model, targets, name)
+    config = getattr(_base(model), "config", None)
+    model_type = getattr(config, "model_type", None)
+    if targets != "all-linear" or model_type not in PEFT_MAMBA_MODEL_TYPES:
+        return targets
+    names = [t for t in adapter_targets(model) if t not in PEFT_MAMBA_REFUSED]
+    warnings.warn(f"{name}='all-linear': peft refuses LoRA on {model_type}'s Mamba "
+                  f"{' and '.join(PEFT_MAMBA_REFUSED)} (its 'all-linear' picks out_proj, then its "
+                  f"own check refuses it); adapting {', '.join(names)}", stacklevel=2)
+    return names
 
 
 # config fields by which a transformers causal LM scales its logits (or the hidden states

@@ -106,6 +106,7 @@ class ModelShape:
         if text is not full:  # a multimodal checkpoint's config: its language model's
             config = full = text
         check_dense(config)
+        _check_same_layers(full)
         get = _field_reader(config)
         derived = _field_reader(full if full is not None else config)
         # the window and which layers slide, as transformers decides: its default window where
@@ -159,6 +160,21 @@ def _transformers_config(config: Any) -> Any:
         return AutoConfig.for_model(config.get("model_type"), **fields)
     except (ValueError, KeyError, TypeError):
         return None
+
+
+def _check_same_layers(config: Any) -> None:
+    """Refuse a config whose layers differ in shape (transformers' ``per_layer_config``:
+    Gemma-4's global layers have twice the head width), which the formulas, one layer shape
+    for every layer, do not describe; transformers itself refuses to read such a field for the
+    whole model (a RuntimeError, not a size)."""
+    per_layer = config.to_dict().get("per_layer_config") if config is not None else None
+    if per_layer:
+        fields = sorted({k for v in per_layer.values() for k in v})
+        raise NotDescribedError(
+            f"config: a {config.model_type!r} config whose layers differ in {', '.join(fields)} "
+            f"(per_layer_config, layers {', '.join(str(int(i)) for i in per_layer)}): the "
+            "formulas take one layer shape for every layer; measure its step on fake tensors "
+            "instead (fake_memory.measure_step)", _built_param_count(config))
 
 
 def language_model_config(config: Any) -> Any:
@@ -268,9 +284,20 @@ def check_dense(config: Any, name: str = "config") -> None:
 # how far the formulas' parameter count may fall from transformers' model of the same config
 # before the calculator refuses the architecture: what the formulas leave out of a dense decoder
 # (biases, Qwen3's and OLMo-2's q/k norms, Gemma-2's extra norms, Phi-2's and Persimmon's
-# LayerNorm biases) stays under 0.2 % on every dense decoder transformers ships; hybrid layers
-# (Qwen3.5's linear attention, LFM2's convolutions, Falcon-H1's Mamba mixers) miss by 5-40 %
+# LayerNorm biases) stays under 0.2 % on the dense decoders tried (tests/test_calc.py); hybrid
+# layers (Qwen3.5's linear attention, LFM2's convolutions, Falcon-H1's Mamba mixers) miss by 5-40 %
 COUNT_TOLERANCE = 0.01
+
+
+class NotDescribedError(ValueError):
+    """The formulas do not describe this architecture (:func:`check_counted`; layers of
+    different shapes, :meth:`ModelShape.from_config`), where a fake-tensor step measures it.
+    ``built``: the parameters of transformers' model of it, or None where unknown;
+    ``model_name``: what the caller calls the model, where it says."""
+
+    def __init__(self, message: str, built: int | None = None, model_name: str | None = None):
+        super().__init__(message)
+        self.built, self.model_name = built, model_name
 
 
 def check_counted(config: Any, name: str = "config") -> None:
@@ -290,8 +317,8 @@ def check_counted(config: Any, name: str = "config") -> None:
         name: the parameter named in the error.
 
     Raises:
-        ValueError: naming ``name``, the model type and both counts, where they differ by more
-            than :data:`COUNT_TOLERANCE`.
+        NotDescribedError: a ValueError naming ``name``, the model type and both counts,
+            where they differ by more than :data:`COUNT_TOLERANCE`.
     """
     full = _transformers_config(config)
     if full is None:
@@ -302,7 +329,7 @@ def check_counted(config: Any, name: str = "config") -> None:
         return
     counted = param_count(ModelShape.from_config(text))["total"]
     if abs(counted - built) > COUNT_TOLERANCE * built:
-        raise ValueError(
+        raise NotDescribedError(
             f"{name}: the calculator counts {counted / 1e9:.3f} B parameters for this "
             f"{text.model_type!r} config, transformers' model has {built / 1e9:.3f} B "
             f"({counted / built:.2f}x): it is not only embeddings and decoder layers of "
@@ -310,7 +337,7 @@ def check_counted(config: Any, name: str = "config") -> None:
             "Mamba layers, a recurrent block, an encoder's extra tables, a vision or audio "
             "tower), so the formulas do not describe it; measure its step on fake tensors "
             "instead (fake_memory.measure_step, planner.max_context), which run transformers' "
-            "own model")
+            "own model", built)
 
 
 _BUILT_COUNTS: dict[str, int | None] = {}  # config JSON -> parameters (check_counted)
@@ -1035,6 +1062,21 @@ def logits_bytes(seq_len: int, batch_size: int, vocab_size: int, bytes_per_value
     return float(seq_len) * batch_size * vocab_size * bytes_per_value
 
 
+def escalation_steps(grad_accum_steps: int = 4) -> list[str]:
+    """The escalation table's steps, in order (:func:`escalation_table`'s ``step`` names).
+
+    Args:
+        grad_accum_steps: micro-batches per step in the gradient-accumulation row.
+
+    Returns:
+        The names.
+    """
+    return ["full fine-tune (bf16 + AdamW)", "full fine-tune, 8-bit AdamW states",
+            "LoRA on a bf16 base", "QLoRA (NF4 base)", "+ activation checkpointing",
+            f"+ gradient accumulation (k={grad_accum_steps})",
+            "+ CPU offload of optimizer states"]
+
+
 def escalation_table(shape: ModelShape, seq_len: int, batch_size: int, budget_bytes: float,
                      grad_accum_steps: int = 4, lora_fraction: float = 0.01,
                      bytes_per_value: int = 2) -> list[dict[str, Any]]:
@@ -1088,20 +1130,17 @@ def escalation_table(shape: ModelShape, seq_len: int, batch_size: int, budget_by
 
     micro = batch_size // grad_accum_steps
     lora_state = gradient_bytes(n_lora, "fp32") + optimizer_bytes(n_lora, "adamw")
-    steps = [
-        ("full fine-tune (bf16 + AdamW)", training_state_bytes(n, "bf16")["total"],
-         act("none", batch_size)),
-        ("full fine-tune, 8-bit AdamW states", training_state_bytes(n, "bf16", "adamw_8bit")
-         ["total"], act("none", batch_size)),
-        ("LoRA on a bf16 base", n * 2 + n_lora * 4 + lora_state, act("none", batch_size)),
-        ("QLoRA (NF4 base)", nf4_base + n_lora * 4 + lora_state,
-         act("none", batch_size)),
-        ("+ activation checkpointing", None, act("full", batch_size)),
-        (f"+ gradient accumulation (k={grad_accum_steps})", None, act("full", micro)),
-        ("+ CPU offload of optimizer states", -optimizer_bytes(n_lora, "adamw"), None),
+    steps = [  # (state bytes, activation bytes) of each step in escalation_steps' order
+        (training_state_bytes(n, "bf16")["total"], act("none", batch_size)),
+        (training_state_bytes(n, "bf16", "adamw_8bit")["total"], act("none", batch_size)),
+        (n * 2 + n_lora * 4 + lora_state, act("none", batch_size)),
+        (nf4_base + n_lora * 4 + lora_state, act("none", batch_size)),
+        (None, act("full", batch_size)),
+        (None, act("full", micro)),
+        (-optimizer_bytes(n_lora, "adamw"), None),
     ]
     rows, state, activ = [], 0.0, 0.0
-    for name, s, a in steps:
+    for name, (s, a) in zip(escalation_steps(grad_accum_steps), steps, strict=True):
         state = state + s if (s is not None and s < 0) else (s if s is not None else state)
         activ = a if a is not None else activ
         total = state + activ

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from recipes_lib import calc
-from recipes_lib.architectures import check_adapter_targets, default_attention
+from recipes_lib.architectures import default_attention, lora_target_modules
 from recipes_lib.checkpointing import enable_activation_checkpointing
 from recipes_lib.chunked_loss import ChunkedCausalLMLoss
 from recipes_lib.data import IGNORE_INDEX
@@ -476,9 +476,8 @@ def build_model(config, stack: Stack, device: torch.device | str, fake: bool = T
     if stack.method in ("lora", "qlora"):
         from peft import LoraConfig, get_peft_model
 
-        targets = stack.lora_targets if isinstance(stack.lora_targets, str) else list(
-            stack.lora_targets)
-        check_adapter_targets(model, targets, "lora_targets")
+        targets = lora_target_modules(model, stack.lora_targets if isinstance(
+            stack.lora_targets, str) else list(stack.lora_targets), "lora_targets")
         model = get_peft_model(model, LoraConfig(r=stack.lora_rank, lora_alpha=2 * stack.lora_rank,
                                                  target_modules=targets,
                                                  lora_dropout=stack.lora_dropout,
@@ -631,13 +630,19 @@ def _process_group(world_size: int, fake: bool):
 
 
 def _restore_buffers(model: torch.nn.Module) -> None:
-    """Recompute the buffers ``to_empty`` left uninitialised (rotary inverse frequencies) by
-    building each owning module afresh on the CPU and copying them in."""
+    """Recompute the buffers ``to_empty`` left uninitialised (rotary inverse frequencies,
+    Gemma-4's per-layer scalars) by building each owning module afresh on the CPU (with its
+    ``layer_idx`` where its constructor takes one) and copying them in."""
+    import inspect
+
     for module in model.modules():
         own = dict(module.named_buffers(recurse=False))
         if not own or not hasattr(module, "config"):
             continue
-        fresh = type(module)(module.config)
+        takes_index = "layer_idx" in inspect.signature(type(module)).parameters
+        fresh = type(module)(module.config, **(
+            {"layer_idx": module.layer_idx} if takes_index and hasattr(module, "layer_idx")
+            else {}))
         with torch.no_grad():
             for name, buf in own.items():
                 buf.copy_(getattr(fresh, name))

@@ -124,8 +124,9 @@ def resolve_shape(model: str) -> tuple[str, calc.ModelShape]:
 
     Raises:
         ValueError: for an unknown name (listing the built-ins), a file that is not a
-            transformers decoder config, a mixture-of-experts one, or one whose layers the
-            formulas do not describe (``calc.check_counted``).
+            transformers decoder config or a mixture-of-experts one; ``calc.NotDescribedError``
+            (a ValueError with ``model_name`` and ``built``, transformers' parameter count) for
+            one the formulas do not describe (``calc.check_counted``, layers of two shapes).
     """
     by_lower = {k.lower(): k for k in calc.PRESETS}
     key = model.split("/")[-1].lower()  # "meta-llama/Llama-2-7B" -> "llama-2-7b"
@@ -142,11 +143,16 @@ def resolve_shape(model: str) -> tuple[str, calc.ModelShape]:
         if not isinstance(config, dict):
             raise ValueError(f"model={model!r}: not a transformers config")
         calc.check_dense(config, f"model={model!r}")
-        shape = calc.ModelShape.from_config(config)
-        calc.check_counted(config, f"model={model!r}")
         # named by its folder (…/Qwen3-0.6B/config.json) or, saved under its own name, its file
-        name = path.parent.name if path.name == "config.json" else path.stem
-        return name or model, shape
+        name = (path.parent.name if path.name == "config.json" else path.stem) or model
+        try:
+            shape = calc.ModelShape.from_config(config)
+            calc.check_counted(config, f"model={model!r}")
+        except calc.NotDescribedError as err:
+            text = str(err).removeprefix("config: ")
+            raise calc.NotDescribedError(text if text.startswith("model=") else
+                                         f"model={model!r}: {text}", err.built, name) from None
+        return name, shape
     raise ValueError(f"model={model!r}: not a built-in model ({', '.join(calc.PRESETS)}) and "
                      "no config.json there; hub ids cannot be fetched offline, so pass a "
                      "local config.json")
@@ -160,6 +166,52 @@ def _multimodal(model: str) -> bool:
         return path.is_file() and "text_config" in json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError, TypeError):
         return False
+
+
+def _check_counts(**counts: Any) -> None:
+    for name, v in counts.items():
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name}={v!r}: must be an integer >= 1")
+
+
+def _predicted(model: str, name: str, shape: calc.ModelShape, seq_len: int, batch_size: int,
+               gpus: int, grad_accum_steps: int, budget: float) -> dict[str, Any]:
+    """:func:`plan`'s result from the formulas alone."""
+    rows = calc.escalation_table(shape, seq_len, batch_size, budget, grad_accum_steps)
+    fs = calc.data_parallel_bytes(shape, gpus, "fsdp", seq_len, _per_gpu_batch(batch_size, gpus))
+    rows.append({"step": _fsdp_step(gpus),
+                 "state_GiB": (fs["state"] + fs["gathered"]) / 2**30,
+                 "activations_GiB": fs["activations"] / 2**30,
+                 "total_GiB": fs["gpu_total"] / 2**30, "fits": fs["gpu_total"] <= budget})
+    for row in rows:  # what the GPU needs beyond the formulas' bytes, as for a measured trace
+        total = row["total_GiB"] * 2**30
+        row["total_gpu_GiB"] = (total + gpu_overhead(total)) / 2**30
+        row["fits"] = total + gpu_overhead(total) <= budget
+    cheapest = next((r["step"] for r in rows if r["fits"]), "nothing fits")
+    out = {"model": name, "params_B": calc.param_count(shape)["total"] / 1e9,
+           "gpu_bytes": budget, "rows": rows, "cheapest": cheapest, "notes": []}
+    if _multimodal(model):
+        out["notes"].append(
+            f"{name} is a multimodal checkpoint: planned and measured is its language model "
+            "(text_config); the vision encoder's weights, frozen or not, are not counted")
+    if shape.score_bytes:
+        out["notes"].append(
+            f"attention: transformers has no SDPA for {name}'s architecture, so it runs eager "
+            f"attention, which keeps {shape.score_bytes} bytes per score (batch x heads x s x s) "
+            "for backward: counted in the rows above (a fused kernel, flash-attn's where the "
+            "architecture supports it, keeps none); what else its layers keep beyond the "
+            "formulas' (more norms, soft-capped logits) is not: --measure measures it")
+    return out
+
+
+def _unpredicted(err: calc.NotDescribedError, steps: list[str]) -> dict[str, Any]:
+    """:func:`plan`'s result for an architecture the formulas do not describe: the rows
+    without a formula figure (a wrong prediction is worse than none), to be measured."""
+    blank = dict.fromkeys(("state_GiB", "activations_GiB", "total_GiB", "total_gpu_GiB", "fits"))
+    return {"model": err.model_name, "params_B": err.built / 1e9 if err.built else None,
+            "rows": [{"step": s, **blank} for s in steps],
+            "cheapest": "not predicted: the formulas do not describe this architecture",
+            "notes": [f"not predicted, measured only: {err}"]}
 
 
 def plan(model: str, gpu_mem: str | float, seq_len: int = 2048, batch_size: int = 8,
@@ -188,47 +240,32 @@ def plan(model: str, gpu_mem: str | float, seq_len: int = 2048, batch_size: int 
         step, state_GiB, activations_GiB, total_GiB (the formulas' bytes), total_gpu_GiB (plus
         the modelled ``gpu_overhead``, as a measured trace gets) and fits (on that);
         ``notes``: what the formulas assume that this model does not do (eager attention's
-        scores).
+        scores). For an architecture the formulas miscount (``calc.check_counted``: a hybrid
+        such as Qwen3.5), measured only: the formulas' figures are None, ``cheapest`` says
+        why, ``params_B`` is transformers' count and a note gives both.
 
     Raises:
-        ValueError: naming the parameter, for an unknown model, a size that does not parse, or
-            a count below 1.
+        ValueError: naming the parameter, for an unknown model, a size that does not parse, a
+            count below 1, or an architecture the formulas miscount without ``measure``.
 
     Example:
         >>> plan("Llama-2-7B", "16GB", seq_len=512, batch_size=1, grad_accum_steps=1)["cheapest"]
         'QLoRA (NF4 base)'
     """
-    for name, v in (("seq_len", seq_len), ("batch_size", batch_size), ("gpus", gpus)):
-        if not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name}={v!r}: must be an integer >= 1")
+    _check_counts(seq_len=seq_len, batch_size=batch_size, gpus=gpus)
     if grad_accum_steps is None:
         grad_accum_steps = max(k for k in range(1, 5) if batch_size % k == 0)
-    name, shape = resolve_shape(model)
-    budget = parse_bytes(gpu_mem)
-    rows = calc.escalation_table(shape, seq_len, batch_size, budget, grad_accum_steps)
-    fs = calc.data_parallel_bytes(shape, gpus, "fsdp", seq_len, _per_gpu_batch(batch_size, gpus))
-    rows.append({"step": _fsdp_step(gpus),
-                 "state_GiB": (fs["state"] + fs["gathered"]) / 2**30,
-                 "activations_GiB": fs["activations"] / 2**30,
-                 "total_GiB": fs["gpu_total"] / 2**30, "fits": fs["gpu_total"] <= budget})
-    for row in rows:  # what the GPU needs beyond the formulas' bytes, as for a measured trace
-        total = row["total_GiB"] * 2**30
-        row["total_gpu_GiB"] = (total + gpu_overhead(total)) / 2**30
-        row["fits"] = total + gpu_overhead(total) <= budget
-    cheapest = next((r["step"] for r in rows if r["fits"]), "nothing fits")
-    out = {"model": name, "params_B": calc.param_count(shape)["total"] / 1e9,
-           "gpu_bytes": budget, "rows": rows, "cheapest": cheapest, "notes": []}
-    if _multimodal(model):
-        out["notes"].append(
-            f"{name} is a multimodal checkpoint: planned and measured is its language model "
-            "(text_config); the vision encoder's weights, frozen or not, are not counted")
-    if shape.score_bytes:
-        out["notes"].append(
-            f"attention: transformers has no SDPA for {name}'s architecture, so it runs eager "
-            f"attention, which keeps {shape.score_bytes} bytes per score (batch x heads x s x s) "
-            "for backward: counted in the rows above (a fused kernel, flash-attn's where the "
-            "architecture supports it, keeps none); what else its layers keep beyond the "
-            "formulas' (more norms, soft-capped logits) is not: --measure measures it")
+    try:
+        name, shape = resolve_shape(model)
+    except calc.NotDescribedError as err:
+        if not measure:
+            raise ValueError(f"{err}; --measure (plan(measure=True)) measures every row") from err
+        out = _unpredicted(err, calc.escalation_steps(grad_accum_steps) + [_fsdp_step(gpus)])
+        out["gpu_bytes"] = budget = parse_bytes(gpu_mem)
+    else:
+        budget = parse_bytes(gpu_mem)
+        out = _predicted(model, name, shape, seq_len, batch_size, gpus, grad_accum_steps, budget)
+    rows = out["rows"]
     if measure:
         from recipes_lib import fake_memory
 
@@ -325,10 +362,10 @@ def max_context_per_step(model: str, gpu_mem: str | float, batch_size: int = 1,
         One dict per escalation row: ``step``, ``stack`` and ``max_seq_len`` / ``gpu_GiB`` /
         ``tries`` (or ``measured_stack``: why the row is not measured).
     """
+    _check_counts(batch_size=batch_size, gpus=gpus)
     if grad_accum_steps is None:
         grad_accum_steps = max(k for k in range(1, 5) if batch_size % k == 0)
-    steps = [r["step"] for r in plan(model, gpu_mem, 2048, batch_size, gpus,
-                                       grad_accum_steps)["rows"]]
+    steps = calc.escalation_steps(grad_accum_steps) + [_fsdp_step(gpus)]  # each measured
     found: dict[Any, dict[str, Any]] = {}
     out = []
     for name in steps:
@@ -352,10 +389,14 @@ def format_plan(result: dict[str, Any]) -> str:
     Returns:
         The table.
     """
-    lines = [(f"{result['model']}: {result['params_B']:.2f} B parameters, "
+    count = "?" if result["params_B"] is None else f"{result['params_B']:.2f}"
+    lines = [(f"{result['model']}: {count} B parameters, "
               f"{result['gpu_bytes'] / 2**30:.1f} GiB per GPU"),
              f"{'step':<52} {'state':>8} {'activ.':>8} {'total':>8} {'on GPU':>8}  fits"]
     for r in result["rows"]:
+        if r["total_GiB"] is None:  # an architecture the formulas miscount: measured only
+            lines.append(f"{r['step']:<52} {'-':>8} {'-':>8} {'-':>8} {'-':>8}  -")
+            continue
         lines.append(f"{r['step']:<52} {r['state_GiB']:>7.1f}G {r['activations_GiB']:>7.1f}G "
                      f"{r['total_GiB']:>7.1f}G {r['total_gpu_GiB']:>7.1f}G  "
                      f"{'yes' if r['fits'] else 'no'}")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from recipes_lib.architectures import check_adapter_targets
+from recipes_lib.architectures import lora_target_modules
 from recipes_lib.checkpointing import enable_activation_checkpointing
 from recipes_lib.device import has_module
 from recipes_lib.memory import tensor_bytes
@@ -154,7 +154,7 @@ def add_lora(
         raise ValueError(f"r={r!r}: LoRA rank must be an integer >= 1")
     if not 0 <= dropout < 1:
         raise ValueError(f"dropout={dropout}: must be in [0, 1)")
-    check_adapter_targets(model, target_modules)
+    target_modules = lora_target_modules(model, target_modules)
     if getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False):
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     if gradient_checkpointing:

@@ -323,3 +323,9 @@ def test_the_count_check_passes_dense_decoders_and_refuses_hybrids():
         with pytest.raises(ValueError, match=f"^{model_type}: the calculator counts"):
             calc.check_counted(AutoConfig.for_model(model_type), model_type)
     calc.check_counted({"hidden_size": 64})  # not a transformers config: nothing to build
+    # Gemma-4: global layers twice as wide in head_dim; transformers refuses to read head_dim
+    # for the whole model (a RuntimeError a caller catching ValueError would not see)
+    with pytest.raises(ValueError, match=r"^config: a 'gemma4_text' config whose layers differ "
+                                         r"in head_dim \(per_layer_config, layers 5, 11, 17, 23, "
+                                         r"29\).*fake_memory.measure_step"):
+        calc.ModelShape.from_config(AutoConfig.for_model("gemma4_text"))

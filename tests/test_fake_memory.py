@@ -509,3 +509,36 @@ def test_a_hybrid_architecture_the_calculator_refuses_is_measured_exactly(model_
     fake = fake_memory.measure_step(config, Stack(), 32, 1)
     real = fake_memory.measure_step(config, Stack(), 32, 1, fake=False)
     assert fake.by_category == real.by_category and fake.peak_bytes == real.peak_bytes
+
+
+def test_lora_on_all_linear_layers_of_a_mamba_hybrid_leaves_out_what_peft_refuses():
+    """peft's "all-linear" takes Falcon-H1's Mamba out_proj, then its own check refuses LoRA
+    there ("incompatible with Mamba-based models"): the course adapts the other linear layers
+    and says so; fake equals real."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model("falcon_h1", vocab_size=256, hidden_size=64,
+                                  intermediate_size=128, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    said = r"lora_targets='all-linear': peft refuses LoRA on falcon_h1's Mamba out_proj"
+    with pytest.warns(UserWarning, match=said):
+        fake = fake_memory.measure_step(config, Stack(method="lora"), 32, 1)
+    with pytest.warns(UserWarning, match=said):
+        real = fake_memory.measure_step(config, Stack(method="lora"), 32, 1, fake=False)
+    assert fake.by_category == real.by_category and fake.by_category["optimizer"] > 0
+
+
+def test_gemma4s_layers_of_two_shapes_are_measured_exactly():
+    """Gemma-4: sliding layers and wider global ones (per_layer_config), per-layer input
+    embeddings and buffers whose modules need their layer index to be rebuilt: the formulas
+    refuse it (tests/test_calc.py), a fake step equals the real one."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model("gemma4_text", vocab_size=256, hidden_size=64,
+                                  intermediate_size=128, num_hidden_layers=6,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                  vocab_size_per_layer_input=256, hidden_size_per_layer_input=16)
+    assert config.to_dict()["per_layer_config"]
+    fake = fake_memory.measure_step(config, Stack(), 32, 1)
+    real = fake_memory.measure_step(config, Stack(), 32, 1, fake=False)
+    assert fake.by_category == real.by_category and fake.peak_bytes == real.peak_bytes

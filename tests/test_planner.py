@@ -1,6 +1,8 @@
 import json
 
 import pytest
+import torch
+from transformers import AutoModelForCausalLM
 
 from recipes_lib import calc, planner
 from recipes_lib.__main__ import main
@@ -230,3 +232,53 @@ def test_the_calculators_verdict_counts_the_gpu_overhead_a_measured_trace_gets()
     assert not row["fits"]
     assert "on GPU: the total plus the modelled overhead" in planner.format_plan(
         planner.plan("Llama-2-7B", "80GB", 512, 1))
+
+
+def test_an_architecture_the_formulas_miscount_is_planned_by_measurement_only(tmp_path,
+                                                                              monkeypatch):
+    """A hybrid (Qwen3.5's linear-attention layers): no formula figure, every row measured, the
+    count from transformers' model; the per-step context search runs too. (A hybrid's fake step
+    equals its real one: tests/test_fake_memory.py; here the measurement is a stand-in, a
+    Qwen3.5 fake step takes ~3 s.)"""
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig
+
+    from recipes_lib import fake_memory
+
+    AutoConfig.for_model("qwen3_5_text", vocab_size=256, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=16, max_position_embeddings=512).save_pretrained(tmp_path)
+    measured = []
+    monkeypatch.setattr(fake_memory, "measure_step", lambda model, stack, *a: measured.append(
+        stack) or SimpleNamespace(peak_bytes=2**28, host_bytes=0))
+    monkeypatch.setattr(planner, "max_context", lambda model, gpu, stack, *a: {
+        "max_seq_len": 256, "gpu_GiB": 0.5, "tries": [(256, 0.5)], "stack": stack.label})
+    with pytest.raises(ValueError, match=r"'qwen3_5_text' config.*--measure"):
+        planner.plan(str(tmp_path), "1GiB", 64, 1)
+    out = planner.plan(str(tmp_path), "1GiB", 64, 1, measure=True)
+    assert all(r["total_GiB"] is None and r["fits"] is None for r in out["rows"])
+    assert len([r for r in out["rows"] if "measured_GiB" in r]) >= 5 and len(measured) >= 7
+    assert out["cheapest"].startswith("not predicted")
+    assert out["cheapest_measured"] == out["rows"][0]["step"]
+    assert out["notes"][0].startswith("not predicted, measured only: model=")
+    with torch.device("meta"):  # transformers' count, not the formulas'
+        built = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tmp_path))
+    assert out["params_B"] * 1e9 == sum(p.numel() for p in built.parameters())
+    text = planner.format_plan(out)
+    assert "measured on fake tensors" in text and "not predicted: the formulas" in text
+    rows = planner.max_context_per_step(str(tmp_path), "1GiB")
+    assert [r["step"] for r in rows] == [r["step"] for r in out["rows"]]
+    # Gemma-4: layers of two head widths, which no one shape describes; named as the planner
+    # names a model, with transformers' count
+    AutoConfig.for_model("gemma4_text").save_pretrained(tmp_path / "gemma-4")
+    with pytest.raises(ValueError, match=r"^model='.*gemma-4': a 'gemma4_text' config whose "
+                                         r"layers differ in head_dim .*--measure"):
+        planner.plan(str(tmp_path / "gemma-4"), "24GB")
+    out = planner.plan(str(tmp_path / "gemma-4"), "24GB", measure=True)
+    assert out["model"] == "gemma-4" and all(r["total_GiB"] is None for r in out["rows"])
+    with torch.device("meta"):
+        built = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tmp_path / "gemma-4"))
+    assert out["params_B"] * 1e9 == sum(p.numel() for p in built.parameters())
+    with pytest.raises(ValueError, match="batch_size=0"):
+        planner.max_context_per_step(str(tmp_path), "1GiB", batch_size=0)

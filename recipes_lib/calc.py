@@ -95,18 +95,20 @@ class ModelShape:
                              f"{self.num_hidden_layers}], and 0 without a sliding_window")
 
     @classmethod
-    def from_config(cls, config: Any) -> ModelShape:
+    def from_config(cls, config: Any, name: str = "config") -> ModelShape:
         """From a transformers config (or any object / dict with the same fields; a dict with
         a ``model_type`` transformers knows is also read as that config class reads it, for
         its defaults and what it derives: Gemma-2's tied embeddings, which its config.json
         leaves out, its alternating ``layer_types``, whether the model has SDPA). The sizes
-        come from the fields themselves: a config without them is refused, not defaulted."""
+        come from the fields themselves: a config without them is refused, not defaulted;
+        so is one whose layers differ in shape (:class:`NotDescribedError`). ``name``: what
+        the errors call the config."""
         full = _transformers_config(config)
         text = language_model_config(full) if full is not None else None
         if text is not full:  # a multimodal checkpoint's config: its language model's
             config = full = text
-        check_dense(config)
-        _check_same_layers(full)
+        check_dense(config, name)
+        _check_same_layers(full, name)
         get = _field_reader(config)
         derived = _field_reader(full if full is not None else config)
         # the window and which layers slide, as transformers decides: its default window where
@@ -133,7 +135,7 @@ class ModelShape:
                        sliding_layers=int(sliding), score_bytes=_score_bytes(full),
                        mlp_matrices=_mlp_matrices(full))
         except TypeError as err:
-            raise ValueError(f"config: not a decoder config with hidden_size, intermediate_size, "
+            raise ValueError(f"{name}: not a decoder config with hidden_size, intermediate_size, "
                              f"num_hidden_layers, ... ({err})") from err
 
     @property
@@ -162,7 +164,7 @@ def _transformers_config(config: Any) -> Any:
         return None
 
 
-def _check_same_layers(config: Any) -> None:
+def _check_same_layers(config: Any, name: str = "config") -> None:
     """Refuse a config whose layers differ in shape (transformers' ``per_layer_config``:
     Gemma-4's global layers have twice the head width), which the formulas, one layer shape
     for every layer, do not describe; transformers itself refuses to read such a field for the
@@ -171,7 +173,7 @@ def _check_same_layers(config: Any) -> None:
     if per_layer:
         fields = sorted({k for v in per_layer.values() for k in v})
         raise NotDescribedError(
-            f"config: a {config.model_type!r} config whose layers differ in {', '.join(fields)} "
+            f"{name}: a {config.model_type!r} config whose layers differ in {', '.join(fields)} "
             f"(per_layer_config, layers {', '.join(str(int(i)) for i in per_layer)}): the "
             "formulas take one layer shape for every layer; measure its step on fake tensors "
             "instead (fake_memory.measure_step)", _built_param_count(config))
@@ -222,20 +224,13 @@ def _mlp_matrices_of(model_type: str) -> int:
     shares) built on the meta device, its 2-D weights with 832 on one side counted (a fused
     gate_up, 1664 wide, counts twice), per layer. Once per model type and process (~0.1 s);
     3 where the copy cannot be built or counts neither 2 nor 3."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from recipes_lib.architectures import quiet_transformers
+    from transformers import AutoConfig
 
     width, layers = 832, 2
-    try:
-        with quiet_transformers(), torch.device("meta"):
-            config = AutoConfig.for_model(
-                model_type, hidden_size=256, intermediate_size=width, num_hidden_layers=layers,
-                num_attention_heads=4, num_key_value_heads=4, head_dim=64)
-            model = AutoModelForCausalLM.from_config(config)
-    except (ValueError, TypeError, KeyError, IndexError, AttributeError, RuntimeError,
-            ImportError):  # an architecture that cannot be built this small, or needs extras
+    model = _meta_model_or_none(lambda: AutoConfig.for_model(
+        model_type, hidden_size=256, intermediate_size=width, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=4, head_dim=64))
+    if model is None:
         return 3
     count = sum((p.shape.count(width) + 2 * p.shape.count(2 * width))
                 for p in model.parameters() if p.dim() == 2)
@@ -318,16 +313,17 @@ def check_counted(config: Any, name: str = "config") -> None:
 
     Raises:
         NotDescribedError: a ValueError naming ``name``, the model type and both counts,
-            where they differ by more than :data:`COUNT_TOLERANCE`.
+            where they differ by more than :data:`COUNT_TOLERANCE`, or the fields in which its
+            layers differ (transformers' ``per_layer_config``).
     """
     full = _transformers_config(config)
     if full is None:
         return
     text = language_model_config(full)
+    counted = param_count(ModelShape.from_config(text, name))["total"]
     built = _built_param_count(text)
     if built is None:
         return
-    counted = param_count(ModelShape.from_config(text))["total"]
     if abs(counted - built) > COUNT_TOLERANCE * built:
         raise NotDescribedError(
             f"{name}: the calculator counts {counted / 1e9:.3f} B parameters for this "
@@ -348,18 +344,22 @@ def _built_param_count(config: Any) -> int | None:
     config and process; None where it cannot be built."""
     key = config.to_json_string()
     if key not in _BUILT_COUNTS:
-        import torch
-        from transformers import AutoModelForCausalLM
-
-        from recipes_lib.architectures import quiet_transformers
-
-        try:
-            with quiet_transformers(), torch.device("meta"):
-                model = AutoModelForCausalLM.from_config(config)
-            _BUILT_COUNTS[key] = sum(p.numel() for p in model.parameters())
-        except Exception:  # noqa: BLE001 - an architecture that cannot be built is not checked
-            _BUILT_COUNTS[key] = None
+        model = _meta_model_or_none(lambda: config)
+        _BUILT_COUNTS[key] = (None if model is None
+                              else sum(p.numel() for p in model.parameters()))
     return _BUILT_COUNTS[key]
+
+
+def _meta_model_or_none(make_config: Callable[[], Any]) -> Any:
+    """``architectures.meta_model`` of ``make_config()``, quiet; None where transformers cannot
+    make the config or build the model (an architecture that needs extras, or cannot be built
+    at a size a caller asks for)."""
+    from recipes_lib.architectures import meta_model
+
+    try:
+        return meta_model(make_config(), quiet=True)
+    except Exception:  # noqa: BLE001 - whatever transformers raises, the caller falls back
+        return None
 
 
 def bytes_per_param(fmt: str) -> float:

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from recipes_lib import calc
-from recipes_lib.architectures import default_attention, lora_target_modules
+from recipes_lib.architectures import default_attention, lora_target_modules, meta_model
 from recipes_lib.checkpointing import enable_activation_checkpointing
 from recipes_lib.chunked_loss import ChunkedCausalLMLoss
 from recipes_lib.data import IGNORE_INDEX
@@ -461,16 +461,13 @@ def build_model(config, stack: Stack, device: torch.device | str, fake: bool = T
         ``(model, mode)``: ``mode`` is the ``FakeTensorMode`` to run the step in (None if real).
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from transformers import AutoModelForCausalLM
 
     device = torch.device(device)
     # a QLoRA base loads in its compute dtype (peft's k-bit preparation then casts what stays
     # unquantized to fp32 under bf16-mixed); other stacks load in their weights' dtype
     dtype = _compute_dtype(stack) if stack.method == "qlora" else _DTYPES[stack.precision]
     attn_implementation = attn_implementation or default_attention(config)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype,
-                                                 attn_implementation=attn_implementation)
+    model = meta_model(config, dtype=dtype, attn_implementation=attn_implementation)
     if stack.method == "qlora":
         _to_nf4(model, stack)
     if stack.method in ("lora", "qlora"):

@@ -142,16 +142,14 @@ def resolve_shape(model: str) -> tuple[str, calc.ModelShape]:
             raise ValueError(f"model={model!r}: not a JSON config file ({err})") from err
         if not isinstance(config, dict):
             raise ValueError(f"model={model!r}: not a transformers config")
-        calc.check_dense(config, f"model={model!r}")
         # named by its folder (…/Qwen3-0.6B/config.json) or, saved under its own name, its file
         name = (path.parent.name if path.name == "config.json" else path.stem) or model
         try:
-            shape = calc.ModelShape.from_config(config)
+            shape = calc.ModelShape.from_config(config, f"model={model!r}")
             calc.check_counted(config, f"model={model!r}")
         except calc.NotDescribedError as err:
-            text = str(err).removeprefix("config: ")
-            raise calc.NotDescribedError(text if text.startswith("model=") else
-                                         f"model={model!r}: {text}", err.built, name) from None
+            err.model_name = name
+            raise
         return name, shape
     raise ValueError(f"model={model!r}: not a built-in model ({', '.join(calc.PRESETS)}) and "
                      "no config.json there; hub ids cannot be fetched offline, so pass a "
@@ -240,13 +238,15 @@ def plan(model: str, gpu_mem: str | float, seq_len: int = 2048, batch_size: int 
         step, state_GiB, activations_GiB, total_GiB (the formulas' bytes), total_gpu_GiB (plus
         the modelled ``gpu_overhead``, as a measured trace gets) and fits (on that);
         ``notes``: what the formulas assume that this model does not do (eager attention's
-        scores). For an architecture the formulas miscount (``calc.check_counted``: a hybrid
-        such as Qwen3.5), measured only: the formulas' figures are None, ``cheapest`` says
-        why, ``params_B`` is transformers' count and a note gives both.
+        scores). For an architecture the formulas do not describe (``calc.check_counted``: a
+        hybrid such as Qwen3.5, Gemma-4's layers of two shapes), measured only: the formulas'
+        figures are None, ``cheapest`` says why, ``params_B`` is transformers' count and a
+        note says why.
 
     Raises:
         ValueError: naming the parameter, for an unknown model, a size that does not parse, a
-            count below 1, or an architecture the formulas miscount without ``measure``.
+            count below 1, or an architecture the formulas do not describe without
+            ``measure``.
 
     Example:
         >>> plan("Llama-2-7B", "16GB", seq_len=512, batch_size=1, grad_accum_steps=1)["cheapest"]

@@ -247,33 +247,58 @@ def _field_reader(config: Any) -> Callable[..., Any]:
 EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 
 
+def expert_count(config: Any) -> tuple[str, int] | None:
+    """``(field, routed experts)`` of a mixture-of-experts config, under any of transformers'
+    names for the count (:data:`EXPERT_COUNTS`); None for a dense one.
+
+    Args:
+        config: a transformers config, or a dict of its fields.
+
+    Returns:
+        The field and its count (more than one expert), or None.
+
+    Example:
+        >>> expert_count({"num_local_experts": 8})
+        ('num_local_experts', 8)
+    """
+    get = _field_reader(config)
+    nested = get("ffn_config")  # DBRX counts its experts in its MLP's sub-config
+    for key in EXPERT_COUNTS:
+        n = get(key)
+        if n is None and nested is not None:
+            n, key = _field_reader(nested)(key), f"ffn_config.{key}"
+        if isinstance(n, int) and n > 1:
+            return key, n
+    return None
+
+
 def check_dense(config: Any, name: str = "config") -> None:
-    """Refuse a mixture-of-experts config, which neither the formulas nor a fake-tensor step
-    measure: the formulas count one MLP a layer, and on fake tensors the router's choice, which
-    depends on values fake tensors do not have, sends no token to any expert (a tiny Mixtral's
-    fake step counted 512 bytes of activations and none of its experts').
+    """Refuse a mixture-of-experts config, which the formulas do not describe: they count one
+    MLP a layer. A fake-tensor step measures it (``fake_memory.measure_step`` runs transformers'
+    grouped-GEMM experts, which take every token's top-k experts whatever the router chose).
 
     Args:
         config: a transformers config, or a dict of its fields.
         name: the parameter named in the error.
 
     Raises:
-        ValueError: naming ``name`` and the expert count, for a config with more than one expert.
+        NotDescribedError: a ValueError naming ``name`` and the expert count, for a config with
+            more than one expert (``built``: transformers' parameter count, where it builds).
 
     Example:
         >>> check_dense({"num_local_experts": 8})
         Traceback (most recent call last):
         ...
-        ValueError: config: a mixture-of-experts model (num_local_experts=8): ...
+        recipes_lib.calc.NotDescribedError: config: a mixture-of-experts model ...
     """
-    get = _field_reader(config)
-    for key in EXPERT_COUNTS:
-        n = get(key)
-        if isinstance(n, int) and n > 1:
-            raise ValueError(f"{name}: a mixture-of-experts model ({key}={n}): the calculator "
-                             "counts dense decoders (one MLP a layer), and a fake-tensor step "
-                             "routes no token to an expert (the router needs values); measure "
-                             "a real step instead (memory.measure_memory)")
+    experts = expert_count(config)
+    if experts:
+        full = _transformers_config(config)
+        raise NotDescribedError(
+            f"{name}: a mixture-of-experts model ({experts[0]}={experts[1]}): the formulas "
+            "count one MLP a layer; measure its step on fake tensors instead "
+            "(fake_memory.measure_step), which runs transformers' own experts",
+            _built_param_count(language_model_config(full)) if full is not None else None)
 
 
 # how far the formulas' parameter count may fall from transformers' model of the same config

@@ -365,8 +365,8 @@ def model_config(model: Any):
         model's (``calc.language_model_config``).
 
     Raises:
-        ValueError: naming ``model`` for an unknown name (listing the presets), a config that
-            is not a causal LM, or a mixture-of-experts one (``calc.check_dense``).
+        ValueError: naming ``model`` for an unknown name (listing the presets), or a config
+            that is not a causal LM.
     """
     from transformers import AutoConfig, LlamaConfig, PretrainedConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -403,7 +403,6 @@ def model_config(model: Any):
         given = type(model).__name__ if isinstance(model, PretrainedConfig) else str(model)[:80]
         raise ValueError(f"model={given!r}: a {config.model_type!r} config is not a causal "
                          "language model (transformers maps no AutoModelForCausalLM to it)")
-    calc.check_dense(config, "model")
     return config
 
 
@@ -483,6 +482,7 @@ def build_model(config, stack: Stack, device: torch.device | str, fake: bool = T
     if stack.bf16_embeddings:  # TRL's peft_module_casting_to_bf16, after get_peft_model
         for module in (model.get_input_embeddings(), model.get_output_embeddings()):
             module.to(torch.bfloat16)
+    _check_experts(model, config, stack)
     nf4_shapes = _packed_placeholders(model)
     if stack.fsdp_ranks > 1:  # sharded on meta; to_empty then gives each rank its shards only
         shard_model(model, "bf16" if stack.precision == "bf16-mixed" else "fp32",
@@ -512,6 +512,60 @@ def build_model(config, stack: Stack, device: torch.device | str, fake: bool = T
         enable_activation_checkpointing(model, selective=stack.selective_checkpointing)
     model.train()
     return model, mode
+
+
+class UnmeasuredStackError(ValueError):
+    """A stack this module cannot measure for the model (:func:`_check_experts`): a ValueError
+    ``"<param>: <why>"`` naming ``stack`` (or ``model``); ``why`` alone, the same for every
+    stack it refuses for one reason, and ``short``, that reason in a few words, are what the
+    planner shows (a note, and the row instead of a figure)."""
+
+    def __init__(self, param: str, why: str, short: str):
+        super().__init__(f"{param}: {why}")
+        self.why, self.short = why, short
+
+
+def _check_experts(model: torch.nn.Module, config: Any, stack: Stack) -> None:
+    """Refuse what a fake step of a mixture-of-experts model cannot measure.
+
+    transformers 5 runs experts through one interface (``@use_experts_implementation``) whose
+    default, ``grouped_mm``, sorts the tokens by expert and multiplies every token's top-k
+    experts in one grouped GEMM: its shapes do not depend on the router's choice, so a fake
+    step, which has no values, counts what a real one allocates (tiny Mixtral, Qwen3-MoE and
+    GPT-OSS fake steps equal real ones on a CPU, tests/test_fake_memory.py). An architecture
+    with its own routing code, or another implementation (``"eager"`` loops over the experts
+    the router chose), takes its shapes from that choice, which fake tensors cannot make.
+    torch's grouped GEMM multiplies bf16 only (its checks are the CUDA kernel's), so the
+    experts' weights must be bf16. And bitsandbytes' 4-bit conversion skips the experts, 3-D
+    parameters in transformers 5, not linear layers (bitsandbytes #1849): QLoRA quantizes the
+    attention only.
+    """
+    experts = calc.expert_count(config)
+    if experts is None:
+        return
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    kind = f"{config.model_type!r} ({experts[0]}={experts[1]})"
+    impl = getattr(base.config, "_experts_implementation", None)
+    if not type(base)._can_set_experts_implementation() or impl != "grouped_mm":
+        how = ("routes tokens in its own code" if not type(base)._can_set_experts_implementation()
+               else f"runs its experts with experts_implementation={impl!r}")
+        raise UnmeasuredStackError(
+            "model", f"the mixture-of-experts {kind} {how}: a fake step has no values for "
+            "its router to choose experts by, and only transformers' grouped_mm experts take "
+            "shapes that do not depend on that choice (every token's top-k); measure a real "
+            "step (memory.measure_memory)", "its experts' shapes depend on the router")
+    dtypes = {p.dtype for p in base.parameters() if p.ndim == 3 and p.is_floating_point()}
+    if dtypes - {torch.bfloat16}:
+        names = ", ".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
+        why = ("peft's k-bit preparation casts what bitsandbytes left unquantized to fp32, and "
+               "its 4-bit conversion skips the experts, 3-D parameters (bitsandbytes #1849)"
+               if stack.method == "qlora" else f"precision {stack.precision}")
+        raise UnmeasuredStackError(
+            f"stack={stack.label!r}", f"the {kind} experts' weights would be {names} ({why}), "
+            "and transformers' grouped_mm experts, its default, multiply bf16 only (torch's "
+            "grouped GEMM, whose checks are its CUDA kernel's): measure precision='bf16' "
+            "(weights, gradients and AdamW states in bf16, as torchtitan trains its MoE models)",
+            f"{names} experts; grouped_mm multiplies bf16 only")
 
 
 def _to_nf4(model: torch.nn.Module, stack: Stack) -> None:

@@ -124,9 +124,10 @@ def resolve_shape(model: str) -> tuple[str, calc.ModelShape]:
 
     Raises:
         ValueError: for an unknown name (listing the built-ins), a file that is not a
-            transformers decoder config or a mixture-of-experts one; ``calc.NotDescribedError``
-            (a ValueError with ``model_name`` and ``built``, transformers' parameter count) for
-            one the formulas do not describe (``calc.check_counted``, layers of two shapes).
+            transformers decoder config; ``calc.NotDescribedError`` (a ValueError with
+            ``model_name`` and ``built``, transformers' parameter count) for one the formulas
+            do not describe (``calc.check_counted``, layers of two shapes, a mixture of
+            experts).
     """
     by_lower = {k.lower(): k for k in calc.PRESETS}
     key = model.split("/")[-1].lower()  # "meta-llama/Llama-2-7B" -> "llama-2-7b"
@@ -239,7 +240,8 @@ def plan(model: str, gpu_mem: str | float, seq_len: int = 2048, batch_size: int 
         the modelled ``gpu_overhead``, as a measured trace gets) and fits (on that);
         ``notes``: what the formulas assume that this model does not do (eager attention's
         scores). For an architecture the formulas do not describe (``calc.check_counted``: a
-        hybrid such as Qwen3.5, Gemma-4's layers of two shapes), measured only: the formulas'
+        hybrid such as Qwen3.5, Gemma-4's layers of two shapes, a mixture of experts), measured
+        only (a row whose stack ``fake_memory`` cannot measure says why instead): the formulas'
         figures are None, ``cheapest`` says why, ``params_B`` is transformers' count and a
         note says why.
 
@@ -274,8 +276,14 @@ def plan(model: str, gpu_mem: str | float, seq_len: int = 2048, batch_size: int 
             if isinstance(stack, str):
                 row["measured_stack"] = stack
                 continue
-            report = fake_memory.measure_step(model, stack, seq_len,
-                                              _whole_shares(stack, batch_size))
+            try:
+                report = fake_memory.measure_step(model, stack, seq_len,
+                                                  _whole_shares(stack, batch_size))
+            except fake_memory.UnmeasuredStackError as err:
+                row["measured_stack"] = f"not measured: {err.short}"
+                if err.why not in out["notes"]:  # the whole reason, once
+                    out["notes"].append(err.why)
+                continue
             peak = report.peak_bytes
             row.update(measured_stack=stack.label, measured_GiB=peak / 2**30,
                        host_GiB=report.host_bytes / 2**30,
@@ -287,6 +295,11 @@ def plan(model: str, gpu_mem: str | float, seq_len: int = 2048, batch_size: int 
                         model, replace(stack, optimizer=f"adamw-{impl}"), seq_len,
                         _whole_shares(stack, batch_size)).peak_bytes / 2**30
                     for impl in ("foreach", "fused")}
+        if calc.expert_count(fake_memory.model_config(model)):
+            out["notes"].append(
+                "a mixture-of-experts model: transformers 5 keeps its experts as 3-D parameters, "
+                "not linear layers, so bitsandbytes' 4-bit conversion skips them (bitsandbytes "
+                "#1849) and QLoRA quantizes its attention only")
         out["cheapest_measured"] = next((r["step"] for r in rows if r.get("measured_fits")),
                                         "nothing measured fits")
     return out

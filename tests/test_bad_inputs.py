@@ -7,8 +7,11 @@ summary (see conftest.py).
 
 from __future__ import annotations
 
+import json
 import math
 import random
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -44,6 +47,13 @@ def _llama(vocab=128):
     return LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64,
                                         num_hidden_layers=1, num_attention_heads=2,
                                         num_key_value_heads=1, max_position_embeddings=64))
+
+
+def _plan_moe():
+    with tempfile.TemporaryDirectory() as folder:
+        (Path(folder) / "config.json").write_text(json.dumps({"model_type": "mixtral",
+                                                              "num_local_experts": 8}))
+        planner.plan(folder, "24GB")
 
 
 def _kd_vocab_mismatch():
@@ -98,9 +108,14 @@ CASES = [
      lambda: norms.swap_layernorm_for_rmsnorm(_llama()), "model"),
     ("03", "student with no attention head left",
      lambda: distillation.make_student(_llama(), width_factor=0.1), "width_factor"),
-    ("01", "a mixture-of-experts config to plan or fake-measure",
-     lambda: fake_memory.model_config({"model_type": "mixtral", "num_local_experts": 8}),
-     "model"),
+    ("01", "a mixture-of-experts config to plan by the formulas",
+     lambda: _plan_moe(), "model"),
+    ("01", "mixture-of-experts weights the grouped GEMM cannot multiply",
+     lambda: fake_memory.measure_step({"model_type": "mixtral", "num_local_experts": 4,
+                                       "hidden_size": 64, "intermediate_size": 128,
+                                       "num_hidden_layers": 1, "num_attention_heads": 4,
+                                       "num_key_value_heads": 2, "vocab_size": 256},
+                                      fake_memory.Stack(precision="fp32"), 32), "stack"),
     ("04", "window larger than the sequence",
      lambda: sparse_attention.attention_mask(16, window=32), "window"),
     ("04", "chunk size 0", lambda: chunked_cross_entropy(torch.randn(4, 8), torch.randn(10, 8),

@@ -282,3 +282,30 @@ def test_an_architecture_the_formulas_miscount_is_planned_by_measurement_only(tm
     assert out["params_B"] * 1e9 == sum(p.numel() for p in built.parameters())
     with pytest.raises(ValueError, match="batch_size=0"):
         planner.max_context_per_step(str(tmp_path), "1GiB", batch_size=0)
+
+
+def test_a_mixture_of_experts_is_planned_by_measurement_with_each_refused_row_saying_why(
+        tmp_path):
+    """No formula figure for an MoE; measured on fake tensors (real fake steps: a tiny Qwen3-MoE
+    takes well under a second each) where its experts' weights are bf16; the rows where they
+    would be fp32 say why instead, and a note says what QLoRA leaves unquantized."""
+    from transformers import AutoConfig
+
+    AutoConfig.for_model("qwen3_moe", vocab_size=256, hidden_size=64, intermediate_size=128,
+                         moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+                         max_position_embeddings=256).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"a mixture-of-experts model \(num.*--measure"):
+        planner.plan(str(tmp_path), "1GiB", 64, 1)
+    out = planner.plan(str(tmp_path), "1GiB", 64, 1, measure=True)
+    by_step = {r["step"]: r for r in out["rows"]}
+    assert by_step["LoRA on a bf16 base"]["measured_fits"] is True
+    assert by_step["QLoRA (NF4 base)"]["measured_stack"] == (
+        "not measured: float32 experts; grouped_mm multiplies bf16 only")
+    assert "measured_GiB" not in by_step["full fine-tune (bf16 + AdamW)"]
+    assert out["cheapest_measured"] == "LoRA on a bf16 base"
+    assert any("bitsandbytes #1849" in n for n in out["notes"])
+    assert len([n for n in out["notes"] if "grouped_mm experts" in n]) == 2  # once per reason
+    with torch.device("meta"):
+        built = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tmp_path))
+    assert out["params_B"] * 1e9 == sum(p.numel() for p in built.parameters())

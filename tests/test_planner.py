@@ -309,3 +309,6 @@ def test_a_mixture_of_experts_is_planned_by_measurement_with_each_refused_row_sa
     with torch.device("meta"):
         built = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tmp_path))
     assert out["params_B"] * 1e9 == sum(p.numel() for p in built.parameters())
+    rows = {r["step"]: r for r in planner.max_context_per_step(str(tmp_path), "1GiB", step=64)}
+    assert rows["LoRA on a bf16 base"]["max_seq_len"] == 256  # the model's positions fit
+    assert rows["QLoRA (NF4 base)"]["measured_stack"].startswith("not measured: float32 experts")

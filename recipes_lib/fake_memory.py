@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import gc
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -518,11 +518,12 @@ class UnmeasuredStackError(ValueError):
     """A stack this module cannot measure for the model (:func:`_check_experts`): a ValueError
     ``"<param>: <why>"`` naming ``stack`` (or ``model``); ``why`` alone, the same for every
     stack it refuses for one reason, and ``short``, that reason in a few words, are what the
-    planner shows (a note, and the row instead of a figure)."""
+    planner shows (a note, and the row instead of a figure); ``substitute``: the nearest stack
+    that can be measured, where there is one (the planner measures it instead, and says so)."""
 
-    def __init__(self, param: str, why: str, short: str):
+    def __init__(self, param: str, why: str, short: str, substitute: Stack | None = None):
         super().__init__(f"{param}: {why}")
-        self.why, self.short = why, short
+        self.why, self.short, self.substitute = why, short, substitute
 
 
 def _check_experts(model: torch.nn.Module, config: Any, stack: Stack) -> None:
@@ -565,7 +566,8 @@ def _check_experts(model: torch.nn.Module, config: Any, stack: Stack) -> None:
             "and transformers' grouped_mm experts, its default, multiply bf16 only (torch's "
             "grouped GEMM, whose checks are its CUDA kernel's): measure precision='bf16' "
             "(weights, gradients and AdamW states in bf16, as torchtitan trains its MoE models)",
-            f"{names} experts; grouped_mm multiplies bf16 only")
+            f"{names} experts; grouped_mm multiplies bf16 only",
+            replace(stack, precision="bf16", bf16_embeddings=False))
 
 
 def _to_nf4(model: torch.nn.Module, stack: Stack) -> None:

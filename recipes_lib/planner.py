@@ -167,6 +167,18 @@ def _multimodal(model: str) -> bool:
         return False
 
 
+# plan's note where a row's stack would leave an MoE's experts in fp32
+SUBSTITUTED = ("rows whose stack would keep a mixture-of-experts model's experts in fp32 are "
+               "measured in pure bf16 instead (precision='bf16': weights, gradients and AdamW "
+               "states in bf16; QLoRA without peft's k-bit preparation), the nearest stack "
+               "transformers' grouped GEMM runs; their stack is named in the measured table")
+
+
+def _note_once(notes: list[str], note: str) -> None:
+    if note not in notes:
+        notes.append(note)
+
+
 def _check_counts(**counts: Any) -> None:
     for name, v in counts.items():
         if not isinstance(v, int) or v < 1:
@@ -280,10 +292,14 @@ def plan(model: str, gpu_mem: str | float, seq_len: int = 2048, batch_size: int 
                 report = fake_memory.measure_step(model, stack, seq_len,
                                                   _whole_shares(stack, batch_size))
             except fake_memory.UnmeasuredStackError as err:
-                row["measured_stack"] = f"not measured: {err.short}"
-                if err.why not in out["notes"]:  # the whole reason, once
-                    out["notes"].append(err.why)
-                continue
+                _note_once(out["notes"], err.why)
+                if err.substitute is None:
+                    row["measured_stack"] = f"not measured: {err.short}"
+                    continue
+                _note_once(out["notes"], SUBSTITUTED)
+                stack = err.substitute
+                report = fake_memory.measure_step(model, stack, seq_len,
+                                                  _whole_shares(stack, batch_size))
             peak = report.peak_bytes
             row.update(measured_stack=stack.label, measured_GiB=peak / 2**30,
                        host_GiB=report.host_bytes / 2**30,
@@ -392,8 +408,11 @@ def max_context_per_step(model: str, gpu_mem: str | float, batch_size: int = 1,
             try:
                 found[stack] = max_context(model, gpu_mem, stack,
                                            _whole_shares(stack, batch_size), step)
-            except UnmeasuredStackError as err:  # an MoE's fp32 experts: the row says why
-                found[stack] = {"measured_stack": f"not measured: {err.short}"}
+            except UnmeasuredStackError as err:  # an MoE's fp32 experts: as plan measures them
+                found[stack] = ({"measured_stack": f"not measured: {err.short}"}
+                                if err.substitute is None else
+                                max_context(model, gpu_mem, err.substitute,
+                                            _whole_shares(err.substitute, batch_size), step))
         out.append({"step": name, **found[stack]})
     return out
 

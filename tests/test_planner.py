@@ -284,31 +284,40 @@ def test_an_architecture_the_formulas_miscount_is_planned_by_measurement_only(tm
         planner.max_context_per_step(str(tmp_path), "1GiB", batch_size=0)
 
 
-def test_a_mixture_of_experts_is_planned_by_measurement_with_each_refused_row_saying_why(
-        tmp_path):
-    """No formula figure for an MoE; measured on fake tensors (real fake steps: a tiny Qwen3-MoE
-    takes well under a second each) where its experts' weights are bf16; the rows where they
-    would be fp32 say why instead, and a note says what QLoRA leaves unquantized."""
+def test_a_mixture_of_experts_is_planned_by_measurement_with_each_substitution_said(tmp_path):
+    """No formula figure for an MoE; every row measured on fake tensors (real fake steps: a tiny
+    Qwen3-MoE takes well under a second each), those whose stack would keep the experts in fp32,
+    which transformers' grouped GEMM cannot multiply, in pure bf16, named and said once; a note
+    says what QLoRA leaves unquantized. An MoE that routes in its own code: no row measured,
+    each says why."""
     from transformers import AutoConfig
 
     AutoConfig.for_model("qwen3_moe", vocab_size=256, hidden_size=64, intermediate_size=128,
                          moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
-                         max_position_embeddings=256).save_pretrained(tmp_path)
+                         max_position_embeddings=256).save_pretrained(tmp_path / "qwen3-moe")
+    moe = str(tmp_path / "qwen3-moe")
     with pytest.raises(ValueError, match=r"a mixture-of-experts model \(num.*--measure"):
-        planner.plan(str(tmp_path), "1GiB", 64, 1)
-    out = planner.plan(str(tmp_path), "1GiB", 64, 1, measure=True)
+        planner.plan(moe, "1GiB", 64, 1)
+    out = planner.plan(moe, "1GiB", 64, 1, measure=True)
     by_step = {r["step"]: r for r in out["rows"]}
-    assert by_step["LoRA on a bf16 base"]["measured_fits"] is True
-    assert by_step["QLoRA (NF4 base)"]["measured_stack"] == (
-        "not measured: float32 experts; grouped_mm multiplies bf16 only")
-    assert "measured_GiB" not in by_step["full fine-tune (bf16 + AdamW)"]
-    assert out["cheapest_measured"] == "LoRA on a bf16 base"
-    assert any("bitsandbytes #1849" in n for n in out["notes"])
+    assert by_step["full fine-tune (bf16 + AdamW)"]["measured_stack"] == "full, bf16, adamw"
+    assert by_step["QLoRA (NF4 base)"]["measured_stack"] == "QLoRA r=16, bf16, adamw"
+    assert by_step["LoRA on a bf16 base"]["measured_stack"] == "LoRA r=16, bf16, adamw"
+    assert all(r["measured_fits"] for r in out["rows"] if "measured_GiB" in r)
+    assert out["notes"].count(planner.SUBSTITUTED) == 1
     assert len([n for n in out["notes"] if "grouped_mm experts" in n]) == 2  # once per reason
+    assert any("bitsandbytes #1849" in n for n in out["notes"])
     with torch.device("meta"):
-        built = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tmp_path))
+        built = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(moe))
     assert out["params_B"] * 1e9 == sum(p.numel() for p in built.parameters())
-    rows = {r["step"]: r for r in planner.max_context_per_step(str(tmp_path), "1GiB", step=64)}
-    assert rows["LoRA on a bf16 base"]["max_seq_len"] == 256  # the model's positions fit
-    assert rows["QLoRA (NF4 base)"]["measured_stack"].startswith("not measured: float32 experts")
+    rows = {r["step"]: r for r in planner.max_context_per_step(moe, "1GiB", step=64)}
+    assert rows["QLoRA (NF4 base)"]["max_seq_len"] == 256  # the model's positions fit
+    assert rows["QLoRA (NF4 base)"]["stack"] == "QLoRA r=16, bf16, adamw"
+    AutoConfig.for_model("jetmoe", vocab_size=256, hidden_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, kv_channels=16,
+                         num_local_experts=4).save_pretrained(tmp_path / "jetmoe")
+    out = planner.plan(str(tmp_path / "jetmoe"), "1GiB", 64, 1, measure=True)
+    assert {r["measured_stack"] for r in out["rows"]} >= {
+        "not measured: its experts' shapes depend on the router"}
+    assert out["cheapest_measured"] == "nothing measured fits"

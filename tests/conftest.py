@@ -103,6 +103,13 @@ FSDP_FAKE_CONFIG = {"model_type": "llama", "vocab_size": 512, "hidden_size": 64,
 FSDP_FAKE_STACKS = [{"precision": "fp32", "fsdp_ranks": 2},
                     {"precision": "bf16-mixed", "fsdp_ranks": 2, "checkpointing": True},
                     {"method": "lora", "precision": "bf16-mixed", "fsdp_ranks": 2}]
+# ... and a mixture of experts (grouped-GEMM experts: bf16 weights)
+FSDP_FAKE_MOE = {"model_type": "qwen3_moe", "vocab_size": 256, "hidden_size": 64,
+                 "intermediate_size": 128, "moe_intermediate_size": 32, "num_hidden_layers": 2,
+                 "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                 "num_experts": 8, "num_experts_per_tok": 2, "max_position_embeddings": 256}
+FSDP_FAKE_MOE_STACKS = [{"precision": "bf16", "fsdp_ranks": 2},
+                        {"method": "lora", "fsdp_ranks": 2, "checkpointing": True}]
 
 
 @pytest.fixture(scope="session")
@@ -136,7 +143,10 @@ def sharded_runs(tiny_model_path, tmp_path_factory):
                             {"model_path": str(phi3), "steps": 2, "global_batch_size": 4}),
         **{f"fake_memory_{i}": ("recipes_lib.fake_memory:real_rank_step", {
             "model": FSDP_FAKE_CONFIG, "stack": stack, "seq_len": 64, "batch_size": 4})
-           for i, stack in enumerate(FSDP_FAKE_STACKS)}},
+           for i, stack in enumerate(FSDP_FAKE_STACKS)},
+        **{f"fake_memory_moe_{i}": ("recipes_lib.fake_memory:real_rank_step", {
+            "model": FSDP_FAKE_MOE, "stack": stack, "seq_len": 64, "batch_size": 4})
+           for i, stack in enumerate(FSDP_FAKE_MOE_STACKS)}},
         verbose=False)
     assert list(runs)[:3] == ["ddp", "fsdp", "fsdp_qlora"]
     assert all(len(r) == 2 for r in runs.values())

@@ -547,8 +547,9 @@ def _check_experts(model: torch.nn.Module, config: Any, stack: Stack) -> None:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     kind = f"{config.model_type!r} ({experts[0]}={experts[1]})"
     impl = getattr(base.config, "_experts_implementation", None)
-    if not type(base)._can_set_experts_implementation() or impl != "grouped_mm":
-        how = ("routes tokens in its own code" if not type(base)._can_set_experts_implementation()
+    interface = type(base)._can_set_experts_implementation()
+    if not interface or impl != "grouped_mm":
+        how = ("routes tokens in its own code" if not interface
                else f"runs its experts with experts_implementation={impl!r}")
         raise UnmeasuredStackError(
             "model", f"the mixture-of-experts {kind} {how}: a fake step has no values for "

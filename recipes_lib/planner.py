@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -179,6 +180,26 @@ def _note_once(notes: list[str], note: str) -> None:
         notes.append(note)
 
 
+def _measured(measure: Callable[[Any], Any], stack: Any, notes: list[str] | None = None
+              ) -> tuple[Any, Any]:
+    """``(stack, measure(stack))``; for a stack ``fake_memory`` cannot measure
+    (``UnmeasuredStackError``: an MoE whose experts would be fp32), ``(substitute,
+    measure(substitute))``, or ``("not measured: <why>", None)`` where it has none. ``notes``
+    gets the reason and the substitution, once each."""
+    from recipes_lib.fake_memory import UnmeasuredStackError
+
+    try:
+        return stack, measure(stack)
+    except UnmeasuredStackError as err:
+        if notes is not None:
+            _note_once(notes, err.why)
+        if err.substitute is None:
+            return f"not measured: {err.short}", None
+        if notes is not None:
+            _note_once(notes, SUBSTITUTED)
+        return err.substitute, measure(err.substitute)
+
+
 def _check_counts(**counts: Any) -> None:
     for name, v in counts.items():
         if not isinstance(v, int) or v < 1:
@@ -253,9 +274,9 @@ def plan(model: str, gpu_mem: str | float, seq_len: int = 2048, batch_size: int 
         ``notes``: what the formulas assume that this model does not do (eager attention's
         scores). For an architecture the formulas do not describe (``calc.check_counted``: a
         hybrid such as Qwen3.5, Gemma-4's layers of two shapes, a mixture of experts), measured
-        only (a row whose stack ``fake_memory`` cannot measure says why instead): the formulas'
-        figures are None, ``cheapest`` says why, ``params_B`` is transformers' count and a
-        note says why.
+        only (a row whose stack would keep an MoE's experts in fp32 is measured in pure bf16,
+        its stack named; one with no stack to measure says why): the formulas' figures are
+        None, ``cheapest`` says why, ``params_B`` is transformers' count and a note says why.
 
     Raises:
         ValueError: naming the parameter, for an unknown model, a size that does not parse, a
@@ -288,18 +309,11 @@ def plan(model: str, gpu_mem: str | float, seq_len: int = 2048, batch_size: int 
             if isinstance(stack, str):
                 row["measured_stack"] = stack
                 continue
-            try:
-                report = fake_memory.measure_step(model, stack, seq_len,
-                                                  _whole_shares(stack, batch_size))
-            except fake_memory.UnmeasuredStackError as err:
-                _note_once(out["notes"], err.why)
-                if err.substitute is None:
-                    row["measured_stack"] = f"not measured: {err.short}"
-                    continue
-                _note_once(out["notes"], SUBSTITUTED)
-                stack = err.substitute
-                report = fake_memory.measure_step(model, stack, seq_len,
-                                                  _whole_shares(stack, batch_size))
+            stack, report = _measured(lambda s: fake_memory.measure_step(
+                model, s, seq_len, _whole_shares(s, batch_size)), stack, out["notes"])
+            if report is None:
+                row["measured_stack"] = stack
+                continue
             peak = report.peak_bytes
             row.update(measured_stack=stack.label, measured_GiB=peak / 2**30,
                        host_GiB=report.host_bytes / 2**30,
@@ -402,17 +416,10 @@ def max_context_per_step(model: str, gpu_mem: str | float, batch_size: int = 1,
         if isinstance(stack, str):
             out.append({"step": name, "measured_stack": stack})
             continue
-        if stack not in found:
-            from recipes_lib.fake_memory import UnmeasuredStackError
-
-            try:
-                found[stack] = max_context(model, gpu_mem, stack,
-                                           _whole_shares(stack, batch_size), step)
-            except UnmeasuredStackError as err:  # an MoE's fp32 experts: as plan measures them
-                found[stack] = ({"measured_stack": f"not measured: {err.short}"}
-                                if err.substitute is None else
-                                max_context(model, gpu_mem, err.substitute,
-                                            _whole_shares(err.substitute, batch_size), step))
+        if stack not in found:  # an MoE's fp32 experts: the substitute, as plan measures it
+            why, searched = _measured(lambda s: max_context(
+                model, gpu_mem, s, _whole_shares(s, batch_size), step), stack)
+            found[stack] = searched if searched is not None else {"measured_stack": why}
         out.append({"step": name, **found[stack]})
     return out
 

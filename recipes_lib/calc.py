@@ -176,7 +176,7 @@ def _check_same_layers(config: Any, name: str = "config") -> None:
             f"{name}: a {config.model_type!r} config whose layers differ in {', '.join(fields)} "
             f"(per_layer_config, layers {', '.join(str(int(i)) for i in per_layer)}): the "
             "formulas take one layer shape for every layer; measure its step on fake tensors "
-            "instead (fake_memory.measure_step)", _built_param_count(config))
+            "instead (fake_memory.measure_step)", built_param_count(config))
 
 
 def language_model_config(config: Any) -> Any:
@@ -298,7 +298,7 @@ def check_dense(config: Any, name: str = "config") -> None:
             f"{name}: a mixture-of-experts model ({experts[0]}={experts[1]}): the formulas "
             "count one MLP a layer; measure its step on fake tensors instead "
             "(fake_memory.measure_step), which runs transformers' own experts",
-            _built_param_count(language_model_config(full)) if full is not None else None)
+            built_param_count(language_model_config(full)) if full is not None else None)
 
 
 # how far the formulas' parameter count may fall from transformers' model of the same config
@@ -346,7 +346,7 @@ def check_counted(config: Any, name: str = "config") -> None:
         return
     text = language_model_config(full)
     counted = param_count(ModelShape.from_config(text, name))["total"]
-    built = _built_param_count(text)
+    built = built_param_count(text)
     if built is None:
         return
     if abs(counted - built) > COUNT_TOLERANCE * built:
@@ -364,9 +364,23 @@ def check_counted(config: Any, name: str = "config") -> None:
 _BUILT_COUNTS: dict[str, int | None] = {}  # config JSON -> parameters (check_counted)
 
 
-def _built_param_count(config: Any) -> int | None:
-    """Parameters of transformers' causal LM for ``config``, built on the meta device, once per
-    config and process; None where it cannot be built."""
+def built_param_count(config: Any) -> int | None:
+    """Parameters of transformers' causal LM for ``config``, built on the meta device (no
+    memory), once per config and process: what :func:`param_count` counts by formula, for any
+    architecture, experts and hybrid layers included (shared tensors, tied embeddings, once).
+
+    Args:
+        config: a transformers config (of a language model: ``language_model_config``).
+
+    Returns:
+        The count, or None where transformers cannot build the model.
+
+    Example:
+        >>> from transformers import LlamaConfig
+        >>> built_param_count(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+        ...                               num_hidden_layers=2, num_attention_heads=4))
+        115008
+    """
     key = config.to_json_string()
     if key not in _BUILT_COUNTS:
         model = _meta_model_or_none(lambda: config)

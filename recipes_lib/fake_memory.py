@@ -50,6 +50,7 @@ from recipes_lib.train import TrainConfig, make_optimizer, optimizer_step
 METHODS = ("full", "lora", "qlora")
 PRECISIONS = ("fp32", "bf16", "fp16", "bf16-mixed")
 OPTIMIZERS = ("adamw", "adamw-foreach", "adamw-fused", "adamw-8bit", "sgd")
+_FP_ADAMW = OPTIMIZERS[:3]  # AdamW with moments in the weights' dtype
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
            "bf16-mixed": torch.float32}
 _AUTOCAST = {"bf16-mixed": "bf16"}  # precision -> the training loop's autocast precision
@@ -957,8 +958,16 @@ def fake_vs_real(model: Any, stack: Stack, seq_len: int, batch_size: int = 1,
 
 def fsdp_per_rank(model: Any, ranks: int, seq_len: int = 4096, micro_batch_size: int = 1,
                   stack: Stack | None = None) -> dict[str, Any]:
-    """One rank's memory for a full fine-tune sharded with FSDP over ``ranks`` GPUs, measured on
-    fake tensors (rank 0 of a fake process group), beside the calculator's prediction.
+    """One rank's memory for a fine-tune sharded with FSDP over ``ranks`` GPUs, measured on fake
+    tensors (rank 0 of a fake process group), beside the calculator's prediction.
+
+    The calculator (``calc.data_parallel_bytes``: ZeRO-3's 16 bytes per parameter over
+    ``ranks``, two blocks' gathered weights, Korthikanti's activations) describes a full
+    fine-tune in bf16 mixed precision with AdamW, checkpointed or not, of a model of one
+    attention and one MLP per layer; for another stack, or a mixture of experts or a hybrid
+    (``calc.check_counted``), ``calc_GiB`` is None. A mixture of experts' default step keeps its
+    experts in bf16 (``precision="bf16"``: transformers' grouped GEMM multiplies bf16 only), and
+    ``stack`` says so; a stack given that cannot be measured raises.
 
     Args:
         model: a preset name, a ``config.json`` or a config.
@@ -968,34 +977,67 @@ def fsdp_per_rank(model: Any, ranks: int, seq_len: int = 4096, micro_batch_size:
             16 bytes per parameter over ``ranks``).
 
     Returns:
-        ``{"model", "ranks", "stack", "params_B", "<category>_GiB"..., "peak_GiB", "calc_GiB"
-        (``calc.data_parallel_bytes``), "optimizer_expected_GiB" (AdamW's two fp32 moments of
-        this rank's shards)}``.
+        ``{"model", "ranks", "stack", "params_B"`` (transformers' model of the config, built
+        on the meta device), ``"<category>_GiB"..., "peak_GiB", "calc_GiB"`` (or None, above),
+        ``"optimizer_expected_GiB"}``: AdamW's two moments of this rank's shards of a full
+        fine-tune, in the weights' dtype (fp32 under bf16-mixed); 0 for SGD; None where the
+        trainable parameters are adapters or the states 8-bit.
 
     Raises:
-        ValueError: for ``ranks`` < 2 (naming it) and what ``measure_step`` refuses.
+        ValueError: for ``ranks`` < 2 (naming it) and what ``measure_step`` refuses
+            (``UnmeasuredStackError`` for a ``stack`` given that a fake step cannot run).
+
+    Example:
+        >>> row = fsdp_per_rank("Llama-3.1-8B", 8, 4096)  # doctest: +SKIP
+        >>> round(row["optimizer_expected_GiB"], 2)  # doctest: +SKIP
+        7.48
     """
     if not isinstance(ranks, int) or isinstance(ranks, bool) or ranks < 2:
         raise ValueError(f"ranks={ranks!r}: FSDP needs at least 2 ranks")
-    stack = stack or Stack(precision="bf16-mixed", checkpointing=True)
-    stack = Stack(**{**stack.__dict__, "fsdp_ranks": ranks})
     config = model_config(model)
-    report = measure_step(config, stack, seq_len, ranks * micro_batch_size)
-    shape = calc.ModelShape.from_config(config.to_dict())
-    predicted = calc.data_parallel_bytes(shape, ranks, "fsdp", seq_len, micro_batch_size)
-    n = calc.param_count(shape)["total"]
+    given = stack is not None
+    stack = replace(stack or Stack(precision="bf16-mixed", checkpointing=True), fsdp_ranks=ranks)
+    try:
+        report = measure_step(config, stack, seq_len, ranks * micro_batch_size)
+    except UnmeasuredStackError as err:
+        if given or err.substitute is None:
+            raise
+        stack = err.substitute
+        report = measure_step(config, stack, seq_len, ranks * micro_batch_size)
+    n = calc.built_param_count(config)
     name = Path(str(model)).name if isinstance(model, (str, Path)) else config.model_type
-    row = {"model": name, "ranks": ranks,
-           "stack": stack.label, "params_B": n / 1e9}
+    row = {"model": name, "ranks": ranks, "stack": stack.label, "params_B": n / 1e9}
     row.update({f"{k}_GiB": v / 2**30 for k, v in report.by_category.items() if v})
-    row.update(peak_GiB=report.peak_bytes / 2**30,
-               calc_GiB=predicted["gpu_total"] / 2**30,
-               optimizer_expected_GiB=8 * n / ranks / 2**30)
+    row.update(peak_GiB=report.peak_bytes / 2**30, calc_GiB=_fsdp_calculator_GiB(
+        config, stack, ranks, seq_len, micro_batch_size), optimizer_expected_GiB=None)
+    if stack.method == "full" and stack.optimizer in _FP_ADAMW:
+        state_bytes = 4 if stack.precision in ("fp32", "bf16-mixed") else 2
+        row["optimizer_expected_GiB"] = 2 * state_bytes * n / ranks / 2**30
+    elif stack.method == "full" and stack.optimizer == "sgd":  # no momentum: no state
+        row["optimizer_expected_GiB"] = 0.0
     return row
 
 
+def _fsdp_calculator_GiB(config: Any, stack: Stack, ranks: int, seq_len: int,
+                         micro_batch_size: int) -> float | None:
+    """``calc.data_parallel_bytes``' per-rank total for a stack and model it describes, or None."""
+    if (stack.selective_checkpointing or stack.optimizer not in _FP_ADAMW
+            or replace(stack, checkpointing=False, optimizer="adamw")
+            != Stack(precision="bf16-mixed", fsdp_ranks=ranks)):
+        return None
+    try:
+        calc.check_counted(config, "model")
+        shape = calc.ModelShape.from_config(config.to_dict(), "model")
+    except calc.NotDescribedError:
+        return None
+    recompute = "full" if stack.checkpointing else "none"
+    return calc.data_parallel_bytes(shape, ranks, "fsdp", seq_len, micro_batch_size,
+                                    recompute)["gpu_total"] / 2**30
+
+
 def activation_anatomy(model: Any, stack: Stack = Stack(), seq_len: int = 2048,
-                       batch_size: int = 1, small_vocab: int = 1024) -> dict[str, float]:
+                       batch_size: int = 1, small_vocab: int | None = None
+                       ) -> dict[str, float]:
     """Where a step's activation bytes go, measured by difference: per decoder layer, per
     logit, and the rest.
 
@@ -1013,7 +1055,8 @@ def activation_anatomy(model: Any, stack: Stack = Stack(), seq_len: int = 2048,
         stack: the recipes applied.
         seq_len: tokens per sequence.
         batch_size: sequences per step.
-        small_vocab: the vocabulary of the third step.
+        small_vocab: the vocabulary of the third step (default: 1024, or half a vocabulary
+            smaller than 2048).
 
     Returns:
         ``{"activation_bytes", "per_layer_bytes", "layer_coefficient"`` (per-layer bytes per
@@ -1033,6 +1076,8 @@ def activation_anatomy(model: Any, stack: Stack = Stack(), seq_len: int = 2048,
 
     config = model_config(model)
     layers, vocab = config.num_hidden_layers, config.vocab_size
+    if small_vocab is None:
+        small_vocab = min(1024, vocab // 2)
     if layers < 2:
         raise ValueError(f"model: num_hidden_layers={layers}; halving the layers needs >= 2")
     if not isinstance(small_vocab, int) or not 0 < small_vocab < vocab:
@@ -1112,7 +1157,9 @@ def anatomy_table(model: Any, stacks: dict[str, Stack], seq_len: int = 2048,
     assumes: Korthikanti's bytes per token per hidden unit per layer (34 in 16-bit with a flash
     kernel; 2, the layer input, with checkpointing), the same stack's op-by-op count
     (:func:`counted_layer_bytes`, ``calc.llama_layer_bytes``; None where it does not model the
-    stack) and three fp32 copies of the logits (12 bytes per logit).
+    stack) and three fp32 copies of the logits (12 bytes per logit). For a model the formulas
+    do not describe (a mixture of experts, a hybrid: ``calc.check_counted``) the calculator's
+    columns are None and the measured ones stand alone.
 
     Args:
         model: a preset name, a ``config.json`` (or its folder) or a config.
@@ -1125,16 +1172,21 @@ def anatomy_table(model: Any, stacks: dict[str, Stack], seq_len: int = 2048,
         ``llama_count_coefficient``, ``per_logit_bytes``, ``calculator_per_logit_bytes``,
         ``per_layer_GiB``, ``rest_GiB``, ``activation_GiB``.
     """
-    shape = calc.ModelShape.from_config(model_config(model).to_dict())
-    tokens_h = batch_size * seq_len * shape.hidden_size
-    per_logit = calc.activation_bytes(shape, seq_len, batch_size)["logits"] / (
-        batch_size * seq_len * shape.vocab_size)
+    config = model_config(model)
+    try:  # a mixture of experts or a hybrid: the calculator's columns are None
+        calc.check_counted(config, "model")
+        shape = calc.ModelShape.from_config(config.to_dict(), "model")
+    except calc.NotDescribedError:
+        shape = None
+    tokens_h = batch_size * seq_len * config.hidden_size
+    per_logit = None if shape is None else calc.activation_bytes(
+        shape, seq_len, batch_size)["logits"] / (batch_size * seq_len * shape.vocab_size)
     rows = []
     for name, stack in stacks.items():
         a = activation_anatomy(model, stack, seq_len, batch_size)
         counted = counted_layer_bytes(model, stack, seq_len, batch_size)
         recompute = "full" if stack.checkpointing else "none"
-        korthikanti = calc.activation_bytes_per_layer(
+        korthikanti = None if shape is None else calc.activation_bytes_per_layer(
             seq_len, batch_size, shape.hidden_size, shape.num_attention_heads, recompute,
             flash_attention=True) / tokens_h
         rows.append({"stack": name, "layer_coefficient": a["layer_coefficient"],

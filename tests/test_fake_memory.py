@@ -573,6 +573,46 @@ def test_a_mixture_of_experts_stack_the_grouped_gemm_cannot_run_is_refused_with_
         "ffn_config.moe_num_experts", 16)  # DBRX's
 
 
+def test_a_fake_fsdp_rank_is_set_beside_what_describes_its_stack(config):
+    """fsdp_per_rank's expected optimizer bytes follow the stack (AdamW's two moments in the
+    weights' dtype, none for SGD or adapters' it does not count) and the calculator's figure
+    stands only beside the stack and model it describes."""
+    rows = {label: fake_memory.fsdp_per_rank(config, 2, 32, stack=stack) for label, stack in (
+        ("default", None), ("bf16", Stack(precision="bf16")), ("sgd", Stack(optimizer="sgd")),
+        ("lora", Stack(method="lora")),
+        ("selective", Stack(precision="bf16-mixed", checkpointing=True,
+                            selective_checkpointing=True)))}
+    built = calc.built_param_count(config)
+    assert rows["default"]["params_B"] == built / 1e9
+    assert rows["default"]["optimizer_expected_GiB"] == 8 * built / 2 / 2**30
+    assert rows["bf16"]["optimizer_expected_GiB"] == 4 * built / 2 / 2**30
+    for label in ("default", "bf16", "selective"):  # FSDP pads each shard to whole rows
+        row = rows[label]
+        assert 1 <= row["optimizer_GiB"] / row["optimizer_expected_GiB"] <= 1.001, (label, row)
+    assert rows["sgd"]["optimizer_expected_GiB"] == 0 and "optimizer_GiB" not in rows["sgd"]
+    assert rows["lora"]["optimizer_expected_GiB"] is None and rows["lora"]["optimizer_GiB"] > 0
+    assert rows["default"]["calc_GiB"] > 0
+    assert all(rows[k]["calc_GiB"] is None for k in ("bf16", "sgd", "lora", "selective"))
+
+
+def test_a_mixture_of_experts_rank_and_anatomy_are_measured_without_the_formulas():
+    """The formulas refuse an MoE (one MLP a layer): fsdp_per_rank and anatomy_table measure
+    it with no calculator figure; the default FSDP stack, bf16-mixed, keeps its experts in
+    bf16 and says so, a stack given that grouped_mm cannot run is refused."""
+    moe = _tiny_moe("qwen3_moe", num_experts=8, moe_intermediate_size=32,
+                    max_position_embeddings=512)
+    row = fake_memory.fsdp_per_rank(moe, 2, 32)
+    assert row["stack"] == "full, bf16, adamw, checkpointing, FSDP over 2 ranks"
+    assert row["calc_GiB"] is None
+    assert row["params_B"] == calc.built_param_count(moe) / 1e9
+    assert 1 <= row["optimizer_GiB"] / row["optimizer_expected_GiB"] <= 1.001, row
+    with pytest.raises(fake_memory.UnmeasuredStackError, match=r"^stack='full, bf16-mixed"):
+        fake_memory.fsdp_per_rank(moe, 2, 32, stack=Stack(precision="bf16-mixed"))
+    (anatomy,) = fake_memory.anatomy_table(moe, {"bf16": Stack()}, 256)
+    assert anatomy["calculator_coefficient"] is anatomy["calculator_per_logit_bytes"] is None
+    assert anatomy["layer_coefficient"] > 0 and anatomy["per_logit_bytes"] > 0
+
+
 def test_lora_on_all_linear_layers_of_a_mamba_hybrid_leaves_out_what_peft_refuses():
     """peft's "all-linear" takes Falcon-H1's Mamba out_proj, then its own check refuses LoRA
     there ("incompatible with Mamba-based models"): the course adapts the other linear layers

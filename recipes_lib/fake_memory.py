@@ -411,7 +411,9 @@ def _check_seq_len(config, seq_len: int) -> None:
     limit = getattr(config, "max_position_embeddings", None)
     if limit and seq_len > limit:
         raise ValueError(f"seq_len={seq_len}: beyond the model's {limit} positions; RoPE "
-                         "scaling (config.rope_scaling, e.g. YaRN) extends them")
+                         "scaling extends them: config.rope_parameters with a 'yarn' or 'linear' "
+                         f"rope_type and factor {seq_len / limit:.2g}, and max_position_embeddings "
+                         f"raised to {seq_len} (max_context.load_with_rope_scaling does both)")
 
 
 COMM_BACKENDS = ("nccl", "gloo")

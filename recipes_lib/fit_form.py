@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from recipes_lib import calc, planner
-from recipes_lib.fake_memory import METHODS, Stack, measure_step
+from recipes_lib.fake_memory import METHODS, PRECISIONS, Stack, measure_step
 from recipes_lib.memory import MemoryReport
 
 
@@ -118,6 +118,10 @@ def form(model: str = "Llama-3.1-8B", gpu_mem: str = "24GB", seq_len: int = 2048
         "seq_len": w.IntText(value=seq_len, description="sequence"),
         "batch_size": w.IntText(value=batch_size, description="batch"),
         "method": w.Dropdown(options=list(METHODS), value="qlora", description="method"),
+        # bf16-mixed: what Trainer runs with bf16=True; bf16: torchtitan's pure bf16, the only
+        # precision a mixture of experts' grouped GEMM takes
+        "precision": w.Dropdown(options=list(PRECISIONS), value="bf16-mixed",
+                                description="precision"),
         "checkpointing": w.Checkbox(value=True, description="activation checkpointing"),
         "adamw_8bit": w.Checkbox(value=False, description="8-bit AdamW"),
         "chunked": w.Checkbox(value=False, description="chunked cross-entropy"),
@@ -131,7 +135,8 @@ def form(model: str = "Llama-3.1-8B", gpu_mem: str = "24GB", seq_len: int = 2048
             try:
                 stack = make_stack(fields["method"].value, fields["checkpointing"].value,
                                    fields["adamw_8bit"].value,
-                                   1024 if fields["chunked"].value else 0)
+                                   1024 if fields["chunked"].value else 0,
+                                   fields["precision"].value)
                 result = verdict(fields["model"].value, fields["gpu_mem"].value,
                                  fields["seq_len"].value, fields["batch_size"].value, stack)
             except ValueError as err:

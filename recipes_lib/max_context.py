@@ -31,9 +31,11 @@ def check_positions(config: Any, seq_len: int) -> None:
     if limit is not None and seq_len > limit:
         raise ValueError(
             f"seq_len={seq_len}: beyond the model's max_position_embeddings={limit}. RoPE models "
-            "can be stretched: set config.rope_scaling, e.g. {'rope_type': 'linear', 'factor': "
-            f"{seq_len / limit:.2g}}} (position interpolation) or 'dynamic' / 'yarn', and "
-            "fine-tune briefly at the new length")
+            f"can be stretched: max_context.load_with_rope_scaling(path, {seq_len}) sets "
+            "config.rope_parameters = {**config.rope_parameters, 'rope_type': 'linear', "
+            f"'factor': {seq_len / limit:.2g}}} (position interpolation; or 'dynamic' / 'yarn') "
+            "and max_position_embeddings; fine-tune briefly at the new length (transformers 5 "
+            "deprecates config.rope_scaling, and setting it on a built config drops rope_theta)")
 
 
 def training_step_peak(model: torch.nn.Module, seq_len: int, batch_size: int = 1,
@@ -170,39 +172,84 @@ def max_seq_len(peak_at: Callable[[int], float], budget_bytes: float, start: int
         stalls = stalls + 1 if (new_hi - new_lo) * 2 > hi - lo else 0
 
 
-def load_with_rope_scaling(model_path, max_positions: int, rope_type: str = "linear",
+def load_with_rope_scaling(model_path, max_positions: int, rope_type: str | None = None,
                            device: torch.device | str | None = None) -> torch.nn.Module:
-    """Load a RoPE model with its positions stretched to ``max_positions`` (position
-    interpolation: ``factor = max_positions / trained positions``). Quality at the new length
-    needs a short fine-tune there; memory and time do not depend on it.
+    """Load a RoPE model able to take ``max_positions`` tokens: its positions stretched where it
+    was trained on fewer (position interpolation: ``factor = max_positions / trained
+    positions``), as trained, said aloud, where it already takes them (Llama-3.2's 131072).
+    Quality at a new length needs a short fine-tune there; memory and time do not depend on it.
+
+    A RoPE already scaled (Llama-3.1's ``"llama3"``, YaRN, linear) keeps its type, its factor
+    multiplied by the same ratio; rebuilding it as plain linear would drop that scaling. Where
+    each layer type has its own RoPE (Gemma-3), the full-attention layers are stretched: a
+    sliding layer sees no distance beyond its window. Loaded through ``model.load_model`` (its
+    attention choice, a multimodal checkpoint's language model).
 
     Args:
         model_path: a folder or hub id.
-        max_positions: the new positional capacity.
-        rope_type: transformers' RoPE scaling type ("linear": position interpolation).
+        max_positions: the positional capacity wanted.
+        rope_type: transformers' RoPE scaling type for an unscaled RoPE ("linear", "dynamic",
+            "yarn"; None: "linear"); for a scaled one, None or its own type.
         device: where to load it (None: the CPU).
 
     Returns:
         The model, its config's ``max_position_embeddings`` and RoPE parameters updated.
 
     Raises:
-        ValueError: if max_positions is not larger than the trained positions, or the model has
-            no RoPE parameters.
-    """
-    from transformers import AutoConfig, AutoModelForCausalLM
+        ValueError: for ``max_positions`` not a positive integer, a model with no RoPE
+            parameters, a ``rope_type`` other than an already scaled RoPE's, a scaling
+            without one factor (Phi-3's ``"longrope"``: per-dimension factors), or a model
+            ``model.load_model`` cannot load.
 
-    cfg = AutoConfig.from_pretrained(str(model_path))
+    Example:
+        >>> m = load_with_rope_scaling("my-llama", 16384)  # doctest: +SKIP
+        >>> m.config.rope_parameters["factor"]  # doctest: +SKIP
+        8.0
+    """
+    import warnings
+
+    from transformers import AutoConfig
+
+    from recipes_lib.calc import language_model_config
+    from recipes_lib.model import load_model
+
+    if not isinstance(max_positions, int) or isinstance(max_positions, bool) or max_positions < 1:
+        raise ValueError(f"max_positions={max_positions!r}: must be a positive integer")
+    try:
+        cfg = language_model_config(AutoConfig.from_pretrained(str(model_path)))
+    except (OSError, ValueError) as err:
+        raise ValueError(f"model_path={str(model_path)!r}: no config to read ({err})") from err
     trained = cfg.max_position_embeddings
     if max_positions <= trained:
-        raise ValueError(f"max_positions={max_positions}: not beyond the trained {trained}")
+        warnings.warn(f"{model_path}: trained on {trained} positions, max_positions="
+                      f"{max_positions} needs no stretching: loaded as trained", stacklevel=2)
+        return load_model(model_path, device=device)
     rope = getattr(cfg, "rope_parameters", None)
-    if rope is None:
-        raise ValueError("model_path: the model has no rope_parameters (not a RoPE model)")
-    cfg.rope_parameters = {**rope, "rope_type": rope_type, "factor": max_positions / trained}
+    if not rope:
+        raise ValueError(f"model_path={str(model_path)!r}: the model has no rope_parameters "
+                         "(not a RoPE model)")
+    cfg.rope_parameters = _stretched(rope, max_positions / trained, rope_type)
     cfg.max_position_embeddings = max_positions
-    model = AutoModelForCausalLM.from_pretrained(str(model_path), config=cfg,
-                                                 trust_remote_code=False)
-    return model.to(device) if device is not None else model
+    return load_model(model_path, device=device, config=cfg)
+
+
+def _stretched(rope: dict, factor: float, rope_type: str | None) -> dict:
+    """``rope`` (a config's ``rope_parameters``) stretched ``factor`` times (above)."""
+    if rope and all(isinstance(v, dict) for v in rope.values()):  # one RoPE per layer type
+        if "full_attention" not in rope:
+            raise ValueError(f"model_path: RoPE per layer type ({', '.join(rope)}) with no "
+                             "'full_attention' entry to stretch")
+        return {**rope, "full_attention": _stretched(rope["full_attention"], factor, rope_type)}
+    own = rope.get("rope_type", "default")
+    if own == "default":
+        return {**rope, "rope_type": rope_type or "linear", "factor": factor}
+    if rope_type not in (None, own):
+        raise ValueError(f"rope_type={rope_type!r}: the model's RoPE is already scaled by "
+                         f"{own!r}; stretch it with its own type (rope_type=None or {own!r})")
+    if isinstance(rope.get("factor"), (int, float)):
+        return {**rope, "factor": rope["factor"] * factor}
+    raise ValueError(f"model_path: its RoPE scaling {own!r} has no single factor to multiply "
+                     "(per-dimension factors); it cannot be stretched here")
 
 
 def search_recipes(variants: dict[str, dict[str, Any]], budget_bytes: float, limit: int,

@@ -430,6 +430,7 @@ def load_model(
     quantization_config: Any = None,
     device: torch.device | str | None = None,
     attn_implementation: str = "auto",
+    config: Any = None,
 ):
     """Load a causal LM from a local folder or a hub id, the same way for both.
 
@@ -443,6 +444,8 @@ def load_model(
             transformers' own choice, said aloud: Gemma-2 has no SDPA path, for one), "sdpa",
             "eager" or "flash_attention_2" (an explicit choice the architecture lacks is an
             error, with transformers' reason).
+        config: the (language model's) config to build it from, e.g. with its positions
+            stretched (``max_context.load_with_rope_scaling``); None: the checkpoint's.
 
     A multimodal checkpoint (Gemma-3 4B and up, Mistral-3) loads as its language model alone,
     said aloud: with the vision tower in, LoRA's "all-linear", FSDP's blocks and checkpointing
@@ -466,6 +469,8 @@ def load_model(
         kwargs["device_map"] = {"": str(device) if device is not None else "cpu"}
     try:
         multimodal = _language_model_only(ident, kwargs)
+        if config is not None:
+            kwargs["config"] = config
         with quiet_transformers(bool(multimodal)):  # its table of vision-side weights
             try:
                 model, info = AutoModelForCausalLM.from_pretrained(

@@ -31,6 +31,8 @@ def test_the_form_measures_on_click_and_shows_bad_input_as_an_error(config_dir):
     pytest.importorskip("ipywidgets")
     box = fit_form.form(config_dir, "1GiB", 64, 1)
     assert box.run().endswith(": fits")
+    box.children[5].value = "bf16"  # precision
+    assert ", bf16, adamw, checkpointing: " in box.run()
     box.children[1].value = "lots"  # GPU memory
     assert box.run().startswith("error: gpu_mem='lots'")
 

@@ -28,8 +28,8 @@ def test_bad_search_settings(kwargs, match):
 
 
 def test_sequence_beyond_positions_says_how_rope_scaling_extends_it(small_llama):
-    with pytest.raises(ValueError,
-                       match=r"seq_len=512: beyond .*max_position_embeddings=128.*rope"):
+    with pytest.raises(ValueError, match=r"seq_len=512: beyond .*max_position_embeddings=128.*"
+                                         r"config\.rope_parameters .*'factor': 4\b"):
         mc.check_positions(small_llama.config, 512)
     with pytest.raises(ValueError, match="seq_len"):
         mc.training_step_peak(small_llama, 512)
@@ -66,8 +66,49 @@ def test_rope_scaling_stretches_positions(tiny_model_path):
     assert m.config.rope_parameters["rope_type"] == "linear"
     assert m.config.rope_parameters["factor"] == 4096 / 512
     mc.check_positions(m.config, 4096)
-    with pytest.raises(ValueError, match="max_positions"):
-        mc.load_with_rope_scaling(tiny_model_path, 256)
+    with pytest.warns(UserWarning, match="trained on 512 positions, max_positions=256 needs no "
+                                         "stretching: loaded as trained"):
+        same = mc.load_with_rope_scaling(tiny_model_path, 256)
+    assert same.config.max_position_embeddings == 512
+    assert same.config.rope_parameters["rope_type"] == "default"
+    with pytest.raises(ValueError, match="max_positions=0: must be a positive integer"):
+        mc.load_with_rope_scaling(tiny_model_path, 0)
+
+
+def _saved(tmp_path, model_type: str, **fields) -> str:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(model_type, vocab_size=256, hidden_size=64,
+                                  intermediate_size=128, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                  pad_token_id=0, bos_token_id=1, eos_token_id=1, **fields)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / model_type)
+    return str(tmp_path / model_type)
+
+
+def test_a_scaled_or_per_layer_rope_is_stretched_as_its_own(tmp_path):
+    """Llama-3.1's "llama3" RoPE keeps its type, its factor multiplied (plain linear would drop
+    it); Gemma-3 stretches its full-attention RoPE only; Phi-3's per-dimension "longrope"
+    factors and a type other than the model's own are refused."""
+    llama31 = _saved(tmp_path, "llama", max_position_embeddings=1024, rope_parameters={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 128, "rope_theta": 500000.0})
+    rope = mc.load_with_rope_scaling(llama31, 4096).config.rope_parameters
+    assert rope["rope_type"] == "llama3" and rope["factor"] == 32.0
+    assert rope["original_max_position_embeddings"] == 128 and rope["rope_theta"] == 500000.0
+    with pytest.raises(ValueError, match=r"^rope_type='linear': .* already scaled by 'llama3'"):
+        mc.load_with_rope_scaling(llama31, 4096, rope_type="linear")
+    gemma3 = mc.load_with_rope_scaling(_saved(tmp_path, "gemma3_text", sliding_window=64,
+                                              max_position_embeddings=512), 2048)
+    rope = gemma3.config.rope_parameters
+    assert rope["full_attention"]["factor"] == 4.0 and rope["full_attention"]["rope_theta"] > 0
+    assert rope["sliding_attention"]["rope_type"] == "default"
+    phi3 = _saved(tmp_path, "phi3", max_position_embeddings=1024,
+                  original_max_position_embeddings=256, rope_parameters={
+                      "rope_type": "longrope", "short_factor": [1.0] * 8,
+                      "long_factor": [2.0] * 8, "rope_theta": 10000.0})
+    with pytest.raises(ValueError, match="'longrope' has no single factor"):
+        mc.load_with_rope_scaling(phi3, 4096)
 
 
 def test_calculator_max_seq_len_grows_with_each_recipe():

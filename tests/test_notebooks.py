@@ -130,7 +130,8 @@ def test_papermill_runs_a_course_notebook_to_the_end_on_a_local_model(tiny_model
     [injected] = [c for c in out.cells if "injected-parameters" in c.metadata.get("tags", [])]
     assert f"MODEL_ID = \"{tiny_model_path}\"" in injected.source
     shown = "".join(o.get("text", "") for c in out.cells for o in c.get("outputs", []))
-    assert "ValueError: seq_len=4096" in shown  # the bad-input demonstration ran and showed
+    # the bad-input demonstration ran and showed: twice the model's 512 positions
+    assert "ValueError: seq_len=1024: beyond the model's max_position_embeddings=512" in shown
     saved = json.loads((results.output_dir() / f"{path.stem}.json").read_text())
     assert {c["recipe"] for c in saved["claims"]} == {"sliding_window", "chunked_ce"}
 

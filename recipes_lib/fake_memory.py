@@ -535,10 +535,11 @@ def _check_experts(model: torch.nn.Module, config: Any, stack: Stack) -> None:
     transformers 5 runs experts through one interface (``@use_experts_implementation``) whose
     default, ``grouped_mm``, sorts the tokens by expert and multiplies every token's top-k
     experts in one grouped GEMM: its shapes do not depend on the router's choice, so a fake
-    step, which has no values, counts what a real one allocates (tiny Mixtral, Qwen3-MoE and
-    GPT-OSS fake steps equal real ones on a CPU, tests/test_fake_memory.py). An architecture
-    with its own routing code, or another implementation (``"eager"`` loops over the experts
-    the router chose), takes its shapes from that choice, which fake tensors cannot make.
+    step, which has no values, counts what a real one allocates (tiny Mixtral, Qwen3-MoE,
+    GPT-OSS and DeepSeek-V3 fake steps equal real ones on a CPU, tests/test_fake_memory.py).
+    An architecture with its own routing code, or another implementation (``"eager"`` loops
+    over the experts the router chose), takes its shapes from that choice, which fake tensors
+    cannot make.
     torch's grouped GEMM multiplies bf16 only (its checks are the CUDA kernel's), so the
     experts' weights must be bf16. And bitsandbytes' 4-bit conversion skips the experts, 3-D
     parameters in transformers 5, not linear layers (bitsandbytes #1849): QLoRA quantizes the

@@ -523,22 +523,30 @@ def test_a_hybrid_architecture_the_calculator_refuses_is_measured_exactly(model_
 def _tiny_moe(model_type: str, **fields):
     from transformers import AutoConfig
 
-    return AutoConfig.for_model(model_type, **{
-        "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-        "num_experts_per_tok": 2} | fields)
+    fields = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "head_dim": 16, "num_experts_per_tok": 2} | fields
+    return AutoConfig.for_model(model_type, **{k: v for k, v in fields.items() if v is not None})
 
 
 @pytest.mark.parametrize("model_type, fields, stack", [
     ("mixtral", {"num_local_experts": 4}, Stack()),
     ("qwen3_moe", {"num_experts": 8, "moe_intermediate_size": 32}, Stack(method="qlora",
                                                                           precision="bf16")),
-    ("gpt_oss", {"num_local_experts": 4}, Stack(method="lora", checkpointing=True))],
-    ids=["mixtral-full", "qwen3_moe-qlora", "gpt_oss-lora-checkpointing"])
+    ("gpt_oss", {"num_local_experts": 4}, Stack(method="lora", checkpointing=True)),
+    ("deepseek_v3", {"n_routed_experts": 4, "moe_intermediate_size": 32, "num_key_value_heads": 4,
+                     "head_dim": None, "q_lora_rank": 32, "kv_lora_rank": 16,
+                     "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
+                     "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1},
+     Stack(method="qlora", precision="bf16"))],
+    ids=["mixtral-full", "qwen3_moe-qlora", "gpt_oss-lora-checkpointing",
+         "deepseek_v3-latent-attention-qlora"])
 def test_a_mixture_of_experts_step_is_measured_exactly(model_type, fields, stack):
     """transformers' grouped_mm experts (its default) take every token's top-k experts in one
     grouped GEMM, shapes independent of the router's choice: the fake step, which has no values
-    to route by, equals the real one, experts' activations included; the formulas refuse."""
+    to route by, equals the real one, experts' activations included; the formulas refuse.
+    DeepSeek-V3 adds multi-head latent attention (low-rank q and kv projections, a decoupled
+    RoPE part) and a dense first layer."""
     config = _tiny_moe(model_type, **fields)
     with pytest.raises(calc.NotDescribedError, match=r"^model: a mixture-of-experts model \("):
         calc.ModelShape.from_config(config, "model")

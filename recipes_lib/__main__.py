@@ -415,8 +415,11 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"\nlongest sequence that fits, by measurement (batch {args.batch}; "
                       f"{sum(searched.values())} fake steps):")
                 for r in rows:
-                    found = (f"{r['max_seq_len']:>7} tokens, {r['gpu_GiB']:5.1f} GiB on the GPU"
-                             if "tries" in r else r["measured_stack"])
+                    shortest = min(r.get("tries") or [(0, 0.0)])
+                    found = (r["measured_stack"] if "tries" not in r else
+                             f"{r['max_seq_len']:>7} tokens, {r['gpu_GiB']:5.1f} GiB on the GPU"
+                             if r["max_seq_len"] else f"nothing fits: {shortest[0]} tokens "
+                             f"need {shortest[1]:.1f} GiB on the GPU")
                     print(f"  {r['step']:<52} {found}")
         except ValueError as err:
             parser.error(str(err))

@@ -52,6 +52,11 @@ def shard_model(model: torch.nn.Module, precision: str = "fp32",
                 ) -> torch.nn.Module:
     """Apply ``fully_shard`` to every transformer block, then to the root (in place).
 
+    FSDP2 casts, gathers and reduces one dtype per group, and refuses a group whose trainable
+    parameters differ ("FSDP expects uniform original parameter dtype"); a module transformers
+    keeps in fp32 in a 16-bit model (``_keep_in_fp32_modules``: DeepSeek-V3's and GLM-4.5's
+    routers) is sharded as a group of its own first.
+
     Args:
         model: a transformers / peft model on this rank's device, inside a process group.
         precision: compute precision of the mixed-precision policy ("fp32", "bf16", "fp16").
@@ -82,10 +87,31 @@ def shard_model(model: torch.nn.Module, precision: str = "fp32",
     # otherwise shard onto CUDA through a CPU-only process group (seen: SIGSEGV on both ranks).
     device_type = device_type or next(model.parameters()).device.type
     mesh = init_device_mesh(device_type, (dist.get_world_size(),))
-    for layer in decoder_layers(model):
-        fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    blocks = decoder_layers(model)
+    in_blocks = {id(m) for layer in blocks for m in layer.modules()}
+    for unit in [*blocks, model]:
+        inside = ([m for m in unit.modules() if id(m) not in in_blocks] if unit is model
+                  else list(unit.modules()))
+        for module in [*_other_dtype_modules(inside), unit]:
+            fully_shard(module, mesh=mesh, mp_policy=policy,
+                        reshard_after_forward=reshard_after_forward)
     return model
+
+
+def _other_dtype_modules(modules: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    """Those of ``modules`` whose own trainable parameters are not of the dtype most of the
+    others' are (by count of values): each needs an FSDP group of its own (``shard_model``)."""
+    def own(m: torch.nn.Module) -> list[torch.nn.Parameter]:
+        return [p for p in m.parameters(recurse=False) if p.requires_grad]
+
+    values: dict[torch.dtype, int] = {}
+    for m in modules:
+        for p in own(m):
+            values[p.dtype] = values.get(p.dtype, 0) + p.numel()
+    if len(values) < 2:
+        return []
+    main = max(values, key=values.get)
+    return [m for m in modules if any(p.dtype != main for p in own(m))]
 
 
 def _local(t: torch.Tensor | None) -> torch.Tensor | None:

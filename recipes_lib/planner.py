@@ -358,6 +358,10 @@ def max_context(model: str, gpu_mem: str | float | list, stack: Any = None, batc
         "budget_GiB"}`` (a list of them for a list of budgets); ``max_seq_len`` is 0 when not
         even ``step`` tokens fit.
 
+    Raises:
+        ValueError: naming the parameter, for a ``step`` that is not a positive integer up to
+            that longest length, a bad ``gpu_mem``, or what ``fake_memory`` refuses.
+
     Example:
         >>> max_context("Llama-3.1-8B", "24GB")["max_seq_len"]  # doctest: +SKIP
     """
@@ -368,7 +372,12 @@ def max_context(model: str, gpu_mem: str | float | list, stack: Any = None, batc
     budgets = [parse_bytes(g) for g in (gpu_mem if isinstance(gpu_mem, (list, tuple))
                                         else [gpu_mem])]
     config = fake_memory.model_config(model)
-    top = (limit or config.max_position_embeddings) // step
+    longest = limit or config.max_position_embeddings
+    if not isinstance(step, int) or isinstance(step, bool) or not 0 < step <= longest:
+        what = "limit" if limit else "model's positions"
+        raise ValueError(f"step={step!r}: the search's granularity must be a positive integer "
+                         f"up to the longest length tried, {longest} (the {what})")
+    top = longest // step
     probes: dict[int, float] = {}  # length -> bytes on the GPU, shared by every budget
 
     meter = fake_memory.step_meter(config, stack, batch_size)  # one build for every length

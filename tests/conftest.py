@@ -108,8 +108,18 @@ FSDP_FAKE_MOE = {"model_type": "qwen3_moe", "vocab_size": 256, "hidden_size": 64
                  "intermediate_size": 128, "moe_intermediate_size": 32, "num_hidden_layers": 2,
                  "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
                  "num_experts": 8, "num_experts_per_tok": 2, "max_position_embeddings": 256}
-FSDP_FAKE_MOE_STACKS = [{"precision": "bf16", "fsdp_ranks": 2},
-                        {"method": "lora", "fsdp_ranks": 2, "checkpointing": True}]
+# ... and DeepSeek-V3's latent attention and fp32 router (its own FSDP group: fsdp.shard_model)
+FSDP_FAKE_DEEPSEEK = {"model_type": "deepseek_v3", "vocab_size": 256, "hidden_size": 64,
+                      "intermediate_size": 128, "moe_intermediate_size": 32,
+                      "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
+                      "q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8,
+                      "qk_nope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 4,
+                      "num_experts_per_tok": 2, "first_k_dense_replace": 1, "n_group": 1,
+                      "topk_group": 1, "max_position_embeddings": 256}
+FSDP_FAKE_MOE_STACKS = [(FSDP_FAKE_MOE, {"precision": "bf16", "fsdp_ranks": 2}),
+                        (FSDP_FAKE_MOE, {"method": "lora", "fsdp_ranks": 2,
+                                         "checkpointing": True}),
+                        (FSDP_FAKE_DEEPSEEK, {"precision": "bf16", "fsdp_ranks": 2})]
 
 
 @pytest.fixture(scope="session")
@@ -145,8 +155,8 @@ def sharded_runs(tiny_model_path, tmp_path_factory):
             "model": FSDP_FAKE_CONFIG, "stack": stack, "seq_len": 64, "batch_size": 4})
            for i, stack in enumerate(FSDP_FAKE_STACKS)},
         **{f"fake_memory_moe_{i}": ("recipes_lib.fake_memory:real_rank_step", {
-            "model": FSDP_FAKE_MOE, "stack": stack, "seq_len": 64, "batch_size": 4})
-           for i, stack in enumerate(FSDP_FAKE_MOE_STACKS)}},
+            "model": config, "stack": stack, "seq_len": 64, "batch_size": 4})
+           for i, (config, stack) in enumerate(FSDP_FAKE_MOE_STACKS)}},
         verbose=False)
     assert list(runs)[:3] == ["ddp", "fsdp", "fsdp_qlora"]
     assert all(len(r) == 2 for r in runs.values())

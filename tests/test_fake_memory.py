@@ -82,13 +82,15 @@ def test_a_fake_fsdp_rank_matches_each_real_rank(sharded_runs):
 
 def test_a_fake_fsdp_rank_of_a_mixture_of_experts_matches_each_real_rank(sharded_runs):
     """Qwen3-MoE's grouped-GEMM experts sharded over 2 gloo ranks (full bf16; LoRA, which peft
-    puts on each expert too, with checkpointing): every category of the fake rank equalled
-    each real rank's when run alone; asserted as above, where gloo's timing may leave one
-    prefetched buffer in flight at a rank's peak."""
-    from conftest import FSDP_FAKE_MOE, FSDP_FAKE_MOE_STACKS
+    puts on each expert too, with checkpointing) and DeepSeek-V3 in full bf16, whose router
+    transformers keeps in fp32 (FSDP2 refused its layers until shard_model gave the router a
+    group of its own): every category of the fake rank equalled each real rank's when run
+    alone; asserted as above, where gloo's timing may leave one prefetched buffer in flight at
+    a rank's peak."""
+    from conftest import FSDP_FAKE_MOE_STACKS
 
-    for i, stack in enumerate(FSDP_FAKE_MOE_STACKS):
-        fake = fake_memory.measure_step(FSDP_FAKE_MOE, Stack(**stack), 64, 4,
+    for i, (config, stack) in enumerate(FSDP_FAKE_MOE_STACKS):
+        fake = fake_memory.measure_step(config, Stack(**stack), 64, 4,
                                         comm_backend="gloo").by_category
         for rank in sharded_runs[f"fake_memory_moe_{i}"]:
             assert rank["optimizer"] == fake["optimizer"] > 0, stack

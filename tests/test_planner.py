@@ -1,4 +1,5 @@
 import json
+import re
 
 import pytest
 import torch
@@ -133,6 +134,17 @@ def test_measure_puts_a_fake_measurement_or_its_reason_beside_each_row(tmp_path,
     assert "measured on fake tensors" in text and "G foreach" in text and "G fused" in text
 
 
+def test_the_cli_says_when_no_length_fits(tmp_path, small_llama, capsys):
+    small_llama.config.max_position_embeddings = 512  # two of the CLI's 256-token steps
+    small_llama.config.save_pretrained(tmp_path)  # 0.4 GiB: under the CUDA context alone
+    assert main(["plan", "--model", str(tmp_path), "--gpu-mem", "0.4GiB", "--seq", "64",
+                 "--batch", "1", "--max-context"]) == 0
+    out = capsys.readouterr().out.split("longest sequence that fits")[1]
+    assert re.search(r"QLoRA \(NF4 base\) +nothing fits: 256 tokens need 0\.\d GiB on the GPU",
+                     out), out
+    assert " 0 tokens" not in out
+
+
 def test_max_context_is_the_longest_measured_length_within_the_budget(tmp_path, small_llama):
     from recipes_lib import fake_memory
 
@@ -146,6 +158,9 @@ def test_max_context_is_the_longest_measured_length_within_the_budget(tmp_path, 
     assert 64 <= found["max_seq_len"] < 128
     assert need(found["max_seq_len"]) <= need(64) < need(found["max_seq_len"] + 16)
     assert planner.max_context(str(tmp_path), "0.4GiB", stack, step=16)["max_seq_len"] == 0
+    with pytest.raises(ValueError, match=r"^step=256: .* up to the longest length tried, 128 "
+                                         r"\(the model's positions\)"):
+        planner.max_context(str(tmp_path), "1GiB", stack)
 
 
 def test_max_context_per_step_searches_each_measured_stack_once(tmp_path, small_llama,

@@ -539,11 +539,12 @@ def _check_experts(model: torch.nn.Module, config: Any, stack: Stack) -> None:
     GPT-OSS and DeepSeek-V3 fake steps equal real ones on a CPU, tests/test_fake_memory.py).
     An architecture with its own routing code, or another implementation (``"eager"`` loops
     over the experts the router chose), takes its shapes from that choice, which fake tensors
-    cannot make.
-    torch's grouped GEMM multiplies bf16 only (its checks are the CUDA kernel's), so the
-    experts' weights must be bf16. And bitsandbytes' 4-bit conversion skips the experts, 3-D
-    parameters in transformers 5, not linear layers (bitsandbytes #1849): QLoRA quantizes the
-    attention only.
+    cannot make. torch's grouped GEMM multiplies bf16 only (its checks are the CUDA kernel's;
+    CPU autocast leaves it in fp32), so the experts' weights must be bf16, or gathered as bf16
+    copies by FSDP's mixed-precision policy (bf16-mixed over several ranks: fake and real gloo
+    ranks of Qwen3-MoE and DeepSeek-V3 equal). And bitsandbytes' 4-bit conversion skips the
+    experts, 3-D parameters in transformers 5, not linear layers (bitsandbytes #1849): QLoRA
+    quantizes the attention only.
     """
     experts = calc.expert_count(config)
     if experts is None:
@@ -561,6 +562,8 @@ def _check_experts(model: torch.nn.Module, config: Any, stack: Stack) -> None:
             "shapes that do not depend on that choice (every token's top-k); measure a real "
             "step (memory.measure_memory)", "its experts' shapes depend on the router")
     dtypes = {p.dtype for p in base.parameters() if p.ndim == 3 and p.is_floating_point()}
+    if stack.fsdp_ranks > 1 and stack.precision == "bf16-mixed":
+        return  # FSDP's mixed-precision policy gathers bf16 copies of the fp32 weights to compute
     if dtypes - {torch.bfloat16}:
         names = ", ".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
         why = ("peft's k-bit preparation casts what bitsandbytes left unquantized to fp32, and "
@@ -968,9 +971,9 @@ def fsdp_per_rank(model: Any, ranks: int, seq_len: int = 4096, micro_batch_size:
     ``ranks``, two blocks' gathered weights, Korthikanti's activations) describes a full
     fine-tune in bf16 mixed precision with AdamW, checkpointed or not, of a model of one
     attention and one MLP per layer; for another stack, or a mixture of experts or a hybrid
-    (``calc.check_counted``), ``calc_GiB`` is None. A mixture of experts' default step keeps its
-    experts in bf16 (``precision="bf16"``: transformers' grouped GEMM multiplies bf16 only), and
-    ``stack`` says so; a stack given that cannot be measured raises.
+    (``calc.check_counted``), ``calc_GiB`` is None. A mixture of experts runs the default stack
+    too: FSDP's mixed-precision policy gathers bf16 copies of its fp32 experts, which
+    transformers' grouped GEMM takes.
 
     Args:
         model: a preset name, a ``config.json`` or a config.
@@ -988,7 +991,7 @@ def fsdp_per_rank(model: Any, ranks: int, seq_len: int = 4096, micro_batch_size:
 
     Raises:
         ValueError: for ``ranks`` < 2 (naming it) and what ``measure_step`` refuses
-            (``UnmeasuredStackError`` for a ``stack`` given that a fake step cannot run).
+            (``UnmeasuredStackError`` for a stack a fake step cannot run).
 
     Example:
         >>> row = fsdp_per_rank("Llama-3.1-8B", 8, 4096)  # doctest: +SKIP
@@ -998,15 +1001,8 @@ def fsdp_per_rank(model: Any, ranks: int, seq_len: int = 4096, micro_batch_size:
     if not isinstance(ranks, int) or isinstance(ranks, bool) or ranks < 2:
         raise ValueError(f"ranks={ranks!r}: FSDP needs at least 2 ranks")
     config = model_config(model)
-    given = stack is not None
     stack = replace(stack or Stack(precision="bf16-mixed", checkpointing=True), fsdp_ranks=ranks)
-    try:
-        report = measure_step(config, stack, seq_len, ranks * micro_batch_size)
-    except UnmeasuredStackError as err:
-        if given or err.substitute is None:
-            raise
-        stack = err.substitute
-        report = measure_step(config, stack, seq_len, ranks * micro_batch_size)
+    report = measure_step(config, stack, seq_len, ranks * micro_batch_size)
     n = calc.built_param_count(config)
     name = Path(str(model)).name if isinstance(model, (str, Path)) else config.model_type
     row = {"model": name, "ranks": ranks, "stack": stack.label, "params_B": n / 1e9}

@@ -119,7 +119,10 @@ FSDP_FAKE_DEEPSEEK = {"model_type": "deepseek_v3", "vocab_size": 256, "hidden_si
 FSDP_FAKE_MOE_STACKS = [(FSDP_FAKE_MOE, {"precision": "bf16", "fsdp_ranks": 2}),
                         (FSDP_FAKE_MOE, {"method": "lora", "fsdp_ranks": 2,
                                          "checkpointing": True}),
-                        (FSDP_FAKE_DEEPSEEK, {"precision": "bf16", "fsdp_ranks": 2})]
+                        (FSDP_FAKE_DEEPSEEK, {"precision": "bf16", "fsdp_ranks": 2}),
+                        # fp32 experts, computed in the bf16 copies FSDP's policy gathers
+                        (FSDP_FAKE_MOE, {"precision": "bf16-mixed", "fsdp_ranks": 2,
+                                         "checkpointing": True})]
 
 
 @pytest.fixture(scope="session")

@@ -82,11 +82,12 @@ def test_a_fake_fsdp_rank_matches_each_real_rank(sharded_runs):
 
 def test_a_fake_fsdp_rank_of_a_mixture_of_experts_matches_each_real_rank(sharded_runs):
     """Qwen3-MoE's grouped-GEMM experts sharded over 2 gloo ranks (full bf16; LoRA, which peft
-    puts on each expert too, with checkpointing) and DeepSeek-V3 in full bf16, whose router
-    transformers keeps in fp32 (FSDP2 refused its layers until shard_model gave the router a
-    group of its own): every category of the fake rank equalled each real rank's when run
-    alone; asserted as above, where gloo's timing may leave one prefetched buffer in flight at
-    a rank's peak."""
+    puts on each expert too, with checkpointing; bf16-mixed, whose fp32 experts FSDP's policy
+    gathers as bf16 copies, the only dtype the grouped GEMM takes) and DeepSeek-V3 in full
+    bf16, whose router transformers keeps in fp32 (FSDP2 refused its layers until shard_model
+    gave the router a group of its own): every category of the fake rank equalled each real
+    rank's when run alone; asserted as above, where gloo's timing may leave one prefetched
+    buffer in flight at a rank's peak."""
     from conftest import FSDP_FAKE_MOE_STACKS
 
     for i, (config, stack) in enumerate(FSDP_FAKE_MOE_STACKS):
@@ -607,17 +608,18 @@ def test_a_fake_fsdp_rank_is_set_beside_what_describes_its_stack(config):
 
 def test_a_mixture_of_experts_rank_and_anatomy_are_measured_without_the_formulas():
     """The formulas refuse an MoE (one MLP a layer): fsdp_per_rank and anatomy_table measure
-    it with no calculator figure; the default FSDP stack, bf16-mixed, keeps its experts in
-    bf16 and says so, a stack given that grouped_mm cannot run is refused."""
+    it with no calculator figure. The default FSDP stack, bf16-mixed, runs (FSDP's policy
+    gathers bf16 copies of the fp32 experts), fp32 weights over FSDP do not."""
     moe = _tiny_moe("qwen3_moe", num_experts=8, moe_intermediate_size=32,
                     max_position_embeddings=512)
     row = fake_memory.fsdp_per_rank(moe, 2, 32)
-    assert row["stack"] == "full, bf16, adamw, checkpointing, FSDP over 2 ranks"
+    assert row["stack"] == "full, bf16-mixed, adamw, checkpointing, FSDP over 2 ranks"
     assert row["calc_GiB"] is None
     assert row["params_B"] == calc.built_param_count(moe) / 1e9
     assert 1 <= row["optimizer_GiB"] / row["optimizer_expected_GiB"] <= 1.001, row
-    with pytest.raises(fake_memory.UnmeasuredStackError, match=r"^stack='full, bf16-mixed"):
-        fake_memory.fsdp_per_rank(moe, 2, 32, stack=Stack(precision="bf16-mixed"))
+    with pytest.raises(fake_memory.UnmeasuredStackError, match=r"^stack='full, fp32, adamw, "
+                                                               r"FSDP over 2 ranks'"):
+        fake_memory.fsdp_per_rank(moe, 2, 32, stack=Stack(precision="fp32"))
     (anatomy,) = fake_memory.anatomy_table(moe, {"bf16": Stack()}, 256)
     assert anatomy["calculator_coefficient"] is anatomy["calculator_per_logit_bytes"] is None
     assert anatomy["layer_coefficient"] > 0 and anatomy["per_logit_bytes"] > 0

@@ -561,9 +561,9 @@ def _check_experts(model: torch.nn.Module, config: Any, stack: Stack) -> None:
             "its router to choose experts by, and only transformers' grouped_mm experts take "
             "shapes that do not depend on that choice (every token's top-k); measure a real "
             "step (memory.measure_memory)", "its experts' shapes depend on the router")
-    dtypes = {p.dtype for p in base.parameters() if p.ndim == 3 and p.is_floating_point()}
     if stack.fsdp_ranks > 1 and stack.precision == "bf16-mixed":
         return  # FSDP's mixed-precision policy gathers bf16 copies of the fp32 weights to compute
+    dtypes = {p.dtype for p in base.parameters() if p.ndim == 3 and p.is_floating_point()}
     if dtypes - {torch.bfloat16}:
         names = ", ".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
         why = ("peft's k-bit preparation casts what bitsandbytes left unquantized to fp32, and "
@@ -1017,6 +1017,16 @@ def fsdp_per_rank(model: Any, ranks: int, seq_len: int = 4096, micro_batch_size:
     return row
 
 
+def _described_shape(config: Any) -> calc.ModelShape | None:
+    """The calculator's shape of ``config``, or None for a model its formulas do not describe
+    (a mixture of experts, a hybrid: ``calc.check_counted``)."""
+    try:
+        calc.check_counted(config, "model")
+        return calc.ModelShape.from_config(config.to_dict(), "model")
+    except calc.NotDescribedError:
+        return None
+
+
 def _fsdp_calculator_GiB(config: Any, stack: Stack, ranks: int, seq_len: int,
                          micro_batch_size: int) -> float | None:
     """``calc.data_parallel_bytes``' per-rank total for a stack and model it describes, or None."""
@@ -1024,10 +1034,8 @@ def _fsdp_calculator_GiB(config: Any, stack: Stack, ranks: int, seq_len: int,
             or replace(stack, checkpointing=False, optimizer="adamw")
             != Stack(precision="bf16-mixed", fsdp_ranks=ranks)):
         return None
-    try:
-        calc.check_counted(config, "model")
-        shape = calc.ModelShape.from_config(config.to_dict(), "model")
-    except calc.NotDescribedError:
+    shape = _described_shape(config)
+    if shape is None:
         return None
     recompute = "full" if stack.checkpointing else "none"
     return calc.data_parallel_bytes(shape, ranks, "fsdp", seq_len, micro_batch_size,
@@ -1172,11 +1180,7 @@ def anatomy_table(model: Any, stacks: dict[str, Stack], seq_len: int = 2048,
         ``per_layer_GiB``, ``rest_GiB``, ``activation_GiB``.
     """
     config = model_config(model)
-    try:  # a mixture of experts or a hybrid: the calculator's columns are None
-        calc.check_counted(config, "model")
-        shape = calc.ModelShape.from_config(config.to_dict(), "model")
-    except calc.NotDescribedError:
-        shape = None
+    shape = _described_shape(config)  # None: the calculator's columns are None
     tokens_h = batch_size * seq_len * config.hidden_size
     per_logit = None if shape is None else calc.activation_bytes(
         shape, seq_len, batch_size)["logits"] / (batch_size * seq_len * shape.vocab_size)

@@ -18,10 +18,26 @@ if "RECIPES_RESULTS_DIR" not in os.environ:
     _OWN_RESULTS_DIR = os.environ["RECIPES_RESULTS_DIR"] = tempfile.mkdtemp(
         prefix="recipes-results-")
 
+# Everything else the run writes to the temporary directory goes to one folder of its own, removed
+# at the end the same way: nbval kills its kernels, so their scratch folders (model.scratch_folder:
+# notebook 02's checkpoints, notebook 01's adapter), a torchrun job's folder kept because a test
+# failed a rank on purpose, and pytest's own tmp_path folders would otherwise stay behind, ~300 MB
+# a run. TMPDIR reaches the workers, kernels and ranks; Inductor's compile cache stays where it
+# was (its default follows TMPDIR), so compile times do not change from run to run.
+_OWN_TMPDIR = None
+if "RECIPES_TEST_TMPDIR" not in os.environ:
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
+    _OWN_TMPDIR = tempfile.mkdtemp(prefix="recipes-tests-")
+    os.environ["RECIPES_TEST_TMPDIR"] = os.environ["TMPDIR"] = tempfile.tempdir = _OWN_TMPDIR
+
 
 def pytest_unconfigure(config):
-    if _OWN_RESULTS_DIR is not None and not hasattr(config, "workerinput"):
-        shutil.rmtree(_OWN_RESULTS_DIR, ignore_errors=True)
+    if not hasattr(config, "workerinput"):
+        for folder in (_OWN_RESULTS_DIR, _OWN_TMPDIR):
+            if folder is not None:
+                shutil.rmtree(folder, ignore_errors=True)
 
 
 def pytest_configure(config):

@@ -389,8 +389,9 @@ def scratch_folder(prefix: str = "recipes-") -> Path:
     """A new temporary folder, removed when this process (a notebook's kernel) exits: a notebook's
     checkpoints, exports and adapters (notebook 02 writes ~100 MB a run) do not pile up in the
     temporary directory run after run. A process killed instead of exiting keeps it: nbval kills
-    its kernels (``shutdown_kernel(now=True)``), so ``make test`` leaves one set in the temporary
-    directory; JupyterLab's and papermill's shutdowns let the kernel exit.
+    its kernels (``shutdown_kernel(now=True)``), so the test suite gives its processes a
+    temporary directory of its own and removes it at the end (conftest.py); JupyterLab's and
+    papermill's shutdowns let the kernel exit.
 
     Args:
         prefix: the folder name's prefix.

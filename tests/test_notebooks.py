@@ -257,3 +257,33 @@ def test_a_notebook_run_alone_under_pytest_writes_no_tracked_results():
     _, folder, exists = line.split(" ")
     assert "recipes-results-" in folder and not folder.startswith(str(root)), line
     assert exists == "False", line  # removed when pytest ended
+
+
+def test_what_a_killed_kernel_leaves_in_the_temporary_directory_goes_with_the_run():
+    """nbval kills its kernels, so a notebook's scratch folder (removed at its process's exit)
+    outlives it; the repository's conftest.py gives the run a temporary directory of its own, which
+    every process it starts inherits, and removes it at the end."""
+    import subprocess
+    import sys
+
+    root = COURSE[0].parent.parent
+    killed = ("import os; from recipes_lib import model; "
+              "print(model.scratch_folder('adapter-'), flush=True); os._exit(0)")  # no atexit
+    code = (
+        "import os, subprocess, sys, tempfile, pytest\n"
+        "seen = {}\n"
+        "class Seen:\n"
+        "    def pytest_collection_finish(self, session):\n"
+        "        seen['tmp'] = tempfile.gettempdir()\n"
+        f"        seen['left'] = subprocess.run([sys.executable, '-c', {killed!r}],"
+        " capture_output=True, text=True, check=True).stdout.strip()\n"
+        f"pytest.main(['--co', '-q', '-p', 'no:cacheprovider', '--nbval-lax', {str(COURSE[0])!r}],"
+        " plugins=[Seen()])\n"
+        "print('TMP', seen['tmp'], seen['left'], os.path.exists(seen['left']))\n")
+    env = {k: v for k, v in os.environ.items() if k != "RECIPES_TEST_TMPDIR"}
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True,
+                         text=True, check=True).stdout
+    line = next(x for x in out.splitlines() if x.startswith("TMP "))
+    _, tmp, left, exists = line.split(" ")
+    assert "recipes-tests-" in tmp and left.startswith(tmp + os.sep), line
+    assert exists == "False", line  # removed when pytest ended

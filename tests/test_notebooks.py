@@ -233,36 +233,13 @@ def test_the_parallel_suite_names_units_that_exist():
     assert all((root / "tests" / name).exists() for name in SHARDED_RUNS_FILES)
 
 
-def test_a_notebook_run_alone_under_pytest_writes_no_tracked_results():
+def test_a_notebook_run_alone_under_pytest_leaves_nothing_behind():
     """`pytest notebooks/<one>.ipynb --nbval-lax`, without tests/ (and its conftest): the
     repository's conftest.py still sends the results to a temporary folder, removed at the end,
-    so the committed results/ and README are not rewritten by a debugging run."""
-    import subprocess
-    import sys
-
-    root = COURSE[0].parent.parent
-    code = (
-        "import os, pytest\n"
-        "seen = {}\n"
-        "class Seen:\n"
-        "    def pytest_collection_finish(self, session):\n"
-        "        seen['dir'] = os.environ.get('RECIPES_RESULTS_DIR')\n"
-        f"pytest.main(['--co', '-q', '-p', 'no:cacheprovider', '--nbval-lax', {str(COURSE[0])!r}],"
-        " plugins=[Seen()])\n"
-        "print('DIR', seen['dir'], os.path.exists(seen['dir']))\n")
-    env = {k: v for k, v in os.environ.items() if k != "RECIPES_RESULTS_DIR"}
-    out = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True,
-                         text=True, check=True).stdout
-    line = next(x for x in out.splitlines() if x.startswith("DIR "))
-    _, folder, exists = line.split(" ")
-    assert "recipes-results-" in folder and not folder.startswith(str(root)), line
-    assert exists == "False", line  # removed when pytest ended
-
-
-def test_what_a_killed_kernel_leaves_in_the_temporary_directory_goes_with_the_run():
-    """nbval kills its kernels, so a notebook's scratch folder (removed at its process's exit)
-    outlives it; the repository's conftest.py gives the run a temporary directory of its own, which
-    every process it starts inherits, and removes it at the end."""
+    so the committed results/ and README are not rewritten by a debugging run. And nbval kills its
+    kernels, so a notebook's scratch folder (removed at its process's exit) outlives it: the run
+    gets a temporary directory of its own, which every process it starts inherits, removed at the
+    end too."""
     import subprocess
     import sys
 
@@ -274,16 +251,19 @@ def test_what_a_killed_kernel_leaves_in_the_temporary_directory_goes_with_the_ru
         "seen = {}\n"
         "class Seen:\n"
         "    def pytest_collection_finish(self, session):\n"
+        "        seen['results'] = os.environ.get('RECIPES_RESULTS_DIR')\n"
         "        seen['tmp'] = tempfile.gettempdir()\n"
         f"        seen['left'] = subprocess.run([sys.executable, '-c', {killed!r}],"
         " capture_output=True, text=True, check=True).stdout.strip()\n"
         f"pytest.main(['--co', '-q', '-p', 'no:cacheprovider', '--nbval-lax', {str(COURSE[0])!r}],"
         " plugins=[Seen()])\n"
-        "print('TMP', seen['tmp'], seen['left'], os.path.exists(seen['left']))\n")
-    env = {k: v for k, v in os.environ.items() if k != "RECIPES_TEST_TMPDIR"}
+        "print('SEEN', *(f'{v} {os.path.exists(v)}' for v in seen.values()))\n")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RECIPES_RESULTS_DIR", "RECIPES_TEST_TMPDIR")}
     out = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True,
                          text=True, check=True).stdout
-    line = next(x for x in out.splitlines() if x.startswith("TMP "))
-    _, tmp, left, exists = line.split(" ")
+    line = next(x for x in out.splitlines() if x.startswith("SEEN "))
+    _, results, results_exist, tmp, tmp_exists, left, left_exists = line.split(" ")
+    assert "recipes-results-" in results and not results.startswith(str(root)), line
     assert "recipes-tests-" in tmp and left.startswith(tmp + os.sep), line
-    assert exists == "False", line  # removed when pytest ended
+    assert results_exist == tmp_exists == left_exists == "False", line  # removed when pytest ended

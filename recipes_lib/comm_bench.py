@@ -78,6 +78,8 @@ def run(sizes: list[int] | None = None, ops: tuple[str, ...] = OPS, iters: int =
         if op not in OPS:
             raise ValueError(f"ops: {op!r} is not one of {OPS}")
     sizes = sizes or [4096 * 4**k for k in range(8)]
+    # all_gather_into_tensor's new name; torch before 2.13 (a GPU machine's own build) has the old
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     device = torch.device("cuda", torch.cuda.current_device()) \
         if dist.get_backend() == "nccl" else torch.device("cpu")
     dt = getattr(torch, dtype)
@@ -93,7 +95,7 @@ def run(sizes: list[int] | None = None, ops: tuple[str, ...] = OPS, iters: int =
                 if op == "all_reduce":
                     dist.all_reduce(buf)
                 else:
-                    dist.all_gather_into_tensor(buf, chunk)
+                    all_gather(buf, chunk)
 
             for _ in range(warmup):
                 call()

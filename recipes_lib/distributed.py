@@ -45,6 +45,10 @@ _NOISE = ("is an Enum subclass", "Failed to load", "OMP_NUM_THREADS", "*****",
 
 
 _LOG_LINE = re.compile(r"^(\[rank\d+\]:)?[EWI]\d{4} ")
+# torchrun's --tee starts each line it copies with the rank's tag, "[default0]:" (role and local
+# rank), and turns tqdm's carriage returns into such lines: a tag inside a line starts a new one
+_RANK_TAG = re.compile(r"\[[A-Za-z_]+\d+\]:")  # not a printed "values[0]:"
+_PROGRESS_BAR = re.compile(r"\d{1,3}%\|.*\| *\d+/\d+ \[")  # tqdm's "desc:  50%|███  | 2/4 [00:01"
 _STORE: dist.Store | None = None  # this rank's rendezvous store (set by init_distributed)
 
 
@@ -292,6 +296,39 @@ def _worker_main(argv: list[str] | None = None) -> None:
             dist.destroy_process_group()
 
 
+class _RankConsole:
+    """Rank 0's output as a console shows it, from what torchrun's --tee copies: the rank tags
+    dropped, a progress bar redrawn in place (tqdm's own "\\r" + bar, which the tee had turned into
+    one tagged line per update), blank lines and start-up chatter left out, and nothing after a
+    traceback starts (the error is summarised when raised)."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream, self.echo, self.bar_width = stream, True, 0  # 0: no bar on the line
+
+    def write(self, line: str) -> None:
+        """One line as torchrun wrote it (its terminator removed)."""
+        for part in _RANK_TAG.split(line):
+            self.echo = self.echo and "Traceback" not in part
+            if (not self.echo or not part.strip() or any(n in part for n in _NOISE)
+                    or _LOG_LINE.match(part)):
+                continue
+            text = part.rstrip()
+            if _PROGRESS_BAR.search(text):  # over the last bar, padded as tqdm pads it
+                self.stream.write("\r" + text.ljust(self.bar_width))
+                self.bar_width = len(text)
+            else:
+                self.stream.write(("\n" if self.bar_width else "") + text + "\n")
+                self.bar_width = 0
+            self.stream.flush()
+
+    def close(self) -> None:
+        """Ends a bar left open by the last line."""
+        if self.bar_width:
+            self.stream.write("\n")
+            self.stream.flush()
+            self.bar_width = 0
+
+
 def _kill_group(proc: subprocess.Popen) -> None:
     """SIGTERM the launcher's whole process group, SIGKILL what is left after 10 s."""
     for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
@@ -425,19 +462,17 @@ def launch(
                             start_new_session=True, cwd=Path(__file__).resolve().parent.parent)
 
     def pump() -> None:
-        # Split on "\r" as well as "\n" and keep the terminator, so progress bars redraw in place.
-        echo, pending = verbose, b""
+        console, pending = _RankConsole(sys.stdout), b""
         while chunk := os.read(proc.stdout.fileno(), 65536):
-            parts = re.split(rb"(\r|\n)", pending + chunk)
-            pending = parts.pop()
-            for text, end in zip(parts[::2], parts[1::2], strict=True):
+            lines = re.split(rb"\r|\n", pending + chunk)
+            pending = lines.pop()
+            for text in lines:
                 line = text.decode(errors="replace")
                 if line.strip():
                     tail.append(line + "\n")
-                echo = echo and "Traceback" not in line  # the error is summarised when raised
-                if echo and not any(n in line for n in _NOISE) and not _LOG_LINE.match(line):
-                    sys.stdout.write(line.replace("[rank0]:", "") + end.decode())
-                    sys.stdout.flush()
+                if verbose:
+                    console.write(line)
+        console.close()
 
     reader = threading.Thread(target=pump, daemon=True)
     reader.start()

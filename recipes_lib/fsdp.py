@@ -332,7 +332,7 @@ def _checkpoint_round_trip(model, optimizer, model_path, strategy, precision, pa
     fresh_opt.step()
     fresh_opt.zero_grad(set_to_none=True)
     train_state.load_sharded(fresh, fresh_opt, path)
-    param_diff = max(float((_local(a) - _local(b)).abs().max())
+    param_diff = max(float((_local(a) - _local(b)).detach().abs().max())
                      for a, b in zip(model.parameters(), fresh.parameters(), strict=True))
     state_diff = 0.0
     for pa, pb in zip(model.parameters(), fresh.parameters(), strict=True):

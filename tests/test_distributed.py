@@ -225,3 +225,31 @@ def test_bad_max_restarts():
     with pytest.raises(ValueError, match="max_restarts=-1"):
         distributed.launch([("recipes_lib.distributed:fail_on_rank", {"rank": 0})],
                            max_restarts=-1)
+
+
+def test_rank_output_reads_as_a_console_shows_it():
+    """What torchrun's --tee copies of rank 0 (each line tagged, tqdm's carriage returns turned
+    into tagged lines) is echoed untagged, each progress bar redrawn in place over the last one,
+    blank lines and start-up chatter left out, nothing after a traceback starts."""
+    import io
+
+    out = io.StringIO()
+    console = distributed._RankConsole(out)
+    for line in ["[default0]:",
+                 "[default0]:demo:   0%|          | 0/4 [00:00<?, ?it/s][default0]:hello",
+                 "[default0]:demo:  50%|█████     | 2/4 [00:00<00:00, 19.94it/s]",
+                 "[default0]:demo: 100%|██████████| 4/4 [00:00<00:00, 19.91it/s]",
+                 "[default0]:                                        ",
+                 "[default0]:I1127 12:00:00.000 123 init.cpp:1] start-up chatter",
+                 "[default0]:done, values[0]: 3",
+                 "[default0]:x: 100%|██████████| 1/1 [00:00<00:00, 9.9it/s]",
+                 "[rank0]:Traceback (most recent call last):",
+                 "[rank0]:  File \"x.py\", line 1"]:
+        console.write(line)
+    console.close()
+    assert out.getvalue() == (
+        "\rdemo:   0%|          | 0/4 [00:00<?, ?it/s]\nhello\n"
+        "\rdemo:  50%|█████     | 2/4 [00:00<00:00, 19.94it/s]"
+        "\rdemo: 100%|██████████| 4/4 [00:00<00:00, 19.91it/s]\n"
+        "done, values[0]: 3\n"
+        "\rx: 100%|██████████| 1/1 [00:00<00:00, 9.9it/s]\n")

@@ -410,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
                                    measure=args.measure)))
             if args.max_context:
                 rows = max_context_per_step(args.model, args.gpu_mem, args.batch,
-                                            gpus=args.gpus)
+                                            gpus=args.gpus, workers=os.cpu_count() or 1)
                 searched = {id(r["tries"]): len(r["tries"]) for r in rows if "tries" in r}
                 print(f"\nlongest sequence that fits, by measurement (batch {args.batch}; "
                       f"{sum(searched.values())} fake steps):")

@@ -397,10 +397,14 @@ def max_context(model: str, gpu_mem: str | float | list, stack: Any = None, batc
 
 
 def max_context_per_step(model: str, gpu_mem: str | float, batch_size: int = 1,
-                         grad_accum_steps: int | None = None, gpus: int = 1, step: int = 256
-                         ) -> list[dict[str, Any]]:
+                         grad_accum_steps: int | None = None, gpus: int = 1, step: int = 256,
+                         workers: int = 1) -> list[dict[str, Any]]:
     """The longest sequence that fits ``gpu_mem`` under each escalation step's measured stack
     (``max_context`` per stack; rows with the same stack share one search).
+
+    A fake step's time is Python dispatching each operation (one core busy, whatever the
+    length: 6-19 s per step of an 8 B model on the 2-core AVX2 reference, about 19 steps in
+    all), so ``workers`` processes searching different stacks at once divide the wall time.
 
     Args:
         model: a built-in name or a config path.
@@ -409,28 +413,46 @@ def max_context_per_step(model: str, gpu_mem: str | float, batch_size: int = 1,
         grad_accum_steps: micro-batches in the accumulation row (default as :func:`plan`).
         gpus: GPUs for the FSDP row.
         step: the search's length granularity, in tokens.
+        workers: processes searching at once (1: this one; more: spawned, one stack each at a
+            time, the results the same).
 
     Returns:
         One dict per escalation row: ``step``, ``stack`` and ``max_seq_len`` / ``gpu_GiB`` /
         ``tries`` (or ``measured_stack``: why the row is not measured).
+
+    Raises:
+        ValueError: for counts below 1, naming the parameter.
     """
-    _check_counts(batch_size=batch_size, gpus=gpus)
+    _check_counts(batch_size=batch_size, gpus=gpus, workers=workers)
     if grad_accum_steps is None:
         grad_accum_steps = max(k for k in range(1, 5) if batch_size % k == 0)
     steps = calc.escalation_steps(grad_accum_steps) + [_fsdp_step(gpus)]  # each measured
-    found: dict[Any, dict[str, Any]] = {}
-    out = []
-    for name in steps:
-        stack = _measured_stack(name, grad_accum_steps, gpus)
-        if isinstance(stack, str):
-            out.append({"step": name, "measured_stack": stack})
-            continue
-        if stack not in found:  # an MoE's fp32 experts: the substitute, as plan measures it
-            why, searched = _measured(lambda s: max_context(
-                model, gpu_mem, s, _whole_shares(s, batch_size), step), stack)
-            found[stack] = searched if searched is not None else {"measured_stack": why}
-        out.append({"step": name, **found[stack]})
-    return out
+    stacks = {name: _measured_stack(name, grad_accum_steps, gpus) for name in steps}
+    distinct = list(dict.fromkeys(s for s in stacks.values() if not isinstance(s, str)))
+    args = (model, gpu_mem, batch_size, step)
+    if workers > 1 and len(distinct) > 1:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        # spawned, not forked: a fork of a process whose OpenMP threads started can hang
+        with ProcessPoolExecutor(min(workers, len(distinct)),
+                                 mp_context=multiprocessing.get_context("spawn")) as pool:
+            searched = list(pool.map(_search_stack, distinct, *([a] * len(distinct)
+                                                                 for a in args)))
+    else:
+        searched = [_search_stack(stack, *args) for stack in distinct]
+    found = dict(zip(distinct, searched, strict=True))
+    return [{"step": name, "measured_stack": stack} if isinstance(stack, str)
+            else {"step": name, **found[stack]} for name, stack in stacks.items()]
+
+
+def _search_stack(stack: Any, model: str, gpu_mem: str | float, batch_size: int,
+                  step: int) -> dict[str, Any]:
+    """One stack's :func:`max_context` (an MoE's fp32 experts: the substitute, as :func:`plan`
+    measures it), or why it is not measured; a function of the module, for worker processes."""
+    why, searched = _measured(lambda s: max_context(
+        model, gpu_mem, s, _whole_shares(s, batch_size), step), stack)
+    return searched if searched is not None else {"measured_stack": why}
 
 
 def format_plan(result: dict[str, Any]) -> str:

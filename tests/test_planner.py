@@ -184,6 +184,9 @@ def test_max_context_per_step_searches_each_measured_stack_once(tmp_path, small_
     assert len(searched) == len(set(searched)) == 6  # 8 rows, FSDP not measured, k=1 shared
     lengths = [r["max_seq_len"] for r in rows if "tries" in r]
     assert all(0 <= n <= small_llama.config.max_position_embeddings for n in lengths)
+    # the same searches in two spawned processes (the command line's, one per core)
+    assert planner.max_context_per_step(str(tmp_path), "0.6GiB", batch_size=1, step=16,
+                                        workers=2) == rows
 
 
 def test_a_gemma2_config_json_is_read_as_transformers_reads_it(tmp_path):
@@ -297,6 +300,8 @@ def test_an_architecture_the_formulas_miscount_is_planned_by_measurement_only(tm
     assert out["params_B"] * 1e9 == sum(p.numel() for p in built.parameters())
     with pytest.raises(ValueError, match="batch_size=0"):
         planner.max_context_per_step(str(tmp_path), "1GiB", batch_size=0)
+    with pytest.raises(ValueError, match="workers=0: must be an integer >= 1"):
+        planner.max_context_per_step(str(tmp_path), "1GiB", workers=0)
 
 
 def test_a_mixture_of_experts_is_planned_by_measurement_with_each_substitution_said(tmp_path):

@@ -9,6 +9,7 @@ offload -> FSDP across the GPUs) and names the first that fits. Built-in shapes
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Callable
@@ -429,7 +430,8 @@ def max_context_per_step(model: str, gpu_mem: str | float, batch_size: int = 1,
     steps = calc.escalation_steps(grad_accum_steps) + [_fsdp_step(gpus)]  # each measured
     stacks = {name: _measured_stack(name, grad_accum_steps, gpus) for name in steps}
     distinct = list(dict.fromkeys(s for s in stacks.values() if not isinstance(s, str)))
-    args = (model, gpu_mem, batch_size, step)
+    search = functools.partial(_search_stack, model=model, gpu_mem=gpu_mem,
+                               batch_size=batch_size, step=step)
     if workers > 1 and len(distinct) > 1:
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor
@@ -437,10 +439,9 @@ def max_context_per_step(model: str, gpu_mem: str | float, batch_size: int = 1,
         # spawned, not forked: a fork of a process whose OpenMP threads started can hang
         with ProcessPoolExecutor(min(workers, len(distinct)),
                                  mp_context=multiprocessing.get_context("spawn")) as pool:
-            searched = list(pool.map(_search_stack, distinct, *([a] * len(distinct)
-                                                                 for a in args)))
+            searched = list(pool.map(search, distinct))
     else:
-        searched = [_search_stack(stack, *args) for stack in distinct]
+        searched = [search(stack) for stack in distinct]
     found = dict(zip(distinct, searched, strict=True))
     return [{"step": name, "measured_stack": stack} if isinstance(stack, str)
             else {"step": name, **found[stack]} for name, stack in stacks.items()]

@@ -401,6 +401,36 @@ def meta_model(config: Any, quiet: bool = False, **kwargs: Any) -> nn.Module:
         return AutoModelForCausalLM.from_config(config, **kwargs)
 
 
+# transformers' own "Loading weights" (per tensor) and "Writing model shards" (per file) bars are
+# shown for checkpoints of this size and up, where loading or saving takes seconds; a smaller one
+# (the course's models: ~20 MB, loaded dozens of times a notebook) is done before its bar is drawn
+PROGRESS_BAR_BYTES = 2**30
+
+
+@contextlib.contextmanager
+def transformers_progress_bars(weights_bytes: int | None) -> Iterator[None]:
+    """transformers' progress bars off while the block runs for a checkpoint under
+    :data:`PROGRESS_BAR_BYTES`; left as they are for a larger one or an unknown size (a hub id:
+    its download bars stay). Other progress bars (the course's own, Trainer's) are not touched.
+
+    Args:
+        weights_bytes: the checkpoint's size in bytes, or None where it is not known.
+
+    Returns:
+        A context manager; the setting in force before it is restored on exit.
+    """
+    from transformers.utils import logging as hf_logging
+
+    shown = hf_logging.is_progress_bar_enabled()
+    if shown and weights_bytes is not None and weights_bytes < PROGRESS_BAR_BYTES:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
+
+
 @contextlib.contextmanager
 def quiet_transformers(quiet: bool = True) -> Iterator[None]:
     """transformers' logging at error level while the block runs, when ``quiet``: for builds

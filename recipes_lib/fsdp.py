@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from recipes_lib import data, train_state
-from recipes_lib.architectures import decoder_layers
+from recipes_lib.architectures import decoder_layers, transformers_progress_bars
 from recipes_lib.memory import tensor_bytes
 
 STRATEGIES = ("single", "ddp", "fsdp")
@@ -161,7 +161,8 @@ def export_pretrained(model: torch.nn.Module, path: str | Path, tokenizer=None) 
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
                                                                  cpu_offload=True))
     if not dist.is_initialized() or dist.get_rank() == 0:
-        model.save_pretrained(path, state_dict=state)
+        with transformers_progress_bars(tensor_bytes(state.values())):
+            model.save_pretrained(path, state_dict=state)
         if tokenizer is not None:
             tokenizer.save_pretrained(path)
     if dist.is_initialized():

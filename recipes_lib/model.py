@@ -22,7 +22,8 @@ from typing import Any
 import torch
 
 from recipes_lib import data
-from recipes_lib.architectures import quiet_transformers
+from recipes_lib.architectures import quiet_transformers, transformers_progress_bars
+from recipes_lib.memory import tensor_bytes
 
 DEFAULT_CACHE = Path(os.environ.get("RECIPES_CACHE", Path(__file__).resolve().parent.parent
                                     / ".cache"))
@@ -301,7 +302,8 @@ def _build(out: Path, spec: TinyModelSpec, progress: bool, device: str | torch.d
     result = train(model, examples, tokenizer.pad_token_id, cfg)
     loss_after = eval_loss(model, test, tokenizer.pad_token_id)
 
-    model.save_pretrained(tmp)
+    with transformers_progress_bars(_held_bytes(model)):
+        model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     report = {"spec": asdict(spec), "eval_loss_before": loss_before,
               "eval_loss_after": loss_after, "train_losses": result.losses}
@@ -420,9 +422,23 @@ def save_temporary(model: torch.nn.Module, tokenizer, prefix: str = "model-") ->
         The folder, loadable with ``from_pretrained`` until this process exits.
     """
     out = scratch_folder(prefix)
-    model.save_pretrained(out)
+    with transformers_progress_bars(_held_bytes(model)):
+        model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
+
+
+def _held_bytes(model: torch.nn.Module) -> int:
+    return tensor_bytes([*model.parameters(), *model.buffers()])
+
+
+def _weights_bytes(ident: str) -> int | None:
+    """A local checkpoint folder's weight files in bytes; None for a hub id (not known here)."""
+    folder = Path(ident)
+    if not folder.is_dir():
+        return None
+    return sum(f.stat().st_size for f in folder.iterdir()
+               if f.suffix in (".safetensors", ".bin", ".pt", ".pth"))
 
 
 def load_model(
@@ -472,7 +488,8 @@ def load_model(
         multimodal = _language_model_only(ident, kwargs)
         if config is not None:
             kwargs["config"] = config
-        with quiet_transformers(bool(multimodal)):  # its table of vision-side weights
+        with (quiet_transformers(bool(multimodal)),  # its table of vision-side weights
+              transformers_progress_bars(_weights_bytes(ident))):
             try:
                 model, info = AutoModelForCausalLM.from_pretrained(
                     ident, output_loading_info=True, **kwargs)

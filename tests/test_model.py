@@ -132,22 +132,26 @@ def test_transformers_bars_are_left_out_for_small_checkpoints_only(tiny_model_pa
 
     from recipes_lib.architectures import PROGRESS_BAR_BYTES, transformers_progress_bars
 
-    hf_logging.enable_progress_bar()
-    AutoModelForCausalLM.from_pretrained(tiny_model_path)  # the bar this test looks for exists
-    assert "Loading weights" in capfd.readouterr().err
-    model = models.load_model(tiny_model_path)
-    models.save_temporary(model, models.load_tokenizer(tiny_model_path))
-    err = capfd.readouterr().err
-    assert "Loading weights" not in err and "Writing model shards" not in err
-    for size, shown in ((None, True), (PROGRESS_BAR_BYTES, True), (PROGRESS_BAR_BYTES - 1, False)):
-        with transformers_progress_bars(size):
-            assert hf_logging.is_progress_bar_enabled() is shown, size
-        assert hf_logging.is_progress_bar_enabled()  # restored
-    hf_logging.disable_progress_bar()  # switched off by the user: left off
-    with transformers_progress_bars(None):
+    was = hf_logging.is_progress_bar_enabled()  # put back at the end, whatever happens
+    try:
+        hf_logging.enable_progress_bar()
+        AutoModelForCausalLM.from_pretrained(tiny_model_path)  # the bar looked for exists
+        assert "Loading weights" in capfd.readouterr().err
+        model = models.load_model(tiny_model_path)
+        models.save_temporary(model, models.load_tokenizer(tiny_model_path))
+        err = capfd.readouterr().err
+        assert "Loading weights" not in err and "Writing model shards" not in err
+        for size, shown in ((None, True), (PROGRESS_BAR_BYTES, True),
+                            (PROGRESS_BAR_BYTES - 1, False)):
+            with transformers_progress_bars(size):
+                assert hf_logging.is_progress_bar_enabled() is shown, size
+            assert hf_logging.is_progress_bar_enabled()  # restored
+        hf_logging.disable_progress_bar()  # switched off by the user: left off
+        with transformers_progress_bars(None):
+            assert not hf_logging.is_progress_bar_enabled()
         assert not hf_logging.is_progress_bar_enabled()
-    assert not hf_logging.is_progress_bar_enabled()
-    hf_logging.enable_progress_bar()
+    finally:
+        (hf_logging.enable_progress_bar if was else hf_logging.disable_progress_bar)()
 
 
 def test_a_scratch_folder_goes_when_its_process_exits():

@@ -373,7 +373,9 @@ def main(argv: list[str] | None = None) -> int:
     ck.add_argument("--strip", action="store_true", help="remove outputs and execution counts")
     sub.add_parser("data", help="regenerate data/")
     pl = sub.add_parser("plan", help="which recipes make a training run fit in GPU memory")
-    pl.add_argument("--model", required=True, help="built-in name or a config.json path")
+    pl.add_argument("--model", required=True,
+                    help="a built-in name or its hub id (e.g. Llama-3.1-8B, Qwen/Qwen3-8B, "
+                    "google/gemma-2-9b-it) or a config.json path")
     pl.add_argument("--gpu-mem", required=True, help="memory per GPU, e.g. 16GB or 80GiB")
     pl.add_argument("--seq", type=int, default=2048, help="sequence length")
     pl.add_argument("--batch", type=int, default=8, help="sequences per optimizer step")

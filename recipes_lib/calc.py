@@ -1201,6 +1201,138 @@ PRESETS = {
     "Qwen2.5-0.5B": ModelShape(151936, 896, 4864, 24, 14, 2, tie_word_embeddings=True),
     "Qwen2.5-7B": ModelShape(152064, 3584, 18944, 28, 28, 4),
 }
+# config.json fields of real models the Llama-shaped presets above cannot stand for (heads wider
+# than hidden / heads, tied embeddings, sliding windows, Gemma-2's soft-capping and eager
+# attention, Phi-3's fused projections), read as transformers reads a config.json: the planner,
+# the fake-tensor meter and notebook 01's form take these names offline. Each entry is its hub
+# repository's config.json as published (the fields that shape the model), tokenizer ids left out.
+# What both Gemma-2 sizes' config.json files hold alike; tie_word_embeddings is left out there,
+# and transformers' default ties them.
+_GEMMA2 = {"model_type": "gemma2", "vocab_size": 256000, "head_dim": 256,
+           "max_position_embeddings": 8192, "query_pre_attn_scalar": 256,
+           "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
+           "sliding_window": 4096, "rope_theta": 10000.0}
+CONFIGS: dict[str, dict[str, Any]] = {
+    "Qwen3-0.6B": {  # Qwen/Qwen3-0.6B
+        "model_type": "qwen3", "vocab_size": 151936, "hidden_size": 1024,
+        "intermediate_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16,
+        "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 40960,
+        "rope_theta": 1000000, "tie_word_embeddings": True, "use_sliding_window": False},
+    "Qwen3-8B": {  # Qwen/Qwen3-8B
+        "model_type": "qwen3", "vocab_size": 151936, "hidden_size": 4096,
+        "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 40960,
+        "rope_theta": 1000000, "tie_word_embeddings": False, "use_sliding_window": False},
+    "Gemma-2-2B": {  # google/gemma-2-2b
+        **_GEMMA2, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+        "num_attention_heads": 8, "num_key_value_heads": 4},
+    "Gemma-2-9B": {  # google/gemma-2-9b
+        **_GEMMA2, "hidden_size": 3584, "intermediate_size": 14336, "num_hidden_layers": 42,
+        "num_attention_heads": 16, "num_key_value_heads": 8},
+    "Gemma-3-1B": {  # google/gemma-3-1b-pt (text only; Gemma-3 4B and up are multimodal)
+        "model_type": "gemma3_text", "vocab_size": 262144, "hidden_size": 1152,
+        "intermediate_size": 6912, "num_hidden_layers": 26, "num_attention_heads": 4,
+        "num_key_value_heads": 1, "head_dim": 256, "max_position_embeddings": 32768,
+        "query_pre_attn_scalar": 256, "sliding_window": 512, "sliding_window_pattern": 6,
+        "rope_theta": 1000000, "rope_local_base_freq": 10000},
+    "Phi-3-mini-4k-instruct": {  # microsoft/Phi-3-mini-4k-instruct
+        "model_type": "phi3", "vocab_size": 32064, "hidden_size": 3072,
+        "intermediate_size": 8192, "num_hidden_layers": 32, "num_attention_heads": 32,
+        "num_key_value_heads": 32, "max_position_embeddings": 4096,
+        "original_max_position_embeddings": 4096, "sliding_window": 2047,
+        "rope_theta": 10000.0, "tie_word_embeddings": False},
+    "Phi-4": {  # microsoft/phi-4
+        "model_type": "phi3", "vocab_size": 100352, "hidden_size": 5120,
+        "intermediate_size": 17920, "num_hidden_layers": 40, "num_attention_heads": 40,
+        "num_key_value_heads": 10, "max_position_embeddings": 16384,
+        "original_max_position_embeddings": 16384, "sliding_window": None,
+        "rope_theta": 250000, "tie_word_embeddings": False},
+}
+# Hub names of a preset's fine-tuned or converted variants, the same shapes:
+# meta-llama/Llama-3.1-8B-Instruct, google/gemma-2-9b-it, meta-llama/Llama-2-7b-chat-hf
+VARIANT_SUFFIXES = ("-instruct", "-chat", "-hf", "-it", "-pt", "-base")
+
+
+def preset_names() -> list[str]:
+    """Every built-in model name: the Llama-shaped :data:`PRESETS`, then :data:`CONFIGS`.
+
+    Returns:
+        The names, as the planner, the fake-tensor meter and their errors list them.
+
+    Example:
+        >>> "Qwen3-8B" in preset_names() and "Llama-3.1-8B" in preset_names()
+        True
+    """
+    return [*PRESETS, *CONFIGS]
+
+
+def find_preset(model: Any) -> str | None:
+    """The built-in model a name or hub id stands for, or None.
+
+    Case-insensitive, by the last part of a hub id; a fine-tuned variant's suffixes
+    (:data:`VARIANT_SUFFIXES`) are dropped when the name itself is not built in. A local file or
+    folder of the name is the user's own config, never replaced by a preset's, unless the name
+    is a preset's exactly (``Llama-3.1-8B``), as the planner has always read it.
+
+    Args:
+        model: a name, a hub id or a path.
+
+    Returns:
+        A key of :data:`PRESETS` or :data:`CONFIGS`, or None.
+
+    Example:
+        >>> find_preset("meta-llama/Llama-3.1-8B-Instruct"), find_preset("google/gemma-2-9b-it")
+        ('Llama-3.1-8B', 'Gemma-2-9B')
+        >>> find_preset("mistralai/Mistral-7B-Instruct-v0.3") is None  # v0.3: 32768 tokens
+        True
+    """
+    from pathlib import Path
+
+    names = {k.lower(): k for k in preset_names()}
+    key = str(model).rstrip("/").split("/")[-1].lower()
+    if key in names:
+        return names[key]
+    if Path(str(model)).exists():
+        return None
+    while key:
+        shorter = next((key[:-len(s)] for s in VARIANT_SUFFIXES if key.endswith(s)), None)
+        if shorter is None:
+            return None
+        key = shorter
+        if key in names:
+            return names[key]
+    return None
+
+
+def preset_shape(name: str) -> ModelShape:
+    """The sizes of a built-in model (:func:`find_preset`'s names).
+
+    Args:
+        name: a key of :data:`PRESETS` or :data:`CONFIGS`.
+
+    Returns:
+        Its :class:`ModelShape`; a :data:`CONFIGS` entry's read as transformers reads the
+        config (Gemma-2's tied embeddings and eager attention's score bytes included).
+
+    Raises:
+        ValueError: naming ``name`` where it is not built in, listing the names that are.
+
+    Example:
+        >>> preset_shape("Qwen3-8B").q_size  # 32 heads of 128 on a 4096-wide stream
+        4096
+    """
+    if name in PRESETS:
+        return PRESETS[name]
+    if name in CONFIGS:
+        return _config_shape(name)
+    raise ValueError(f"name={name!r}: not a built-in model ({', '.join(preset_names())})")
+
+
+@functools.cache
+def _config_shape(name: str) -> ModelShape:
+    return ModelShape.from_config(CONFIGS[name], name)
+
+
 # The decision table in notebook 02 plans for the current Llama generation.
 LLAMA3 = {k: v for k, v in PRESETS.items() if k.startswith("Llama-3")}
 DATA_PARALLEL = ("ddp", "zero2", "fsdp", "fsdp_offload")

@@ -358,8 +358,8 @@ def model_config(model: Any):
     config object.
 
     Args:
-        model: a preset name (``calc.PRESETS``), a folder with a config.json or a config
-            file (of any name), or a config object.
+        model: a built-in name or its hub id (``calc.find_preset``), a folder with a
+            config.json or a config file (of any name), or a config object.
 
     Returns:
         The config (a ``PretrainedConfig``); for a multimodal checkpoint's, its language
@@ -376,10 +376,10 @@ def model_config(model: Any):
         config = model
     elif isinstance(model, dict):  # a config's to_dict(), e.g. sent to the ranks of a real run
         config = AutoConfig.for_model(**model)
-    elif isinstance(model, calc.ModelShape) or str(model).split("/")[-1].lower() in {
-            k.lower() for k in calc.PRESETS}:
-        shape = model if isinstance(model, calc.ModelShape) else next(
-            v for k, v in calc.PRESETS.items() if k.lower() == str(model).split("/")[-1].lower())
+    elif (preset := calc.find_preset(model)) in calc.CONFIGS:  # Qwen3, Gemma, Phi: their class
+        config = AutoConfig.for_model(**calc.CONFIGS[preset])
+    elif isinstance(model, calc.ModelShape) or preset:
+        shape = model if isinstance(model, calc.ModelShape) else calc.PRESETS[preset]
         config = LlamaConfig(vocab_size=shape.vocab_size, hidden_size=shape.hidden_size,
                              intermediate_size=shape.intermediate_size,
                              num_hidden_layers=shape.num_hidden_layers,
@@ -393,7 +393,7 @@ def model_config(model: Any):
             path = path / "config.json"
         if not path.is_file():
             raise ValueError(f"model={str(model)!r}: not a built-in preset "
-                             f"({', '.join(calc.PRESETS)}) and no config.json there")
+                             f"({', '.join(calc.preset_names())}) and no config.json there")
         try:
             config = AutoConfig.from_pretrained(path)
         except (OSError, ValueError) as err:  # not JSON, or no model_type transformers knows
@@ -789,7 +789,8 @@ def measure_step(model: Any, stack: Stack = Stack(), seq_len: int = 2048, batch_
     step).
 
     Args:
-        model: a preset name (``calc.PRESETS``), a ``config.json`` path or a config.
+        model: a built-in name or its hub id (``calc.find_preset``), a ``config.json`` path
+            or a config.
         stack: the recipes applied.
         seq_len, batch_size: tokens per sequence and sequences per optimizer step (over all
             ranks with FSDP: each rank takes ``batch_size / stack.fsdp_ranks``).

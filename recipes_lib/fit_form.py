@@ -112,7 +112,7 @@ def form(model: str = "Llama-3.1-8B", gpu_mem: str = "24GB", seq_len: int = 2048
     from IPython.display import display
 
     fields = {
-        "model": w.Combobox(value=model, options=list(calc.PRESETS),
+        "model": w.Combobox(value=model, options=calc.preset_names(),
                             description="model", placeholder="preset or config.json path"),
         "gpu_mem": w.Text(value=str(gpu_mem), description="GPU memory"),
         "seq_len": w.IntText(value=seq_len, description="sequence"),

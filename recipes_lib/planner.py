@@ -3,8 +3,9 @@
 ``python -m recipes_lib plan --model Llama-2-7B --gpu-mem 16GB --seq 2048 --batch 8`` lists, in
 the order practitioners escalate, the predicted memory of each step (full fine-tune -> with 8-bit
 AdamW states -> LoRA -> QLoRA -> activation checkpointing -> gradient accumulation -> optimizer
-offload -> FSDP across the GPUs) and names the first that fits. Built-in shapes
-(``calc.PRESETS``) work offline; any transformers ``config.json`` works too.
+offload -> FSDP across the GPUs) and names the first that fits. Built-in models
+(``calc.preset_names()``: Llama, Mistral, Qwen2.5/3, Gemma-2/3, Phi-3/4, by name or hub id)
+work offline; any transformers ``config.json`` works too.
 """
 
 from __future__ import annotations
@@ -116,7 +117,8 @@ def parse_bytes(text: str | float, name: str = "gpu_mem") -> float:
 
 
 def resolve_shape(model: str) -> tuple[str, calc.ModelShape]:
-    """A built-in name (case-insensitive), a ``config.json`` or a folder holding one.
+    """A built-in name or its hub id (``calc.find_preset``), a ``config.json`` or a folder
+    holding one.
 
     Args:
         model: the name or path.
@@ -131,10 +133,9 @@ def resolve_shape(model: str) -> tuple[str, calc.ModelShape]:
             do not describe (``calc.check_counted``, layers of two shapes, a mixture of
             experts).
     """
-    by_lower = {k.lower(): k for k in calc.PRESETS}
-    key = model.split("/")[-1].lower()  # "meta-llama/Llama-2-7B" -> "llama-2-7b"
-    if key in by_lower:
-        return by_lower[key], calc.PRESETS[by_lower[key]]
+    preset = calc.find_preset(model)  # "meta-llama/Llama-2-7b-hf" -> "Llama-2-7B"
+    if preset:
+        return preset, calc.preset_shape(preset)
     path = Path(model)
     if path.is_dir():
         path = path / "config.json"
@@ -154,7 +155,8 @@ def resolve_shape(model: str) -> tuple[str, calc.ModelShape]:
             err.model_name = name
             raise
         return name, shape
-    raise ValueError(f"model={model!r}: not a built-in model ({', '.join(calc.PRESETS)}) and "
+    raise ValueError(f"model={model!r}: not a built-in model ({', '.join(calc.preset_names())}) "
+                     "and "
                      "no config.json there; hub ids cannot be fetched offline, so pass a "
                      "local config.json")
 

@@ -60,6 +60,49 @@ def test_config_file_and_hub_style_names(tmp_path, small_llama):
     assert planner.resolve_shape("meta-llama/Llama-2-7B")[0] == "Llama-2-7B"
 
 
+def test_a_fine_tuned_variants_hub_id_names_its_built_in_model(tmp_path, small_llama):
+    for hub_id, name in [("meta-llama/Llama-3.1-8B-Instruct", "Llama-3.1-8B"),
+                         ("meta-llama/Llama-2-7b-chat-hf", "Llama-2-7B"),
+                         ("Qwen/Qwen2.5-7B-Instruct", "Qwen2.5-7B"),
+                         ("google/gemma-2-9b-it", "Gemma-2-9B"),
+                         ("google/gemma-3-1b-pt", "Gemma-3-1B"), ("microsoft/phi-4", "Phi-4")]:
+        assert planner.resolve_shape(hub_id) == (name, calc.preset_shape(name)), hub_id
+    # Mistral v0.3 has 32768 tokens, not the preset's (v0.1) 32000: no suffix rule maps it
+    assert calc.find_preset("mistralai/Mistral-7B-Instruct-v0.3") is None
+    # a folder of the user's own, named like a variant, is read, not replaced by the preset
+    small_llama.config.save_pretrained(tmp_path / "Llama-2-7b-hf")
+    name, shape = planner.resolve_shape(str(tmp_path / "Llama-2-7b-hf"))
+    assert name == "Llama-2-7b-hf" and shape.hidden_size == 64
+    with pytest.raises(ValueError, match=r"name='Qwen3-9B': not a built-in model \(Llama-3.2-1B"):
+        calc.preset_shape("Qwen3-9B")
+
+
+@pytest.mark.parametrize("name, card_billions, config_class", [
+    ("Qwen3-0.6B", 0.6, "Qwen3Config"), ("Qwen3-8B", 8.2, "Qwen3Config"),
+    ("Gemma-2-2B", 2.6, "Gemma2Config"), ("Gemma-2-9B", 9.24, "Gemma2Config"),
+    ("Gemma-3-1B", 1.0, "Gemma3TextConfig"), ("Phi-3-mini-4k-instruct", 3.8, "Phi3Config"),
+    ("Phi-4", 14.7, "Phi3Config")])
+def test_a_built_in_config_counts_as_its_model_card_and_transformers_do(name, card_billions,
+                                                                         config_class):
+    """The parameter count each model card gives, to its digits; transformers' own model of the
+    config, built on the meta device, agrees with the calculator (``check_counted``); the
+    fake-tensor meter gets the architecture's config class, not a Llama stand-in."""
+    from recipes_lib import fake_memory
+
+    total = calc.param_count(calc.preset_shape(name))["total"] / 1e9
+    digits = len(str(card_billions).split(".")[1])
+    assert round(total, digits) == card_billions, total
+    calc.check_counted(calc.CONFIGS[name], name)
+    assert type(fake_memory.model_config(name)).__name__ == config_class
+
+
+def test_the_cli_plans_a_built_in_gemma_by_its_hub_id(capsys):
+    assert main(["plan", "--model", "google/gemma-2-9b-it", "--gpu-mem", "24GB", "--seq",
+                 "2048", "--batch", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "Gemma-2-9B" in out and "runs eager attention" in out
+
+
 def test_parse_bytes():
     assert planner.parse_bytes("16GB") == 16e9
     assert planner.parse_bytes("24GiB") == planner.parse_bytes("24") == 24 * 2**30
@@ -193,12 +236,11 @@ def test_a_gemma2_config_json_is_read_as_transformers_reads_it(tmp_path):
     """A Gemma-2 config.json leaves out tie_word_embeddings (True in Gemma2Config) and its
     layer types; transformers has no SDPA for it, so the plan counts eager attention's scores
     and says so."""
-    fields = {"model_type": "gemma2", "vocab_size": 256000, "hidden_size": 3584,
-              "intermediate_size": 14336, "num_hidden_layers": 42, "num_attention_heads": 16,
-              "num_key_value_heads": 8, "head_dim": 256, "sliding_window": 4096,
-              "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}
+    fields = calc.CONFIGS["Gemma-2-9B"]  # google/gemma-2-9b's config.json
+    assert "tie_word_embeddings" not in fields
     (tmp_path / "config.json").write_text(json.dumps(fields))
     _, shape = planner.resolve_shape(str(tmp_path))
+    assert shape == calc.preset_shape("Gemma-2-9B")
     assert shape.tie_word_embeddings and shape.sliding_layers == 21 and shape.score_bytes == 8
     assert round(calc.param_count(shape)["total"] / 1e9, 2) == 9.24  # Gemma-2-9B's published
     result = planner.plan(str(tmp_path), "24GB", seq_len=2048, batch_size=1, grad_accum_steps=1)

@@ -42,6 +42,7 @@ from recipes_lib.data import IGNORE_INDEX
 from recipes_lib.fsdp import shard_model
 from recipes_lib.grad_accumulation import forward_backward
 from recipes_lib.memory import MemoryReport, allocator_peak, measure_memory
+from recipes_lib.model import hub_config_file
 from recipes_lib.offload import CPUOffloadOptimizer
 from recipes_lib.optim8bit import make_adamw_8bit
 from recipes_lib.quantization import nf4_config, require_bitsandbytes
@@ -391,6 +392,8 @@ def model_config(model: Any):
         path = Path(str(model))  # a folder with a config.json, or a config file of any name
         if path.is_dir():
             path = path / "config.json"
+        if not path.is_file():
+            path = hub_config_file(str(model)) or path  # a hub id: from the hub or its cache
         if not path.is_file():
             raise ValueError(f"model={str(model)!r}: not a built-in preset "
                              f"({', '.join(calc.preset_names())}) and no config.json there")

@@ -357,6 +357,44 @@ def _check_source(model_id_or_path: str | Path) -> str:
     return ident
 
 
+def hub_config_file(model: str) -> Path | None:
+    """A hub model's ``config.json``, from the hub or from the Hugging Face cache
+    (``huggingface_hub.hf_hub_download``: it honours HF_HUB_OFFLINE, and without a network it
+    falls back to a copy already cached), for the planner and the fake-tensor meter, which need
+    a model's config and not its weights.
+
+    Args:
+        model: a hub id, ``namespace/name``.
+
+    Returns:
+        The file's local path; None where ``model`` is not a hub id of that form (a bare name, a
+        path, a ``.json`` file), so that the caller's own error names it.
+
+    Raises:
+        ValueError: naming ``model`` where the hub cannot give it (no network and not cached, no
+            such repository, a gated one without a token, no config.json there), with the
+            reason and what to do offline.
+
+    Example:
+        >>> hub_config_file("Llama-3.1-8B") is None and hub_config_file("configs/x.json") is None
+        True
+    """
+    ident = str(model)
+    if (ident.count("/") != 1 or _looks_like_a_path(ident) or ident.endswith(".json")
+            or Path(ident).exists()):
+        return None
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError
+
+    try:
+        return Path(hf_hub_download(ident, "config.json"))
+    except (OSError, ValueError, EntryNotFoundError) as err:  # offline, not found, gated, bad id
+        raise ValueError(
+            f"model={ident!r}: no config.json from the hub ({_first_line(err)}); offline, pass "
+            f"a built-in name or a local config.json (huggingface-cli download {ident} "
+            "config.json, where a network exists, puts it in the cache this reads)") from err
+
+
 def _first_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0][:300]}"
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from recipes_lib import calc
+from recipes_lib import model as models
 
 # What a fake trace cannot see, modelled as its own row (never folded into the measured figure):
 # the CUDA context lives outside PyTorch's allocator (a few hundred MiB; it depends on the driver,
@@ -118,16 +119,18 @@ def parse_bytes(text: str | float, name: str = "gpu_mem") -> float:
 
 def resolve_shape(model: str) -> tuple[str, calc.ModelShape]:
     """A built-in name or its hub id (``calc.find_preset``), a ``config.json`` or a folder
-    holding one.
+    holding one, or any other hub id (its config.json from the hub or the Hugging Face cache,
+    ``model.hub_config_file``).
 
     Args:
-        model: the name or path.
+        model: the name, hub id or path.
 
     Returns:
         ``(name, shape)``.
 
     Raises:
-        ValueError: for an unknown name (listing the built-ins), a file that is not a
+        ValueError: for an unknown name (listing the built-ins), a hub id the hub cannot give
+            (offline and not cached: with the reason), a file that is not a
             transformers decoder config; ``calc.NotDescribedError`` (a ValueError with
             ``model_name`` and ``built``, transformers' parameter count) for one the formulas
             do not describe (``calc.check_counted``, layers of two shapes, a mixture of
@@ -136,18 +139,18 @@ def resolve_shape(model: str) -> tuple[str, calc.ModelShape]:
     preset = calc.find_preset(model)  # "meta-llama/Llama-2-7b-hf" -> "Llama-2-7B"
     if preset:
         return preset, calc.preset_shape(preset)
-    path = Path(model)
-    if path.is_dir():
-        path = path / "config.json"
-    if path.is_file():
+    path = _config_file(model)
+    if path is not None:
         try:
             config = json.loads(path.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
             raise ValueError(f"model={model!r}: not a JSON config file ({err})") from err
         if not isinstance(config, dict):
             raise ValueError(f"model={model!r}: not a transformers config")
-        # named by its folder (…/Qwen3-0.6B/config.json) or, saved under its own name, its file
-        name = (path.parent.name if path.name == "config.json" else path.stem) or model
+        if not Path(model).exists():  # a hub id, named by its name
+            name = model.split("/")[-1]
+        else:  # named by its folder (…/Qwen3-0.6B/config.json) or, saved under its own name, file
+            name = (path.parent.name if path.name == "config.json" else path.stem) or model
         try:
             shape = calc.ModelShape.from_config(config, f"model={model!r}")
             calc.check_counted(config, f"model={model!r}")
@@ -156,17 +159,28 @@ def resolve_shape(model: str) -> tuple[str, calc.ModelShape]:
             raise
         return name, shape
     raise ValueError(f"model={model!r}: not a built-in model ({', '.join(calc.preset_names())}) "
-                     "and "
-                     "no config.json there; hub ids cannot be fetched offline, so pass a "
-                     "local config.json")
+                     "and no config.json there (a hub model: its namespace/name id, read from "
+                     "the hub or, offline, the Hugging Face cache)")
+
+
+def _config_file(model: str) -> Path | None:
+    """The config.json that ``model`` names: a file, a folder's, or a hub id's (from the hub or
+    its cache, ``model.hub_config_file``); None where it names none (a built-in model)."""
+    if calc.find_preset(model):
+        return None
+    path = Path(model)
+    if path.is_dir():
+        path = path / "config.json"
+    if path.is_file():
+        return path
+    return models.hub_config_file(model)
 
 
 def _multimodal(model: str) -> bool:
-    """Whether ``model`` is a config.json (or its folder) with a ``text_config``."""
-    path = Path(model)
-    path = path / "config.json" if path.is_dir() else path
+    """Whether ``model`` is a config.json (its folder, its hub id) with a ``text_config``."""
+    path = _config_file(model)
     try:
-        return path.is_file() and "text_config" in json.loads(path.read_text())
+        return path is not None and "text_config" in json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError, TypeError):
         return False
 

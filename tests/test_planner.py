@@ -77,6 +77,33 @@ def test_a_fine_tuned_variants_hub_id_names_its_built_in_model(tmp_path, small_l
         calc.preset_shape("Qwen3-9B")
 
 
+def test_any_other_hub_id_is_read_from_the_hub_or_its_cache(tmp_path, small_llama, monkeypatch):
+    """huggingface_hub's own download, offline, on a cache laid out as it lays one out: what a
+    config.json fetched once with a network (or by huggingface-cli download) gives later."""
+    import huggingface_hub.constants
+
+    from recipes_lib import fake_memory
+    from recipes_lib import model as models
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    repo = tmp_path / "models--acme--tiny-llama"
+    small_llama.config.save_pretrained(repo / "snapshots" / ("0" * 40))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0" * 40)
+    name, shape = planner.resolve_shape("acme/tiny-llama")
+    assert name == "tiny-llama" and (shape.hidden_size, shape.num_hidden_layers) == (64, 2)
+    assert fake_memory.model_config("acme/tiny-llama").hidden_size == 64
+    with pytest.raises(ValueError, match=r"^model='acme/other': no config.json from the hub "
+                                         r"\(LocalEntryNotFoundError: .*huggingface-cli download"):
+        planner.resolve_shape("acme/other")
+    with pytest.raises(ValueError, match="model='acme/other': no config.json from the hub"):
+        fake_memory.model_config("acme/other")
+    # not hub ids: a bare name, a missing .json file, a path; the caller's own error names them
+    for not_an_id in ("tiny-llama", "configs/tiny.json", str(tmp_path / "nothing")):
+        assert models.hub_config_file(not_an_id) is None
+
+
 @pytest.mark.parametrize("name, card_billions, config_class", [
     ("Qwen3-0.6B", 0.6, "Qwen3Config"), ("Qwen3-8B", 8.2, "Qwen3Config"),
     ("Gemma-2-2B", 2.6, "Gemma2Config"), ("Gemma-2-9B", 9.24, "Gemma2Config"),

@@ -1235,6 +1235,11 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "num_key_value_heads": 1, "head_dim": 256, "max_position_embeddings": 32768,
         "query_pre_attn_scalar": 256, "sliding_window": 512, "sliding_window_pattern": 6,
         "rope_theta": 1000000, "rope_local_base_freq": 10000},
+    "Mistral-7B-v0.3": {  # mistralai/Mistral-7B-v0.3 (the Mistral-7B preset is v0.1's sizes)
+        "model_type": "mistral", "vocab_size": 32768, "hidden_size": 4096,
+        "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "max_position_embeddings": 32768, "rope_theta": 1000000.0,
+        "sliding_window": None, "tie_word_embeddings": False},
     "Phi-3-mini-4k-instruct": {  # microsoft/Phi-3-mini-4k-instruct
         "model_type": "phi3", "vocab_size": 32064, "hidden_size": 3072,
         "intermediate_size": 8192, "num_hidden_layers": 32, "num_attention_heads": 32,
@@ -1248,9 +1253,10 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "original_max_position_embeddings": 16384, "sliding_window": None,
         "rope_theta": 250000, "tie_word_embeddings": False},
 }
-# Hub names of a preset's fine-tuned or converted variants, the same shapes:
-# meta-llama/Llama-3.1-8B-Instruct, google/gemma-2-9b-it, meta-llama/Llama-2-7b-chat-hf
-VARIANT_SUFFIXES = ("-instruct", "-chat", "-hf", "-it", "-pt", "-base")
+# Words in the hub names of a preset's fine-tuned or converted variants, the same shapes:
+# meta-llama/Llama-3.1-8B-Instruct, google/gemma-2-9b-it, meta-llama/Llama-2-7b-chat-hf,
+# mistralai/Mistral-7B-Instruct-v0.3
+VARIANT_WORDS = ("instruct", "chat", "hf", "it", "pt", "base")
 
 
 def preset_names() -> list[str]:
@@ -1269,8 +1275,9 @@ def preset_names() -> list[str]:
 def find_preset(model: Any) -> str | None:
     """The built-in model a name or hub id stands for, or None.
 
-    Case-insensitive, by the last part of a hub id; a fine-tuned variant's suffixes
-    (:data:`VARIANT_SUFFIXES`) are dropped when the name itself is not built in. A local file or
+    Case-insensitive, by the last part of a hub id; a fine-tuned variant's words
+    (:data:`VARIANT_WORDS`, between dashes) are dropped when the name itself is not built in.
+    A local file or
     folder of the name is the user's own config, never replaced by a preset's, unless the name
     is a preset's exactly (``Llama-3.1-8B``), as the planner has always read it.
 
@@ -1283,8 +1290,8 @@ def find_preset(model: Any) -> str | None:
     Example:
         >>> find_preset("meta-llama/Llama-3.1-8B-Instruct"), find_preset("google/gemma-2-9b-it")
         ('Llama-3.1-8B', 'Gemma-2-9B')
-        >>> find_preset("mistralai/Mistral-7B-Instruct-v0.3") is None  # v0.3: 32768 tokens
-        True
+        >>> find_preset("mistralai/Mistral-7B-Instruct-v0.3")  # 32768 tokens, not v0.1's 32000
+        'Mistral-7B-v0.3'
     """
     from pathlib import Path
 
@@ -1294,14 +1301,7 @@ def find_preset(model: Any) -> str | None:
         return names[key]
     if Path(str(model)).exists():
         return None
-    while key:
-        shorter = next((key[:-len(s)] for s in VARIANT_SUFFIXES if key.endswith(s)), None)
-        if shorter is None:
-            return None
-        key = shorter
-        if key in names:
-            return names[key]
-    return None
+    return names.get("-".join(w for w in key.split("-") if w not in VARIANT_WORDS))
 
 
 def preset_shape(name: str) -> ModelShape:

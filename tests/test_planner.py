@@ -65,10 +65,12 @@ def test_a_fine_tuned_variants_hub_id_names_its_built_in_model(tmp_path, small_l
                          ("meta-llama/Llama-2-7b-chat-hf", "Llama-2-7B"),
                          ("Qwen/Qwen2.5-7B-Instruct", "Qwen2.5-7B"),
                          ("google/gemma-2-9b-it", "Gemma-2-9B"),
-                         ("google/gemma-3-1b-pt", "Gemma-3-1B"), ("microsoft/phi-4", "Phi-4")]:
+                         ("google/gemma-3-1b-pt", "Gemma-3-1B"), ("microsoft/phi-4", "Phi-4"),
+                         ("mistralai/Mistral-7B-Instruct-v0.3", "Mistral-7B-v0.3")]:
         assert planner.resolve_shape(hub_id) == (name, calc.preset_shape(name)), hub_id
-    # Mistral v0.3 has 32768 tokens, not the preset's (v0.1) 32000: no suffix rule maps it
-    assert calc.find_preset("mistralai/Mistral-7B-Instruct-v0.3") is None
+    # v0.3's 32768 tokens, not the Mistral-7B preset's (v0.1) 32000
+    assert calc.preset_shape("Mistral-7B-v0.3").vocab_size == 32768
+    assert calc.find_preset("mistralai/Mistral-Nemo-Instruct-2407") is None
     # a folder of the user's own, named like a variant, is read, not replaced by the preset
     small_llama.config.save_pretrained(tmp_path / "Llama-2-7b-hf")
     name, shape = planner.resolve_shape(str(tmp_path / "Llama-2-7b-hf"))
@@ -107,7 +109,8 @@ def test_any_other_hub_id_is_read_from_the_hub_or_its_cache(tmp_path, small_llam
 @pytest.mark.parametrize("name, card_billions, config_class", [
     ("Qwen3-0.6B", 0.6, "Qwen3Config"), ("Qwen3-8B", 8.2, "Qwen3Config"),
     ("Gemma-2-2B", 2.6, "Gemma2Config"), ("Gemma-2-9B", 9.24, "Gemma2Config"),
-    ("Gemma-3-1B", 1.0, "Gemma3TextConfig"), ("Phi-3-mini-4k-instruct", 3.8, "Phi3Config"),
+    ("Gemma-3-1B", 1.0, "Gemma3TextConfig"), ("Mistral-7B-v0.3", 7.25, "MistralConfig"),
+    ("Phi-3-mini-4k-instruct", 3.8, "Phi3Config"),
     ("Phi-4", 14.7, "Phi3Config")])
 def test_a_built_in_config_counts_as_its_model_card_and_transformers_do(name, card_billions,
                                                                          config_class):

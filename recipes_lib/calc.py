@@ -12,6 +12,7 @@ import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 # Bytes per weight of each storage format. NF4: 4 bits + one fp32 absmax per 64-weight block;
@@ -1293,8 +1294,6 @@ def find_preset(model: Any) -> str | None:
         >>> find_preset("mistralai/Mistral-7B-Instruct-v0.3")  # 32768 tokens, not v0.1's 32000
         'Mistral-7B-v0.3'
     """
-    from pathlib import Path
-
     names = {k.lower(): k for k in preset_names()}
     key = str(model).rstrip("/").split("/")[-1].lower()
     if key in names:

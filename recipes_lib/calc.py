@@ -1256,8 +1256,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
 }
 # Words in the hub names of a preset's fine-tuned or converted variants, the same shapes:
 # meta-llama/Llama-3.1-8B-Instruct, google/gemma-2-9b-it, meta-llama/Llama-2-7b-chat-hf,
-# mistralai/Mistral-7B-Instruct-v0.3
-VARIANT_WORDS = ("instruct", "chat", "hf", "it", "pt", "base")
+# mistralai/Mistral-7B-Instruct-v0.3, and Llama 3.1's first repository names (Meta-Llama-3.1-8B)
+VARIANT_WORDS = ("instruct", "chat", "hf", "it", "pt", "base", "meta")
 
 
 def preset_names() -> list[str]:

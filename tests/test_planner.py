@@ -62,6 +62,7 @@ def test_config_file_and_hub_style_names(tmp_path, small_llama):
 
 def test_a_fine_tuned_variants_hub_id_names_its_built_in_model(tmp_path, small_llama):
     for hub_id, name in [("meta-llama/Llama-3.1-8B-Instruct", "Llama-3.1-8B"),
+                         ("meta-llama/Meta-Llama-3.1-70B-Instruct", "Llama-3.1-70B"),
                          ("meta-llama/Llama-2-7b-chat-hf", "Llama-2-7B"),
                          ("Qwen/Qwen2.5-7B-Instruct", "Qwen2.5-7B"),
                          ("google/gemma-2-9b-it", "Gemma-2-9B"),

@@ -349,7 +349,34 @@ def plan(model: str, gpu_mem: str | float, seq_len: int = 2048, batch_size: int 
                 "#1849) and QLoRA quantizes its attention only")
         out["cheapest_measured"] = next((r["step"] for r in rows if r.get("measured_fits")),
                                         "nothing measured fits")
+    out["trainer"] = _trainer_settings(model, out.get("cheapest_measured", out["cheapest"]),
+                                       batch_size, grad_accum_steps, gpus)
     return out
+
+
+def _trainer_settings(model: str, step: str, batch_size: int, grad_accum_steps: int,
+                      gpus: int) -> dict[str, Any] | None:
+    """The cheapest step that fits as Trainer / peft / bitsandbytes settings
+    (``trainers.stack_settings`` of the stack the row measures), with the line that loads the
+    model; None where nothing fits."""
+    from recipes_lib import trainers
+
+    stack = _measured_stack(step, grad_accum_steps, gpus)
+    if isinstance(stack, str):  # nothing fits
+        return None
+    block = None
+    if stack.fsdp_ranks > 1:  # the block class FSDP wraps, read from the model built on meta
+        from recipes_lib import architectures, fake_memory
+
+        meta = architectures.meta_model(fake_memory.model_config(model), quiet=True)
+        block = architectures.architecture_name(architectures.decoder_layers(meta)[0])
+    try:
+        settings = trainers.stack_settings(stack, _whole_shares(stack, batch_size), block)
+    except ValueError as err:  # micro-batches that do not divide the batch
+        return {"step": step, "error": str(err)}
+    source = model if "/" in model or Path(model).exists() else f"<hub id of {model}>"
+    return {"step": step, "settings": settings,
+            "code": trainers.format_settings(settings, source)}
 
 
 def max_context(model: str, gpu_mem: str | float | list, stack: Any = None, batch_size: int = 1,
@@ -510,6 +537,10 @@ def format_plan(result: dict[str, Any]) -> str:
             else:
                 lines.append(f"{r['step']:<52} {'':>8} {'':>8}  {'':<4} {r['measured_stack']}")
         lines.append(f"cheapest measured that fits: {result['cheapest_measured']}")
+    trainer = result.get("trainer")
+    if trainer:
+        lines += ["", f"in your trainer ({trainer['step']}; TRL's SFTConfig takes the same args):"]
+        lines += ["  " + line for line in trainer.get("code", trainer.get("error", "")).split("\n")]
         impls = result["rows"][0].get("adamw_GiB")
         if impls:
             lines.append("AdamW is measured as a CPU steps it (one parameter at a time); on a GPU "

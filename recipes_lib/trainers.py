@@ -551,3 +551,123 @@ def accelerate_config(model: torch.nn.Module, num_processes: int,
                         "fsdp_reshard_after_forward": True,
                         "fsdp_state_dict_type": "SHARDED_STATE_DICT",
                         "fsdp_cpu_ram_efficient_loading": True}}, sort_keys=False)
+
+
+# fake_memory.Stack's optimizers as TrainingArguments' ``optim`` names ("adamw": the course's
+# loop, fused on a GPU, as Trainer's default is)
+OPTIM_NAMES = {"adamw": "adamw_torch_fused", "adamw-fused": "adamw_torch_fused",
+               "adamw-foreach": "adamw_torch", "adamw-8bit": "adamw_bnb_8bit", "sgd": "sgd"}
+_DTYPES = {"bf16-mixed": "float32", "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def stack_settings(stack: Any, batch_size: int, block: str | None = None) -> dict[str, Any]:
+    """A stack of the course's recipes (``fake_memory.Stack``: what the planner measures) as
+    the settings that run it under transformers' ``Trainer`` (TRL's ``SFTConfig`` takes the same
+    ``args``) with peft and bitsandbytes.
+
+    Args:
+        stack: the recipes.
+        batch_size: sequences per optimizer step, over every rank.
+        block: the decoder block class FSDP wraps (``fsdp_settings``); None names it generically.
+
+    Returns:
+        ``{"load": from_pretrained keyword arguments, "quantization": BitsAndBytesConfig's or
+        None, "kbit_preparation": prepare_model_for_kbit_training's or None, "lora": LoraConfig's
+        or None, "args": TrainingArguments', "notes": what has no setting there}``; dtypes as
+        ``torch`` attribute names ("bfloat16").
+
+    Raises:
+        ValueError: naming ``batch_size`` where the ranks and micro-batches do not divide it.
+
+    Example:
+        >>> from recipes_lib.fake_memory import Stack
+        >>> stack_settings(Stack(method="qlora", precision="bf16-mixed"), 4)["lora"]
+        {'r': 16, 'lora_alpha': 32, 'target_modules': 'all-linear', 'lora_dropout': 0.0}
+    """
+    shares = stack.fsdp_ranks * stack.grad_accum_steps
+    if not isinstance(batch_size, int) or batch_size < 1 or batch_size % shares:
+        raise ValueError(f"batch_size={batch_size!r}: must be a positive multiple of the ranks "
+                         f"x micro-batches, {stack.fsdp_ranks} x {stack.grad_accum_steps}")
+    mixed = stack.precision == "bf16-mixed"
+    out: dict[str, Any] = {"load": {"dtype": _DTYPES[stack.precision]}, "quantization": None,
+                           "kbit_preparation": None, "lora": None, "notes": []}
+    args: dict[str, Any] = {"per_device_train_batch_size": batch_size // shares,
+                            "gradient_accumulation_steps": stack.grad_accum_steps,
+                            "optim": OPTIM_NAMES[stack.optimizer]}
+    if mixed:
+        args["bf16"] = True
+    if stack.method == "qlora":
+        out["load"] = {"dtype": "bfloat16"}  # the weights left unquantized, before k-bit prep.
+        out["quantization"] = {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4",
+                               "bnb_4bit_use_double_quant": True,
+                               "bnb_4bit_compute_dtype": "bfloat16"}
+        if mixed:  # the course's QLoRA: norms, embeddings and head to fp32 (peft)
+            out["kbit_preparation"] = {"use_gradient_checkpointing": stack.checkpointing}
+    if stack.method in ("lora", "qlora"):
+        out["lora"] = {"r": stack.lora_rank, "lora_alpha": 2 * stack.lora_rank,
+                       "target_modules": (stack.lora_targets if isinstance(stack.lora_targets, str)
+                                          else list(stack.lora_targets)),
+                       "lora_dropout": stack.lora_dropout}
+    if stack.checkpointing:
+        args |= checkpointing_settings()
+        if stack.selective_checkpointing:
+            out["notes"].append("selective checkpointing has no setting of its own: "
+                                "checkpointing.enable_activation_checkpointing(model, "
+                                "selective=True) before Trainer(model=...), checkpointing off")
+    if stack.fsdp_ranks > 1:
+        args |= {"fsdp": "full_shard auto_wrap",
+                 "fsdp_config": {"version": 2, "reshard_after_forward": True,
+                                 "transformer_layer_cls_to_wrap": [block or "<decoder block>"]}}
+        out["notes"].append(f"launch on {stack.fsdp_ranks} GPUs: torchrun --nproc-per-node "
+                            f"{stack.fsdp_ranks} (or accelerate launch, accelerate_config)")
+    if stack.chunked_loss:
+        out["notes"].append("chunked cross-entropy: use_liger_kernel=True on a CUDA GPU "
+                            "(Liger's fused linear cross-entropy)")
+    if stack.offload_optimizer:
+        out["notes"].append("optimizer states on the CPU: no Trainer setting of its own; "
+                            "DeepSpeed ZeRO-Offload (zero_optimization.offload_optimizer.device "
+                            "'cpu' in the deepspeed config TrainingArguments takes)")
+    if stack.offload_activations:
+        out["notes"].append("activations on the CPU: activation_checkpointing_kwargs "
+                            "{'offload': True} (transformers >= 5.17)")
+    out["args"] = args
+    return out
+
+
+def format_settings(settings: dict[str, Any], model_id: str) -> str:
+    """:func:`stack_settings` as the lines a training script writes.
+
+    Args:
+        settings: :func:`stack_settings`' result.
+        model_id: the hub id or folder to load.
+
+    Returns:
+        Python source, one statement per line, then the notes as comments.
+    """
+    def call(name: str, kwargs: dict[str, Any]) -> str:
+        dtypes = ("dtype", "bnb_4bit_compute_dtype")
+        return f"{name}(" + ", ".join(
+            f"{k}=torch.{v}" if k in dtypes else f"{k}={v!r}" for k, v in kwargs.items()) + ")"
+
+    load = dict(settings["load"])
+    if settings["quantization"]:
+        load["quantization_config"] = _Source(call("BitsAndBytesConfig",
+                                                   settings["quantization"]))
+    lines = [f"model = AutoModelForCausalLM.from_pretrained({model_id!r}, "
+             + call("", load)[1:]]
+    if settings["kbit_preparation"] is not None:
+        lines.append("model = " + call("prepare_model_for_kbit_training",
+                                       {"model": _Source("model"),
+                                        **settings["kbit_preparation"]}))
+    if settings["lora"]:
+        lines.append("peft_config = " + call("LoraConfig", settings["lora"])
+                     + "  # Trainer: model = get_peft_model(model, peft_config)")
+    lines.append("args = " + call("TrainingArguments", settings["args"]))
+    return "\n".join(lines + [f"# {note}" for note in settings["notes"]])
+
+
+class _Source(str):
+    """Source text that :func:`format_settings` writes as it is, not as a string literal."""
+
+    def __repr__(self) -> str:
+        return str(self)

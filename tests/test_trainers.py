@@ -262,3 +262,49 @@ def test_a_loss_compared_in_the_loop_and_in_trainer(small):
     with pytest.raises(ValueError, match="examples: 8 given"):
         trainers.compare_losses(lambda: models.load_model(path), examples, tok,
                                 {"own": None, "chunked": None}, micro_batch_size=4)
+
+
+def test_a_planned_stack_runs_as_the_lines_a_training_script_writes(tmp_path, small_llama):
+    """``format_settings``' lines executed as written on a tiny model's folder, with the real
+    transformers, peft and bitsandbytes: the 4-bit layers, peft's k-bit preparation, the adapters
+    and the TrainingArguments the stack asks for (on this CPU the test adds ``use_cpu=True``,
+    which ``bf16=True`` needs without a GPU)."""
+    import functools
+
+    import torch
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig, TrainingArguments
+
+    from recipes_lib.fake_memory import Stack
+
+    small_llama.save_pretrained(tmp_path)
+    names = {"AutoModelForCausalLM": AutoModelForCausalLM, "torch": torch,
+             "BitsAndBytesConfig": BitsAndBytesConfig, "LoraConfig": LoraConfig,
+             "prepare_model_for_kbit_training": prepare_model_for_kbit_training,
+             "TrainingArguments": functools.partial(TrainingArguments, use_cpu=True)}
+    qlora = Stack(method="qlora", precision="bf16-mixed", checkpointing=True, grad_accum_steps=2)
+    run = dict(names)
+    # the printed lines themselves are what is tested: run as a user's script would run them
+    exec(trainers.format_settings(trainers.stack_settings(qlora, 4), str(tmp_path)), run)  # noqa: S102
+    model, args = run["model"], run["args"]
+    assert type(model.model.layers[0].mlp.down_proj).__name__ == "Linear4bit"
+    assert model.model.embed_tokens.weight.dtype == torch.float32  # k-bit preparation
+    assert (args.per_device_train_batch_size, args.gradient_accumulation_steps) == (2, 2)
+    assert args.bf16 and args.optim == "adamw_torch_fused"
+    assert trainers.checkpointing_settings().items() <= args.to_dict().items()
+    adapted = get_peft_model(model, run["peft_config"])
+    r = qlora.lora_rank  # r x (in + out) per adapted linear, every one of them
+    assert adapted.get_nb_trainable_parameters()[0] == sum(
+        r * (m.in_features + m.out_features) for n, m in small_llama.named_modules()
+        if isinstance(m, torch.nn.Linear) and n != "lm_head")
+
+    sharded = dict(names)
+    code = trainers.format_settings(trainers.stack_settings(
+        Stack(precision="bf16-mixed", fsdp_ranks=2), 4, "LlamaDecoderLayer"), str(tmp_path))
+    exec(code, sharded)  # noqa: S102 - as above
+    assert sharded["model"].dtype == torch.float32  # fp32 masters under bf16 autocast
+    assert sharded["args"].fsdp_config["transformer_layer_cls_to_wrap"] == ["LlamaDecoderLayer"]
+    assert sharded["args"].per_device_train_batch_size == 2
+    with pytest.raises(ValueError, match="batch_size=4: must be a positive multiple of the ranks "
+                                         "x micro-batches, 1 x 3"):
+        trainers.stack_settings(Stack(grad_accum_steps=3), 4)

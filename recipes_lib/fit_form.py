@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from recipes_lib import calc, planner
+from recipes_lib import calc, planner, trainers
 from recipes_lib.fake_memory import METHODS, PRECISIONS, Stack, measure_step
 from recipes_lib.memory import MemoryReport
 
@@ -49,7 +49,9 @@ def verdict(model: str, gpu_mem: str | float, seq_len: int, batch_size: int,
         stack: the recipes applied.
 
     Returns:
-        ``{"report", "overhead_bytes", "need_bytes", "budget_bytes", "fits", "text"}``.
+        ``{"report", "overhead_bytes", "need_bytes", "budget_bytes", "fits", "text",
+        "trainer_code"}``: the text ends with the stack in a trainer's settings where it fits
+        (``trainers.format_settings``).
 
     Raises:
         ValueError: naming the parameter, for what ``fake_memory`` or ``planner.parse_bytes``
@@ -64,8 +66,12 @@ def verdict(model: str, gpu_mem: str | float, seq_len: int, batch_size: int,
             f"{need / 2**30:.1f} GiB on the GPU ({report.peak_bytes / 2**30:.1f} measured + "
             f"{overhead / 2**30:.1f} modelled overhead) of {budget / 2**30:.1f} GiB: "
             f"{'fits' if fits else 'does NOT fit'}")
+    code = trainers.format_settings(trainers.stack_settings(stack, batch_size),
+                                    planner.script_model_id(str(model)))
+    if fits:
+        text += "\nin your trainer (TRL's SFTConfig takes the same args):\n" + code
     return {"report": report, "overhead_bytes": overhead, "need_bytes": need,
-            "budget_bytes": budget, "fits": fits, "text": text}
+            "budget_bytes": budget, "fits": fits, "text": text, "trainer_code": code}
 
 
 def plot_verdict(result: dict[str, Any], title: str = "One training step, fake tensors"):

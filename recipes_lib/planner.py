@@ -374,9 +374,25 @@ def _trainer_settings(model: str, step: str, batch_size: int, grad_accum_steps: 
         settings = trainers.stack_settings(stack, _whole_shares(stack, batch_size), block)
     except ValueError as err:  # micro-batches that do not divide the batch
         return {"step": step, "error": str(err)}
-    source = model if "/" in model or Path(model).exists() else f"<hub id of {model}>"
     return {"step": step, "settings": settings,
-            "code": trainers.format_settings(settings, source)}
+            "code": trainers.format_settings(settings, script_model_id(model))}
+
+
+def script_model_id(model: str) -> str:
+    """What a training script's ``from_pretrained`` loads for ``model``: a hub id or a folder as
+    given; a built-in name (not a repository) as a placeholder naming it.
+
+    Args:
+        model: what the planner was given.
+
+    Returns:
+        The id or path, or ``<hub id of NAME>``.
+
+    Example:
+        >>> script_model_id("Llama-3.1-8B"), script_model_id("Qwen/Qwen3-8B")
+        ('<hub id of Llama-3.1-8B>', 'Qwen/Qwen3-8B')
+    """
+    return model if "/" in model or Path(model).exists() else f"<hub id of {model}>"
 
 
 def max_context(model: str, gpu_mem: str | float | list, stack: Any = None, batch_size: int = 1,

@@ -22,7 +22,13 @@ def test_the_verdict_is_the_measured_step_plus_the_modelled_overhead(config_dir)
     peak = fake_memory.measure_step(config_dir, stack, 128, 2).peak_bytes
     assert small["need_bytes"] == peak + planner.gpu_overhead(peak)
     assert not small["fits"] and "does NOT fit" in small["text"]
-    assert fit_form.verdict(config_dir, "1GiB", 128, 2, stack)["fits"]
+    fits = fit_form.verdict(config_dir, "1GiB", 128, 2, stack)
+    assert fits["fits"] and "in your trainer" not in small["text"]
+    # where it fits, the text ends with the stack as a training script's settings
+    assert fits["text"].endswith(fits["trainer_code"])
+    # bf16-mixed: fp32 masters under autocast
+    assert f"from_pretrained({config_dir!r}, dtype=torch.float32)" in fits["trainer_code"]
+    assert "LoraConfig(r=16" in fits["trainer_code"]
     fig = fit_form.plot_verdict(small)
     assert fig.axes[0].get_ylabel() == "GiB at peak"
 
@@ -30,7 +36,7 @@ def test_the_verdict_is_the_measured_step_plus_the_modelled_overhead(config_dir)
 def test_the_form_measures_on_click_and_shows_bad_input_as_an_error(config_dir):
     pytest.importorskip("ipywidgets")
     box = fit_form.form(config_dir, "1GiB", 64, 1)
-    assert box.run().endswith(": fits")
+    assert ": fits\nin your trainer" in box.run()
     box.children[5].value = "bf16"  # precision
     assert ", bf16, adamw, checkpointing: " in box.run()
     box.children[1].value = "lots"  # GPU memory

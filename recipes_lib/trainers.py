@@ -601,8 +601,9 @@ def stack_settings(stack: Any, batch_size: int, block: str | None = None) -> dic
         out["quantization"] = {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4",
                                "bnb_4bit_use_double_quant": True,
                                "bnb_4bit_compute_dtype": "bfloat16"}
-        if mixed:  # the course's QLoRA: norms, embeddings and head to fp32 (peft)
-            out["kbit_preparation"] = {"use_gradient_checkpointing": stack.checkpointing}
+        if mixed:  # the course's QLoRA: norms, embeddings and head to fp32 (peft); checkpointing
+            # is the args' (non-reentrant), not peft's call of transformers' deprecated name
+            out["kbit_preparation"] = {"use_gradient_checkpointing": False}
     if stack.method in ("lora", "qlora"):
         out["lora"] = {"r": stack.lora_rank, "lora_alpha": 2 * stack.lora_rank,
                        "target_modules": (stack.lora_targets if isinstance(stack.lora_targets, str)

@@ -577,13 +577,21 @@ def stack_settings(stack: Any, batch_size: int, block: str | None = None) -> dic
         ``torch`` attribute names ("bfloat16").
 
     Raises:
-        ValueError: naming ``batch_size`` where the ranks and micro-batches do not divide it.
+        ValueError: naming ``batch_size`` where the ranks and micro-batches do not divide it;
+            naming the stack's field where it measures a past library's behaviour, which no
+            setting of today's brings back (``loss``, ``bf16_embeddings``, ``nf4_keeps_input``).
 
     Example:
         >>> from recipes_lib.fake_memory import Stack
         >>> stack_settings(Stack(method="qlora", precision="bf16-mixed"), 4)["lora"]
         {'r': 16, 'lora_alpha': 32, 'target_modules': 'all-linear', 'lora_dropout': 0.0}
     """
+    past = [name for name, then in {"loss": stack.loss != "course",
+                                    "bf16_embeddings": stack.bf16_embeddings,
+                                    "nf4_keeps_input": stack.nf4_keeps_input}.items() if then]
+    if past:
+        raise ValueError(f"stack.{past[0]}={getattr(stack, past[0])!r}: how a past library "
+                         "version ran (fake_memory.Stack), which no setting of today's brings back")
     shares = stack.fsdp_ranks * stack.grad_accum_steps
     if not isinstance(batch_size, int) or batch_size < 1 or batch_size % shares:
         raise ValueError(f"batch_size={batch_size!r}: must be a positive multiple of the ranks "
@@ -609,6 +617,9 @@ def stack_settings(stack: Any, batch_size: int, block: str | None = None) -> dic
                        "target_modules": (stack.lora_targets if isinstance(stack.lora_targets, str)
                                           else list(stack.lora_targets)),
                        "lora_dropout": stack.lora_dropout}
+        if not stack.autocast_adapter_dtype:
+            out["notes"].append("adapters in the base's dtype: get_peft_model(model, "
+                                "peft_config, autocast_adapter_dtype=False)")
     if stack.checkpointing:
         args |= checkpointing_settings()
         if stack.selective_checkpointing:

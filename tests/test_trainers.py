@@ -308,3 +308,7 @@ def test_a_planned_stack_runs_as_the_lines_a_training_script_writes(tmp_path, sm
     with pytest.raises(ValueError, match="batch_size=4: must be a positive multiple of the ranks "
                                          "x micro-batches, 1 x 3"):
         trainers.stack_settings(Stack(grad_accum_steps=3), 4)
+    with pytest.raises(ValueError, match="stack.nf4_keeps_input=True: how a past library"):
+        trainers.stack_settings(Stack(method="qlora", nf4_keeps_input=True), 1)
+    bf16_adapters = trainers.stack_settings(Stack(method="lora", autocast_adapter_dtype=False), 1)
+    assert "autocast_adapter_dtype=False" in bf16_adapters["notes"][0]

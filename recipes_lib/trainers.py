@@ -620,12 +620,12 @@ def stack_settings(stack: Any, batch_size: int, block: str | None = None) -> dic
         if not stack.autocast_adapter_dtype:
             out["notes"].append("adapters in the base's dtype: get_peft_model(model, "
                                 "peft_config, autocast_adapter_dtype=False)")
-    if stack.checkpointing:
+    if stack.checkpointing and stack.selective_checkpointing:  # no setting: on the model
+        out["notes"].append("selective checkpointing has no setting of its own: "
+                            "checkpointing.enable_activation_checkpointing(model, "
+                            "selective=True) before Trainer(model=...), the args' left off")
+    elif stack.checkpointing:
         args |= checkpointing_settings()
-        if stack.selective_checkpointing:
-            out["notes"].append("selective checkpointing has no setting of its own: "
-                                "checkpointing.enable_activation_checkpointing(model, "
-                                "selective=True) before Trainer(model=...), checkpointing off")
     if stack.fsdp_ranks > 1:
         args |= {"fsdp": "full_shard auto_wrap",
                  "fsdp_config": {"version": 2, "reshard_after_forward": True,

@@ -312,3 +312,6 @@ def test_a_planned_stack_runs_as_the_lines_a_training_script_writes(tmp_path, sm
         trainers.stack_settings(Stack(method="qlora", nf4_keeps_input=True), 1)
     bf16_adapters = trainers.stack_settings(Stack(method="lora", autocast_adapter_dtype=False), 1)
     assert "autocast_adapter_dtype=False" in bf16_adapters["notes"][0]
+    selective = trainers.stack_settings(Stack(checkpointing=True, selective_checkpointing=True), 1)
+    assert not set(trainers.checkpointing_settings()) & set(selective["args"])  # on the model
+    assert "selective=True" in selective["notes"][0]

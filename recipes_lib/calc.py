@@ -1278,9 +1278,8 @@ def find_preset(model: Any) -> str | None:
 
     Case-insensitive, by the last part of a hub id; a fine-tuned variant's words
     (:data:`VARIANT_WORDS`, between dashes) are dropped when the name itself is not built in.
-    A local file or
-    folder of the name is the user's own config, never replaced by a preset's, unless the name
-    is a preset's exactly (``Llama-3.1-8B``), as the planner has always read it.
+    A local file or folder of the name is the user's own config, never replaced by a preset's,
+    unless the name is a preset's exactly (``Llama-3.1-8B``), as the planner has always read it.
 
     Args:
         model: a name, a hub id or a path.

@@ -119,7 +119,8 @@ def form(model: str = "Llama-3.1-8B", gpu_mem: str = "24GB", seq_len: int = 2048
 
     fields = {
         "model": w.Combobox(value=model, options=calc.preset_names(),
-                            description="model", placeholder="preset or config.json path"),
+                            description="model",
+                            placeholder="built-in name, hub id or config.json"),
         "gpu_mem": w.Text(value=str(gpu_mem), description="GPU memory"),
         "seq_len": w.IntText(value=seq_len, description="sequence"),
         "batch_size": w.IntText(value=batch_size, description="batch"),

@@ -364,14 +364,13 @@ def _trainer_settings(model: str, step: str, batch_size: int, grad_accum_steps: 
     stack = _measured_stack(step, grad_accum_steps, gpus)
     if isinstance(stack, str):  # nothing fits
         return None
-    block = None
-    if stack.fsdp_ranks > 1:  # the block class FSDP wraps, read from the model built on meta
+    meta = None
+    if stack.fsdp_ranks > 1:  # FSDP wraps the model's own block class: read from it, on meta
         from recipes_lib import architectures, fake_memory
 
         meta = architectures.meta_model(fake_memory.model_config(model), quiet=True)
-        block = architectures.architecture_name(architectures.decoder_layers(meta)[0])
     try:
-        settings = trainers.stack_settings(stack, _whole_shares(stack, batch_size), block)
+        settings = trainers.stack_settings(stack, _whole_shares(stack, batch_size), meta)
     except ValueError as err:  # micro-batches that do not divide the batch
         return {"step": step, "error": str(err)}
     return {"step": step, "settings": settings,
@@ -553,10 +552,6 @@ def format_plan(result: dict[str, Any]) -> str:
             else:
                 lines.append(f"{r['step']:<52} {'':>8} {'':>8}  {'':<4} {r['measured_stack']}")
         lines.append(f"cheapest measured that fits: {result['cheapest_measured']}")
-    trainer = result.get("trainer")
-    if trainer:
-        lines += ["", f"in your trainer ({trainer['step']}; TRL's SFTConfig takes the same args):"]
-        lines += ["  " + line for line in trainer.get("code", trainer.get("error", "")).split("\n")]
         impls = result["rows"][0].get("adamw_GiB")
         if impls:
             lines.append("AdamW is measured as a CPU steps it (one parameter at a time); on a GPU "
@@ -564,4 +559,8 @@ def format_plan(result: dict[str, Any]) -> str:
                              f"{v:.1f}G {k}" for k, v in impls.items() if k != next(iter(impls)))
                          + " (foreach: a plain torch.optim.AdamW's default on CUDA; fused: "
                          "the course's loop and Trainer's default there)")
+    trainer = result.get("trainer")
+    if trainer:
+        lines += ["", f"in your trainer ({trainer['step']}; TRL's SFTConfig takes the same args):"]
+        lines += ["  " + line for line in trainer.get("code", trainer.get("error", "")).split("\n")]
     return "\n".join(lines)

@@ -468,7 +468,10 @@ def fsdp_settings(model: torch.nn.Module) -> dict[str, Any]:
     """
     from recipes_lib.architectures import architecture_name, decoder_layers
 
-    block = architecture_name(decoder_layers(model)[0])
+    return _fsdp_args(architecture_name(decoder_layers(model)[0]))
+
+
+def _fsdp_args(block: str) -> dict[str, Any]:
     return {"fsdp": "full_shard auto_wrap",
             "fsdp_config": {"version": 2, "transformer_layer_cls_to_wrap": [block],
                             "reshard_after_forward": True}}
@@ -560,7 +563,8 @@ OPTIM_NAMES = {"adamw": "adamw_torch_fused", "adamw-fused": "adamw_torch_fused",
 _DTYPES = {"bf16-mixed": "float32", "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
-def stack_settings(stack: Any, batch_size: int, block: str | None = None) -> dict[str, Any]:
+def stack_settings(stack: Any, batch_size: int,
+                   model: torch.nn.Module | None = None) -> dict[str, Any]:
     """A stack of the course's recipes (``fake_memory.Stack``: what the planner measures) as
     the settings that run it under transformers' ``Trainer`` (TRL's ``SFTConfig`` takes the same
     ``args``) with peft and bitsandbytes.
@@ -568,7 +572,8 @@ def stack_settings(stack: Any, batch_size: int, block: str | None = None) -> dic
     Args:
         stack: the recipes.
         batch_size: sequences per optimizer step, over every rank.
-        block: the decoder block class FSDP wraps (``fsdp_settings``); None names it generically.
+        model: the model (built on the meta device is enough) whose decoder block class FSDP
+            wraps (:func:`fsdp_settings`); None writes a placeholder for it.
 
     Returns:
         ``{"load": from_pretrained keyword arguments, "quantization": BitsAndBytesConfig's or
@@ -627,9 +632,7 @@ def stack_settings(stack: Any, batch_size: int, block: str | None = None) -> dic
     elif stack.checkpointing:
         args |= checkpointing_settings()
     if stack.fsdp_ranks > 1:
-        args |= {"fsdp": "full_shard auto_wrap",
-                 "fsdp_config": {"version": 2, "reshard_after_forward": True,
-                                 "transformer_layer_cls_to_wrap": [block or "<decoder block>"]}}
+        args |= fsdp_settings(model) if model is not None else _fsdp_args("<decoder block>")
         out["notes"].append(f"launch on {stack.fsdp_ranks} GPUs: torchrun --nproc-per-node "
                             f"{stack.fsdp_ranks} (or accelerate launch, accelerate_config)")
     if stack.chunked_loss:

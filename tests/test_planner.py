@@ -221,6 +221,9 @@ def test_measure_puts_a_fake_measurement_or_its_reason_beside_each_row(tmp_path,
     assert impls["fused"] <= impls["for-loop (as measured)"]
     text = planner.format_plan(result)
     assert "measured on fake tensors" in text and "G foreach" in text and "G fused" in text
+    # the AdamW note belongs to the measured table, before the trainer's lines and without them
+    assert text.index("G foreach") < text.index("in your trainer")
+    assert "G foreach" in planner.format_plan({**result, "trainer": None})
 
 
 def test_the_cli_says_when_no_length_fits(tmp_path, small_llama, capsys):

@@ -300,7 +300,7 @@ def test_a_planned_stack_runs_as_the_lines_a_training_script_writes(tmp_path, sm
 
     sharded = dict(names)
     code = trainers.format_settings(trainers.stack_settings(
-        Stack(precision="bf16-mixed", fsdp_ranks=2), 4, "LlamaDecoderLayer"), str(tmp_path))
+        Stack(precision="bf16-mixed", fsdp_ranks=2), 4, small_llama), str(tmp_path))
     exec(code, sharded)  # noqa: S102 - as above
     assert sharded["model"].dtype == torch.float32  # fp32 masters under bf16 autocast
     assert sharded["args"].fsdp_config["transformer_layer_cls_to_wrap"] == ["LlamaDecoderLayer"]

@@ -169,7 +169,7 @@ def real_scale_benchmark() -> None:
              S(method="lora", precision="fp32"), S(method="qlora", precision="fp32"),
              S(precision="fp32", grad_accum_steps=2), S(optimizer="sgd", precision="fp32"),
              S(optimizer="adamw-8bit", precision="fp32"), S(precision="fp32", chunked_loss=128),
-             S(precision="fp32", loss="transformers-4.46"),
+             S(precision="fp32", loss="transformers-4.46"), S(precision="fp32", loss="litgpt"),
              S(method="lora", precision="fp32", lora_dropout=0.1, gpu_dropout=True),
              S(method="qlora", precision="fp32", nf4_keeps_input=True)]
     sixteen = [S(), S(precision="fp16"), S(precision="bf16-mixed"),
@@ -182,7 +182,7 @@ def real_scale_benchmark() -> None:
                  bf16_embeddings=True, loss="transformers-4.46"),
                S(method="qlora", lora_rank=8, lora_targets=("q_proj", "v_proj"),
                  lora_dropout=0.05, autocast_adapter_dtype=False, gpu_dropout=True,
-                 nf4_keeps_input=True)]
+                 nf4_keeps_input=True, loss="litgpt")]
     sharded = [S(precision="fp32", fsdp_ranks=2), S(precision="bf16-mixed", fsdp_ranks=2),
                S(method="lora", precision="bf16-mixed", checkpointing=True, fsdp_ranks=2)]
     configs = {"tiny": LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=176,

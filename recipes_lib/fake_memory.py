@@ -62,8 +62,10 @@ _SWITCHES = {"autocast_adapter_dtype": "True (adapters in fp32, peft's default) 
              "nf4_keeps_input": "True (bitsandbytes before 0.43.2) or False"}
 # How the full causal-LM loss holds the logits: "course", the course's loop and today's
 # transformers; "transformers-4.46", transformers' loss from 4.46 until #35646
-# (``TransformersLoss``: with several sequences, one more fp32 copy of the logits in forward).
-LOSSES = ("course", "transformers-4.46")
+# (``TransformersLoss``: with several sequences, one more fp32 copy of the logits in forward);
+# "litgpt", litgpt's fine-tuning scripts (``LitGPTLoss``: the head over 128-token chunks, no
+# fp32 copy, every chunk's logits held by the loop through backward).
+LOSSES = ("course", "transformers-4.46", "litgpt")
 
 
 def _compute_dtype(stack: Stack) -> torch.dtype:
@@ -106,7 +108,8 @@ class Stack:
     chunk size of the chunked cross-entropy (0: the full logits). ``loss`` is how the full
     loss holds the logits: ``"course"`` (the course's loop, and transformers since #35646), or
     ``"transformers-4.46"`` (``TransformersLoss``: 4.46 until #35646, late 2024), for measuring
-    a stack as it ran then. ``autocast_adapter_dtype`` is peft's ``get_peft_model`` argument:
+    a stack as it ran then, or ``"litgpt"`` (``LitGPTLoss``), for a stack litgpt's own loop ran.
+    ``autocast_adapter_dtype`` is peft's ``get_peft_model`` argument:
     True (peft's default) keeps LoRA adapters in fp32 over a 16-bit base; False keeps them in
     the base's dtype, as torchtune does with ``dtype: bf16``. ``gpu_dropout=True`` (with
     ``lora_dropout``) runs dropout as a GPU does: CUDA's fused kernel (``aten.native_dropout``)
@@ -133,7 +136,7 @@ class Stack:
         offload_activations: saved activations in host memory
             (``torch.autograd.graph.save_on_cpu``).
         bf16_embeddings: QLoRA's embeddings and head cast back to bf16 (above).
-        loss: "course" or "transformers-4.46" (above).
+        loss: "course", "transformers-4.46" or "litgpt" (above).
         autocast_adapter_dtype: peft's fp32 adapters over a 16-bit base (above).
         gpu_dropout: dropout as CUDA's fused kernel keeps it (above).
         nf4_keeps_input: bitsandbytes' 4-bit matmul before 0.43.2 (above).
@@ -282,6 +285,45 @@ class TransformersLoss:
         return F.cross_entropy(shifted.view(-1, shifted.shape[-1]),
                                batch["labels"][..., 1:].contiguous().view(-1),
                                ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+class LitGPTLoss:
+    """``loss_fn`` for ``grad_accumulation.forward_backward``: next-token cross-entropy as
+    litgpt's fine-tuning scripts compute it (``model(input_ids, lm_head_chunk_size=128)`` then
+    ``chunked_cross_entropy``, since 2023): the head applied to 128-token chunks of the final
+    hidden states, each chunk's logits kept in the model's dtype (no fp32 copy), their
+    cross-entropy taken chunk by chunk. The loop holds the list of logits (its ``logits``
+    variable) until after backward: so does this loss, until the next call or :meth:`release`.
+    Summed over the target tokens, equal to ``grad_accumulation.causal_lm_loss_sum`` in fp32;
+    only the memory differs (and, in 16-bit, the log-softmax's rounding).
+
+    Args:
+        chunk_size: tokens per chunk of the head (litgpt's 128).
+
+    Example:
+        >>> forward_backward(model, batch, loss_fn=LitGPTLoss())  # doctest: +SKIP
+    """
+
+    def __init__(self, chunk_size: int = 128):
+        self.chunk_size = chunk_size
+        self.held: list[torch.Tensor] = []
+
+    def __call__(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        from recipes_lib.architectures import final_hidden_states
+
+        head = model.get_output_embeddings()
+        hidden = final_hidden_states(model, batch)
+        logits = [F.linear(h, head.weight, head.bias)  # litgpt's head is one nn.Linear
+                  for h in hidden.split(self.chunk_size, dim=1)]
+        self.held = logits  # the previous call's are freed only now, as the loop's variable
+        labels = F.pad(batch["labels"][:, 1:], (0, 1), value=IGNORE_INDEX)
+        return sum(F.cross_entropy(chunk.flatten(0, 1), target.flatten(),
+                                   ignore_index=IGNORE_INDEX, reduction="sum")
+                   for chunk, target in zip(logits, labels.split(self.chunk_size, dim=1)))
+
+    def release(self) -> None:
+        """Drop the held logits (the step has ended)."""
+        self.held = []
 
 
 @contextlib.contextmanager
@@ -851,7 +893,8 @@ class _Prepared:
         with (self.mode if stack.offload_optimizer and self.mode else contextlib.nullcontext()):
             self.opt = _optimizer(self.net, stack, self.host)
         self.loss_fn = (ChunkedCausalLMLoss(stack.chunked_loss) if stack.chunked_loss else
-                        TransformersLoss() if stack.loss == "transformers-4.46" else None)
+                        TransformersLoss() if stack.loss == "transformers-4.46" else
+                        LitGPTLoss() if stack.loss == "litgpt" else None)
         self.stepped = False
 
     def measure(self, seq_len: int, per_rank: int,
@@ -869,6 +912,8 @@ class _Prepared:
                     forward_backward(net, batch, stack.grad_accum_steps, autocast,
                                      num_target_tokens=targets, loss_fn=self.loss_fn)
                 optimizer_step(net, opt, max_grad_norm=None)
+                if isinstance(self.loss_fn, LitGPTLoss):  # litgpt's loop holds its logits
+                    self.loss_fn.release()  # until the next step: a new length's step here
 
             if not self.stepped:
                 if stack.fsdp_ranks > 1:  # FSDP2's first iteration records its prefetch order

@@ -583,8 +583,9 @@ def stack_settings(stack: Any, batch_size: int,
 
     Raises:
         ValueError: naming ``batch_size`` where the ranks and micro-batches do not divide it;
-            naming the stack's field where it measures a past library's behaviour, which no
-            setting of today's brings back (``loss``, ``bf16_embeddings``, ``nf4_keeps_input``).
+            naming the stack's field where it measures a past library's behaviour, or
+            litgpt's own loss, which no setting of today's brings back (``loss``,
+            ``bf16_embeddings``, ``nf4_keeps_input``).
 
     Example:
         >>> from recipes_lib.fake_memory import Stack
@@ -596,7 +597,8 @@ def stack_settings(stack: Any, batch_size: int,
                                     "nf4_keeps_input": stack.nf4_keeps_input}.items() if then]
     if past:
         raise ValueError(f"stack.{past[0]}={getattr(stack, past[0])!r}: how a past library "
-                         "version ran (fake_memory.Stack), which no setting of today's brings back")
+                         "version, or another library's own loop, ran (fake_memory.Stack), which "
+                         "no setting of today's brings back")
     shares = stack.fsdp_ranks * stack.grad_accum_steps
     if not isinstance(batch_size, int) or batch_size < 1 or batch_size % shares:
         raise ValueError(f"batch_size={batch_size!r}: must be a positive multiple of the ranks "

@@ -32,7 +32,9 @@ def config():
     Stack(method="qlora", precision="bf16-mixed", lora_dropout=0.1, gpu_dropout=True,
           nf4_keeps_input=True),
     Stack(method="qlora", precision="bf16", checkpointing=True, nf4_keeps_input=True),
-    Stack(optimizer="adamw-foreach", precision="fp32"), Stack(optimizer="adamw-fused")],
+    Stack(optimizer="adamw-foreach", precision="fp32"), Stack(optimizer="adamw-fused"),
+    Stack(method="lora", lora_targets=("q_proj", "v_proj"), autocast_adapter_dtype=False,
+          loss="litgpt")],
     ids=lambda s: s.label)
 def test_fake_step_equals_the_real_step_in_every_category(config, stack):
     r = fake_memory.fake_vs_real(config, stack, seq_len=128, batch_size=2)
@@ -288,6 +290,10 @@ def test_bad_inputs_name_the_parameter(config, tmp_path):
         fake_memory.measure_step(config, Stack(), 64, 0)
     with pytest.raises(ValueError, match="loss='transformers-4.46' with chunked_loss=64"):
         Stack(chunked_loss=64, loss="transformers-4.46")
+    with pytest.raises(ValueError, match="loss='litgpt' with chunked_loss=64"):
+        Stack(chunked_loss=64, loss="litgpt")
+    with pytest.raises(ValueError, match="loss='torchtune': expected one of"):
+        Stack(loss="torchtune")
     with pytest.raises(ValueError, match="autocast_adapter_dtype=False with method='full'"):
         Stack(autocast_adapter_dtype=False)
     with pytest.raises(TypeError, match="autocast_adapter_dtype='no'"):
@@ -305,21 +311,48 @@ def test_bad_inputs_name_the_parameter(config, tmp_path):
 
 def test_late_2024_transformers_loss_equals_the_course_loss(small_llama):
     """Same loss and gradients as the course's (the reference); what differs is memory."""
+    _equals_the_course_loss(small_llama, fake_memory.TransformersLoss(), 24, atol=1e-5)
+
+
+def _equals_the_course_loss(model, loss_fn, seq_len: int, atol: float) -> None:
+    """``loss_fn`` against the course's loss (the reference) on two rows, the first with a
+    prompt without loss: the same loss, and the same gradients."""
     from recipes_lib.grad_accumulation import causal_lm_loss_sum
 
-    ids = torch.randint(3, 128, (2, 24))
+    ids = torch.randint(3, 128, (2, seq_len))
     labels = ids.clone()
-    labels[0, :5] = -100  # a prompt without loss
-    batch = {"input_ids": ids, "labels": labels}
-    ours = fake_memory.TransformersLoss()(small_llama, batch)
+    labels[0, :5] = -100
+    ours = loss_fn(model, {"input_ids": ids, "labels": labels})
     ours.backward()
-    grads = [p.grad.clone() for p in small_llama.parameters()]
-    small_llama.zero_grad()
-    reference = causal_lm_loss_sum(small_llama(input_ids=ids).logits, labels)
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    reference = causal_lm_loss_sum(model(input_ids=ids).logits, labels)
     reference.backward()
-    torch.testing.assert_close(ours, reference, rtol=1e-6, atol=1e-5)
-    for g, p in zip(grads, small_llama.parameters()):
-        torch.testing.assert_close(g, p.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ours, reference, rtol=1e-6, atol=atol)
+    for g, p in zip(grads, model.parameters()):
+        torch.testing.assert_close(g, p.grad, rtol=1e-5, atol=atol / 10)
+
+
+def test_litgpts_loss_equals_the_course_loss_over_several_chunks(small_llama):
+    """litgpt's loss (the head over 128-token chunks, no fp32 copy) against the course's, the
+    reference, on 300 tokens (three chunks, a prompt without loss): the same loss and gradients
+    in fp32; it holds its logits until the next call or ``release``."""
+    small_llama.config.max_position_embeddings = 512
+    loss_fn = fake_memory.LitGPTLoss()
+    _equals_the_course_loss(small_llama, loss_fn, 300, atol=1e-4)
+    assert [c.shape[1] for c in loss_fn.held] == [128, 128, 44]
+    loss_fn.release()
+    assert loss_fn.held == []
+
+
+def test_litgpts_loss_is_measured_exactly_and_holds_less_than_the_course_loss_in_bf16(config):
+    """Three chunks of bf16 logits, held through backward, with no fp32 copy: a fake step equals
+    the real one, and holds less than the course's loss, which upcasts the logits."""
+    config = type(config)(**{**config.to_dict(), "max_position_embeddings": 512})
+    litgpt = fake_memory.fake_vs_real(config, Stack(loss="litgpt"), seq_len=300, batch_size=2)
+    assert litgpt["fake"].by_category == litgpt["real"].by_category
+    course = fake_memory.measure_step(config, Stack(), 300, 2)
+    assert litgpt["fake"].peak_bytes < course.peak_bytes
 
 
 def test_late_2024_transformers_loss_copies_the_shifted_logits_only_for_several_rows(config):

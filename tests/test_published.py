@@ -31,6 +31,35 @@ def test_a_published_peak_stays_within_its_band():
     assert r["unit"] == "GB (allocated)"
 
 
+def test_litgpts_phi_row_is_measured_on_its_fused_gelu_beside_transformers_eight_ops():
+    """litgpt's phi-1.5 LoRA row (micro-batch 1): litgpt computes GELU's tanh approximation in
+    one op; transformers' Phi config says gelu_new, the same function in eight elementwise ops
+    that keep more for backward (~5 s for both)."""
+    import torch
+    from transformers.activations import ACT2FN
+
+    x = torch.randn(4096) * 4
+    torch.testing.assert_close(ACT2FN["gelu_pytorch_tanh"](x), ACT2FN["gelu_new"](x))
+    row = next(f for f in published.FIGURES if f.source == published.LITGPT
+               and f.row == "phi-1.5 LoRA, micro-batch 1")
+    assert row.model["hidden_act"] == "gelu_pytorch_tanh" and row.stack.loss == "litgpt"
+    (r,) = published.predict([replace(row, alternatives=())])
+    assert r["met"], r
+    assert r["alternatives"]["transformers' Phi (gelu_new: eight ops)"] > 1.1 * r["predicted"]
+
+
+@pytest.mark.parametrize("name", ["phi-1.5", "StableLM-Alpha-3B"])
+def test_litgpts_models_have_the_trainable_count_of_the_sources_table(name):
+    """The configs stand for litgpt's models: LoRA r=8 on their targets trains as many
+    parameters as the source's table says (GPT-NeoX's fused query_key_value included)."""
+    from recipes_lib import fake_memory
+
+    model, _, targets, trainable = published.LITGPT_MODELS[name]
+    stack = published._litgpt_stack(False, targets)
+    net, _ = fake_memory.build_model(fake_memory.model_config(model), stack, "cpu")
+    assert sum(p.numel() for p in net.parameters() if p.requires_grad) == trainable
+
+
 def test_torchtunes_qlora_row_stays_within_its_band():
     """torchtune's README ablation, Llama 3.2 3B QLoRA (A100, peak active GiB): bf16 adapters,
     rank 64 on q, v, output and the MLP, checkpointing and offloading, chunked CE; beside it,
@@ -95,6 +124,9 @@ def test_bad_figures_name_the_field():
     with pytest.raises(ValueError, match="published=-1"):
         published.Figure("https://x", "r", "Llama-2-7B", Stack(), "max_context", -1,
                          config="c", gpu_mem="8GiB")
+    with pytest.raises(ValueError, match="model: a longest-context figure"):
+        published.predict([published.Figure("https://x", "r", {"model_type": "llama"}, Stack(),
+                                            "max_context", 1, config="c", gpu_mem="8GiB")])
     with pytest.raises(ValueError, match="reads='peak'"):
         published.Figure("https://x", "r", "Llama-2-7B", Stack(), "peak", 1, config="c",
                          seq_len=8, reads="peak")
@@ -154,3 +186,18 @@ def test_lines_put_ours_beside_the_sources_and_explain_the_miss_once():
     assert "| published, GB read as 10^9 bytes |" in table and "| ours, other |" in table
     summary = published.line_summary(line)
     assert "the source's 3 rows lie on one line" in summary and "other: " in summary
+
+
+def test_what_each_further_sequence_adds_is_fitted_over_the_micro_batches():
+    """The evidence behind the litgpt reason: per source, model and stack with rows at several
+    micro-batches, the slope of memory over micro-batches, the source's beside ours."""
+    def row(model, b, published_gb, predicted_gb):
+        return {"source": "s", "kind": "peak", "model_name": model, "stack": "st",
+                "unit": "GB (allocated)", "batch_size": b, "published": published_gb,
+                "predicted": predicted_gb}
+    rows = [row("m", b, 4 + 2 * b, 4 + 1.5 * b) for b in (1, 2, 4)] + [row("one", 1, 3, 3)]
+    (slope,) = published.batch_slopes(rows)
+    assert slope["batch_sizes"] == [1, 2, 4] and slope["model"] == "m"
+    assert slope["published"] == pytest.approx(2) and slope["predicted"] == pytest.approx(1.5)
+    assert published.slope_summary(slope) == (
+        "m (micro-batches 1, 2, 4), 2.00 GB a sequence at the source, 1.50 here (-25%).")

@@ -66,8 +66,9 @@ def verdict(model: str, gpu_mem: str | float, seq_len: int, batch_size: int,
             f"{need / 2**30:.1f} GiB on the GPU ({report.peak_bytes / 2**30:.1f} measured + "
             f"{overhead / 2**30:.1f} modelled overhead) of {budget / 2**30:.1f} GiB: "
             f"{'fits' if fits else 'does NOT fit'}")
-    code = trainers.format_settings(trainers.stack_settings(stack, batch_size),
-                                    planner.script_model_id(str(model)))
+    code = trainers.format_settings(
+        trainers.stack_settings(stack, batch_size, planner.settings_model(model, stack)),
+        planner.script_model_id(str(model)))
     if fits:
         text += "\nin your trainer (TRL's SFTConfig takes the same args):\n" + code
     return {"report": report, "overhead_bytes": overhead, "need_bytes": need,

@@ -364,17 +364,38 @@ def _trainer_settings(model: str, step: str, batch_size: int, grad_accum_steps: 
     stack = _measured_stack(step, grad_accum_steps, gpus)
     if isinstance(stack, str):  # nothing fits
         return None
-    meta = None
-    if stack.fsdp_ranks > 1:  # FSDP wraps the model's own block class: read from it, on meta
-        from recipes_lib import architectures, fake_memory
-
-        meta = architectures.meta_model(fake_memory.model_config(model), quiet=True)
     try:
-        settings = trainers.stack_settings(stack, _whole_shares(stack, batch_size), meta)
+        settings = trainers.stack_settings(stack, _whole_shares(stack, batch_size),
+                                           settings_model(model, stack))
     except ValueError as err:  # micro-batches that do not divide the batch
         return {"step": step, "error": str(err)}
     return {"step": step, "settings": settings,
             "code": trainers.format_settings(settings, script_model_id(model))}
+
+
+def settings_model(model: Any, stack: Any) -> Any:
+    """``model`` built on the meta device for ``trainers.stack_settings``: FSDP wraps its own
+    block class, and its activation may earn a note.
+
+    Args:
+        model: a built-in name, hub id, folder or config.
+        stack: the stack the settings are for (``fake_memory.Stack``).
+
+    Returns:
+        The meta model; None where its config cannot be read, except under FSDP.
+
+    Raises:
+        ValueError: naming ``model``, where FSDP needs its block class and the config cannot
+            be read (``fake_memory.model_config``).
+    """
+    from recipes_lib import architectures, fake_memory
+
+    try:
+        return architectures.meta_model(fake_memory.model_config(model), quiet=True)
+    except ValueError:
+        if stack.fsdp_ranks > 1:
+            raise
+        return None
 
 
 def script_model_id(model: str) -> str:

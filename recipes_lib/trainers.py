@@ -573,7 +573,9 @@ def stack_settings(stack: Any, batch_size: int,
         stack: the recipes.
         batch_size: sequences per optimizer step, over every rank.
         model: the model (built on the meta device is enough) whose decoder block class FSDP
-            wraps (:func:`fsdp_settings`); None writes a placeholder for it.
+            wraps (:func:`fsdp_settings`); None writes a placeholder for it. A model whose
+            config computes GELU as ``gelu_new`` (Phi-1/1.5/2) gets a note on the one-op
+            ``gelu_pytorch_tanh``.
 
     Returns:
         ``{"load": from_pretrained keyword arguments, "quantization": BitsAndBytesConfig's or
@@ -647,8 +649,19 @@ def stack_settings(stack: Any, batch_size: int,
     if stack.offload_activations:
         out["notes"].append("activations on the CPU: activation_checkpointing_kwargs "
                             "{'offload': True} (transformers >= 5.17)")
+    if getattr(getattr(model, "config", None), "hidden_act", None) == "gelu_new":
+        out["notes"].append(GELU_NEW_NOTE)
     out["args"] = args
     return out
+
+
+# transformers' gelu_new is GELU's tanh approximation written as eight elementwise ops, each
+# keeping a tensor for backward; gelu_pytorch_tanh is the same function in one op
+# (published.PHI_1_5 and its row measure the difference on phi-1.5, as litgpt ran it)
+GELU_NEW_NOTE = ("this model computes GELU as gelu_new, eight elementwise ops that each keep a "
+                 "tensor for backward: from_pretrained(..., hidden_act='gelu_pytorch_tanh') "
+                 "computes the same function in one op and keeps less (the README's published "
+                 "table measures it on phi-1.5); a plan's figures are gelu_new's")
 
 
 def format_settings(settings: dict[str, Any], model_id: str) -> str:

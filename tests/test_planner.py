@@ -142,6 +142,17 @@ def test_the_plan_ends_with_its_cheapest_step_in_a_trainers_settings(capsys):
     assert "from_pretrained('Qwen/Qwen3-8B'" in fsdp["code"]
 
 
+def test_a_plan_for_a_gelu_new_model_says_the_one_op_gelu(tmp_path):
+    """phi-1.5's config.json (gelu_new): the plan's trainer lines end with the note that
+    hidden_act='gelu_pytorch_tanh' computes the same GELU in one op; a Llama's do not."""
+    from recipes_lib import published, trainers
+
+    (tmp_path / "config.json").write_text(json.dumps(published.PHI_1_5_HUB))
+    code = planner.plan(str(tmp_path), "24GB", seq_len=1024, batch_size=1)["trainer"]["code"]
+    assert code.endswith(f"# {trainers.GELU_NEW_NOTE}")
+    assert "gelu" not in planner.plan("Llama-3.1-8B", "80GB", 4096, 8)["trainer"]["code"]
+
+
 def test_the_cli_plans_a_built_in_gemma_by_its_hub_id(capsys):
     assert main(["plan", "--model", "google/gemma-2-9b-it", "--gpu-mem", "24GB", "--seq",
                  "2048", "--batch", "1"]) == 0

@@ -273,8 +273,9 @@ def test_a_planned_stack_runs_as_the_lines_a_training_script_writes(tmp_path, sm
 
     import torch
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig, TrainingArguments
+    from transformers import AutoConfig, AutoModelForCausalLM, BitsAndBytesConfig, TrainingArguments
 
+    from recipes_lib import published
     from recipes_lib.fake_memory import Stack
 
     small_llama.save_pretrained(tmp_path)
@@ -310,6 +311,17 @@ def test_a_planned_stack_runs_as_the_lines_a_training_script_writes(tmp_path, sm
         trainers.stack_settings(Stack(grad_accum_steps=3), 4)
     with pytest.raises(ValueError, match="stack.nf4_keeps_input=True: how a past library"):
         trainers.stack_settings(Stack(method="qlora", nf4_keeps_input=True), 1)
+    with torch.device("meta"):
+        phi = AutoModelForCausalLM.from_config(AutoConfig.for_model(**{
+            **published.PHI_1_5_HUB, "num_hidden_layers": 1}))
+    assert trainers.stack_settings(Stack(method="lora"), 1, phi)["notes"] == [
+        trainers.GELU_NEW_NOTE]
+    # the keyword the note gives reaches the config: one op instead of eight
+    phi.config.save_pretrained(tmp_path / "phi")
+    with torch.device("meta"):
+        fused = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(
+            tmp_path / "phi", hidden_act="gelu_pytorch_tanh"))
+    assert type(fused.model.layers[0].mlp.activation_fn).__name__ == "GELUTanh"
     bf16_adapters = trainers.stack_settings(Stack(method="lora", autocast_adapter_dtype=False), 1)
     assert "autocast_adapter_dtype=False" in bf16_adapters["notes"][0]
     selective = trainers.stack_settings(Stack(checkpointing=True, selective_checkpointing=True), 1)

@@ -1258,6 +1258,9 @@ CONFIGS: dict[str, dict[str, Any]] = {
 # meta-llama/Llama-3.1-8B-Instruct, google/gemma-2-9b-it, meta-llama/Llama-2-7b-chat-hf,
 # mistralai/Mistral-7B-Instruct-v0.3, and Llama 3.1's first repository names (Meta-Llama-3.1-8B)
 VARIANT_WORDS = ("instruct", "chat", "hf", "it", "pt", "base", "meta")
+# Versions a preset stands for under another name: Mistral-7B v0.1 and v0.2 (Instruct-v0.2's
+# config.json: the same sizes and 32000-token vocabulary; v0.3's 32768 tokens are their own entry)
+PRESET_ALIASES = {"Mistral-7B-v0.1": "Mistral-7B", "Mistral-7B-v0.2": "Mistral-7B"}
 
 
 def preset_names() -> list[str]:
@@ -1292,8 +1295,11 @@ def find_preset(model: Any) -> str | None:
         ('Llama-3.1-8B', 'Gemma-2-9B')
         >>> find_preset("mistralai/Mistral-7B-Instruct-v0.3")  # 32768 tokens, not v0.1's 32000
         'Mistral-7B-v0.3'
+        >>> find_preset("mistralai/Mistral-7B-v0.1")  # PRESET_ALIASES
+        'Mistral-7B'
     """
     names = {k.lower(): k for k in preset_names()}
+    names.update({k.lower(): v for k, v in PRESET_ALIASES.items()})
     key = str(model).rstrip("/").split("/")[-1].lower()
     if key in names:
         return names[key]

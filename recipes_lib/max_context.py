@@ -211,12 +211,12 @@ def load_with_rope_scaling(model_path, max_positions: int, rope_type: str | None
     from transformers import AutoConfig
 
     from recipes_lib.calc import language_model_config
-    from recipes_lib.model import load_model
+    from recipes_lib.model import load_model, model_source
 
     if not isinstance(max_positions, int) or isinstance(max_positions, bool) or max_positions < 1:
         raise ValueError(f"max_positions={max_positions!r}: must be a positive integer")
     try:
-        cfg = language_model_config(AutoConfig.from_pretrained(str(model_path)))
+        cfg = language_model_config(AutoConfig.from_pretrained(model_source(model_path)))
     except (OSError, ValueError) as err:
         raise ValueError(f"model_path={str(model_path)!r}: no config to read ({err})") from err
     trained = cfg.max_position_embeddings

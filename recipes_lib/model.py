@@ -9,15 +9,18 @@ eval loss has dropped far below chance. Both are saved with ``save_pretrained`` 
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
 import shutil
+import socket
 import warnings
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 import torch
 
@@ -339,22 +342,75 @@ def _looks_like_a_path(ident: str) -> bool:
             or "\\" in ident)
 
 
-def _check_source(model_id_or_path: str | Path) -> str:
-    """The model's folder or hub id as a string, or a ValueError naming ``model_id_or_path``
-    where it cannot be found: a folder that does not exist (transformers would take it for a
-    malformed hub id), or a hub id while HF_HUB_OFFLINE=1."""
+def model_source(model_id_or_path: str | Path) -> str:
+    """What to give ``from_pretrained``: the model's folder, or its hub id; offline
+    (:func:`hub_offline`), a hub id's folder in the Hugging Face cache, which transformers loads
+    without asking the hub for anything.
+
+    Args:
+        model_id_or_path: a folder written by ``save_pretrained`` or a hub id.
+
+    Returns:
+        The folder or hub id, as a string.
+
+    Raises:
+        ValueError: naming ``model_id_or_path`` for a folder that does not exist (transformers
+            would take it for a malformed hub id), or a hub id offline that is not cached.
+
+    Example:
+        >>> model_source("no/such/folder/")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ValueError: model_id_or_path='no/such/folder/': no such folder ...
+    """
     ident = str(model_id_or_path)
     if Path(ident).exists():
         return ident
     if isinstance(model_id_or_path, Path) or _looks_like_a_path(ident):
         raise ValueError(f"model_id_or_path={ident!r}: no such folder (a folder written by "
                          "save_pretrained, or a hub id such as 'meta-llama/Llama-3.2-1B')")
-    if os.environ.get("HF_HUB_OFFLINE") == "1":
-        raise ValueError(
-            f"model_id_or_path={ident!r}: not a local folder and HF_HUB_OFFLINE=1; "
-            "download it first (huggingface-cli download) or pass a local path"
-        )
-    return ident
+    why = hub_offline()
+    if why is None:
+        return ident
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        cached = try_to_load_from_cache(ident, "config.json")
+    except ValueError:  # not a repository id huggingface_hub accepts
+        cached = None
+    if isinstance(cached, str):
+        return str(Path(cached).parent)
+    raise ValueError(
+        f"model_id_or_path={ident!r}: not a local folder, not in the Hugging Face cache, and "
+        f"{why}; download it first (huggingface-cli download {ident}) or pass a local path")
+
+
+def hub_offline() -> str | None:
+    """Why the Hugging Face hub cannot be asked, or None where it can.
+
+    Offline because HF_HUB_OFFLINE says so, or because the hub's host name does not resolve (no
+    network): there huggingface_hub would retry each file five times over ~23 s before falling
+    back to its cache, where the name lookup fails in milliseconds. The lookup's answer is kept
+    for the process.
+
+    Returns:
+        ``"HF_HUB_OFFLINE=1"``, ``"<host> does not resolve (no network)"``, or None.
+    """
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").upper() in {
+            "1", "ON", "YES", "TRUE"}:  # the values huggingface_hub reads as true
+        return "HF_HUB_OFFLINE=1"
+    host = urlparse(constants.ENDPOINT).hostname or constants.ENDPOINT
+    return None if _resolves(host) else f"{host} does not resolve (no network)"
+
+
+@functools.cache
+def _resolves(host: str) -> bool:
+    try:
+        socket.getaddrinfo(host, 443)
+    except OSError:
+        return False
+    return True
 
 
 def hub_config_file(model: str) -> Path | None:
@@ -386,13 +442,15 @@ def hub_config_file(model: str) -> Path | None:
     from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import EntryNotFoundError
 
-    try:
-        return Path(hf_hub_download(ident, "config.json"))
+    why = hub_offline()
+    try:  # offline: the cache alone, at once
+        return Path(hf_hub_download(ident, "config.json", local_files_only=why is not None))
     except (OSError, ValueError, EntryNotFoundError) as err:  # offline, not found, gated, bad id
         raise ValueError(
-            f"model={ident!r}: no config.json from the hub ({_first_line(err)}); offline, pass "
-            f"a built-in name or a local config.json (huggingface-cli download {ident} "
-            "config.json, where a network exists, puts it in the cache this reads)") from err
+            f"model={ident!r}: no config.json from the hub ({why + ', not cached: ' if why else ''}"
+            f"{_first_line(err)}); offline, pass a built-in name or a local config.json "
+            f"(huggingface-cli download {ident} config.json, where a network exists, puts it in "
+            "the cache this reads)") from err
 
 
 def _first_line(err: BaseException) -> str:
@@ -414,7 +472,7 @@ def load_tokenizer(model_id_or_path: str | Path):
     """
     from transformers import AutoTokenizer
 
-    ident = _check_source(model_id_or_path)
+    ident = model_source(model_id_or_path)
     try:
         tok = AutoTokenizer.from_pretrained(ident, trust_remote_code=False)
     except (OSError, ValueError) as err:
@@ -507,7 +565,8 @@ def load_model(
     would take the vision encoder's layers too (Gemma-3's first blocks found were SigLIP's).
 
     Raises:
-        ValueError: if a hub id is asked for while offline, with how to fix it; if the model
+        ValueError: if a hub id is asked for offline and is not cached, with how to fix
+            it; if the model
             cannot be loaded, with the reason transformers gave; or if a multimodal
             checkpoint's language model is not where its weights were looked for.
     """
@@ -515,7 +574,7 @@ def load_model(
 
     if model_id_or_path is None:
         model_id_or_path = build_tiny_model()
-    ident = _check_source(model_id_or_path)
+    ident = model_source(model_id_or_path)
     auto = attn_implementation == "auto"
     kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": False,
                               "attn_implementation": "sdpa" if auto else attn_implementation}

@@ -1,3 +1,5 @@
+import shutil
+
 import pytest
 import torch
 
@@ -61,6 +63,50 @@ def test_hub_id_offline_is_a_clear_error(monkeypatch):
         models.load_model("meta-llama/Llama-3.2-1B")
     with pytest.raises(ValueError, match="^model_id_or_path=.*HF_HUB_OFFLINE=1"):
         models.load_tokenizer("meta-llama/Llama-3.2-1B")
+
+
+def test_a_cached_hub_id_loads_offline_from_its_cached_folder(tmp_path, tiny_model_path,
+                                                                monkeypatch):
+    """What a model downloaded once with a network gives later without one: transformers is
+    handed the cached folder, and asks the hub for nothing."""
+    import huggingface_hub.constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    repo = tmp_path / "models--acme--tiny-llama"
+    shutil.copytree(tiny_model_path, repo / "snapshots" / ("0" * 40))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0" * 40)
+    assert models.model_source("acme/tiny-llama") == str(repo / "snapshots" / ("0" * 40))
+    assert models.load_tokenizer("acme/tiny-llama").vocab_size == \
+        models.load_tokenizer(tiny_model_path).vocab_size
+    model = models.load_model("acme/tiny-llama")
+    assert model.config.hidden_size == models.load_model(tiny_model_path).config.hidden_size
+
+
+def test_without_a_network_a_hub_id_fails_at_once_not_after_retries(monkeypatch):
+    """No HF_HUB_OFFLINE, and the hub's host does not resolve: huggingface_hub would retry each
+    file five times (~23 s, seen here) before its cache; the name lookup decides at once."""
+    import time
+
+    import huggingface_hub.constants
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(models, "_resolves", lambda host: False)
+    assert models.hub_offline() == "huggingface.co does not resolve (no network)"
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match=r"^model_id_or_path='acme/uncached': not a local folder, "
+                                         r"not in the Hugging Face cache, and huggingface.co does "
+                                         r"not resolve \(no network\); download it first"):
+        models.load_model("acme/uncached")
+    with pytest.raises(ValueError, match=r"^model='acme/uncached': no config.json from the hub "
+                                         r"\(huggingface.co does not resolve \(no network\), not "
+                                         r"cached: LocalEntryNotFoundError"):
+        models.hub_config_file("acme/uncached")
+    assert time.perf_counter() - start < 5
+    monkeypatch.setattr(models, "_resolves", lambda host: True)
+    assert models.hub_offline() is None
 
 
 @pytest.mark.parametrize("folder", ["/no/such/model", "./no-such-model", "runs/no/such-model"])

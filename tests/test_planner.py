@@ -67,7 +67,9 @@ def test_a_fine_tuned_variants_hub_id_names_its_built_in_model(tmp_path, small_l
                          ("Qwen/Qwen2.5-7B-Instruct", "Qwen2.5-7B"),
                          ("google/gemma-2-9b-it", "Gemma-2-9B"),
                          ("google/gemma-3-1b-pt", "Gemma-3-1B"), ("microsoft/phi-4", "Phi-4"),
-                         ("mistralai/Mistral-7B-Instruct-v0.3", "Mistral-7B-v0.3")]:
+                         ("mistralai/Mistral-7B-Instruct-v0.3", "Mistral-7B-v0.3"),
+                         ("mistralai/Mistral-7B-v0.1", "Mistral-7B"),
+                         ("mistralai/Mistral-7B-Instruct-v0.2", "Mistral-7B")]:
         assert planner.resolve_shape(hub_id) == (name, calc.preset_shape(name)), hub_id
     # v0.3's 32768 tokens, not the Mistral-7B preset's (v0.1) 32000
     assert calc.preset_shape("Mistral-7B-v0.3").vocab_size == 32768
@@ -98,7 +100,8 @@ def test_any_other_hub_id_is_read_from_the_hub_or_its_cache(tmp_path, small_llam
     assert name == "tiny-llama" and (shape.hidden_size, shape.num_hidden_layers) == (64, 2)
     assert fake_memory.model_config("acme/tiny-llama").hidden_size == 64
     with pytest.raises(ValueError, match=r"^model='acme/other': no config.json from the hub "
-                                         r"\(LocalEntryNotFoundError: .*huggingface-cli download"):
+                                         r"\(HF_HUB_OFFLINE=1, not cached: "
+                                         r"LocalEntryNotFoundError: .*huggingface-cli download"):
         planner.resolve_shape("acme/other")
     with pytest.raises(ValueError, match="model='acme/other': no config.json from the hub"):
         fake_memory.model_config("acme/other")

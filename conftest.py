@@ -44,7 +44,17 @@ def pytest_configure(config):
     """One thread per core for each xdist worker and the notebook kernels it starts (they
     inherit OMP_NUM_THREADS). Without it, two workers of two threads each on the 2-core reference
     ran notebook 03's teacher fine-tune in 323 s instead of 40 s, and notebook 01's QLoRA
-    fine-tune in 314 s instead of 35 s."""
+    fine-tune in 314 s instead of 35 s.
+
+    The third-party noise ``recipes_lib`` silences when imported (``known_warnings``) is given
+    to pytest too: pytest restores the warning filters after every test, so those installed by
+    the first import stop working at the second test, and the summary filled with them (84 of
+    a run's 104 warnings)."""
+    from recipes_lib.known_warnings import WARNING_NOISE
+
+    for module, message, category in WARNING_NOISE:
+        config.addinivalue_line("filterwarnings",
+                                f"ignore:{message}:{category.__name__}:{module}")
     worker = getattr(config, "workerinput", None)
     if worker is not None:
         threads = max(1, (os.cpu_count() or 1) // int(worker["workercount"]))

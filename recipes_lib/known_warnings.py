@@ -30,6 +30,11 @@ WARNING_NOISE = (
     # keeps that path (its module docstring), so the notice would only repeat it
     (r"torch\.ao\.nn\.quantized", r"torch\.quantize_per_tensor, torch\.quantize_per_channel",
      UserWarning),
+    # peft's conversion of transformers' fused mixture-of-experts weights names LoRA rank and
+    # alpha patterns for gate_up_proj that its own targets then do not match (no pattern of ours)
+    (r"peft\.tuners\.tuners_utils",
+     (r"The following (rank|alpha)_pattern keys did not match any targeted module and were "
+      r"ignored. \['\.\*\\\\\.gate_up_proj'\]"), RuntimeWarning),
     # torchao's int8 tensor subclass under torch.compile: a caching hint for torchao's authors
     (r"torch\._functorch", r"Int8Tensor does not implement _stable_hash_for_caching",
      UserWarning),

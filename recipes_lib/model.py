@@ -390,7 +390,8 @@ def hub_offline() -> str | None:
     Offline because HF_HUB_OFFLINE says so, or because the hub's host name does not resolve (no
     network): there huggingface_hub would retry each file five times over ~23 s before falling
     back to its cache, where the name lookup fails in milliseconds. The lookup's answer is kept
-    for the process.
+    for the process. Behind an HTTPS proxy the proxy resolves the name, not this machine: no
+    lookup is made.
 
     Returns:
         ``"HF_HUB_OFFLINE=1"``, ``"<host> does not resolve (no network)"``, or None.
@@ -400,6 +401,8 @@ def hub_offline() -> str | None:
     if constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").upper() in {
             "1", "ON", "YES", "TRUE"}:  # the values huggingface_hub reads as true
         return "HF_HUB_OFFLINE=1"
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return None
     host = urlparse(constants.ENDPOINT).hostname or constants.ENDPOINT
     return None if _resolves(host) else f"{host} does not resolve (no network)"
 

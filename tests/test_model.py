@@ -94,6 +94,8 @@ def test_without_a_network_a_hub_id_fails_at_once_not_after_retries(monkeypatch)
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(models, "_resolves", lambda host: False)
+    for proxy in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(proxy, raising=False)
     assert models.hub_offline() == "huggingface.co does not resolve (no network)"
     start = time.perf_counter()
     with pytest.raises(ValueError, match=r"^model_id_or_path='acme/uncached': not a local folder, "
@@ -105,6 +107,9 @@ def test_without_a_network_a_hub_id_fails_at_once_not_after_retries(monkeypatch)
                                          r"cached: LocalEntryNotFoundError"):
         models.hub_config_file("acme/uncached")
     assert time.perf_counter() - start < 5
+    monkeypatch.setenv("HTTPS_PROXY", "http://proxy.example:3128")  # the proxy resolves names
+    assert models.hub_offline() is None
+    monkeypatch.delenv("HTTPS_PROXY")
     monkeypatch.setattr(models, "_resolves", lambda host: True)
     assert models.hub_offline() is None
 

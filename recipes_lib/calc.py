@@ -59,6 +59,9 @@ class ModelShape:
             projections: Llama, Qwen, Mistral, Gemma, Phi-3's fused gate_up), 2 for a plain one
             (up and down: GPT-NeoX / Pythia, Phi-2, StarCoder2, Nemotron). Set by
             :meth:`from_config` from the model transformers builds.
+        max_position_embeddings: the positions the model was trained on (None: not recorded).
+            The planner and the fake-tensor meter refuse a longer sequence, saying how RoPE
+            scaling extends it (``max_context.check_positions``); the formulas do not read it.
 
     Parameter counts leave out what is below 0.1 % of a real model: attention biases (Qwen2),
     query/key norms (Qwen3) and Gemma's extra norms.
@@ -82,6 +85,7 @@ class ModelShape:
     sliding_layers: int = 0
     score_bytes: int = 0
     mlp_matrices: int = 3
+    max_position_embeddings: int | None = None
 
     def __post_init__(self) -> None:
         if self.mlp_matrices not in MLP_MATRICES:
@@ -134,7 +138,9 @@ class ModelShape:
                        head_dim=int(get("head_dim")) if get("head_dim") else None,
                        sliding_window=int(window) if window is not None and sliding else None,
                        sliding_layers=int(sliding), score_bytes=_score_bytes(full),
-                       mlp_matrices=_mlp_matrices(full))
+                       mlp_matrices=_mlp_matrices(full),
+                       max_position_embeddings=(int(get("max_position_embeddings"))
+                                                if get("max_position_embeddings") else None))
         except TypeError as err:
             raise ValueError(f"{name}: not a decoder config with hidden_size, intermediate_size, "
                              f"num_hidden_layers, ... ({err})") from err
@@ -1190,16 +1196,22 @@ def escalation_table(shape: ModelShape, seq_len: int, batch_size: int, budget_by
 
 
 # Shapes of real models (from their config.json), for tables at sizes people train.
+# Their positions (max_position_embeddings) where every release a preset's name stands for
+# (VARIANT_WORDS, PRESET_ALIASES) has the same; Qwen2.5-7B's are not recorded.
+_LLAMA3, _LLAMA2, _32K = {"max_position_embeddings": 131072}, {"max_position_embeddings": 4096}, \
+    {"max_position_embeddings": 32768}
 PRESETS = {
-    "Llama-3.2-1B": ModelShape(128256, 2048, 8192, 16, 32, 8, tie_word_embeddings=True),
-    "Llama-3.2-3B": ModelShape(128256, 3072, 8192, 28, 24, 8, tie_word_embeddings=True),
-    "Llama-3.1-8B": ModelShape(128256, 4096, 14336, 32, 32, 8),
-    "Llama-3.1-70B": ModelShape(128256, 8192, 28672, 80, 64, 8),
-    "Llama-2-7B": ModelShape(32000, 4096, 11008, 32, 32, 32),
-    "Llama-2-13B": ModelShape(32000, 5120, 13824, 40, 40, 40),
-    "Llama-2-70B": ModelShape(32000, 8192, 28672, 80, 64, 8),
-    "Mistral-7B": ModelShape(32000, 4096, 14336, 32, 32, 8),
-    "Qwen2.5-0.5B": ModelShape(151936, 896, 4864, 24, 14, 2, tie_word_embeddings=True),
+    "Llama-3.2-1B": ModelShape(128256, 2048, 8192, 16, 32, 8, tie_word_embeddings=True,
+                               **_LLAMA3),
+    "Llama-3.2-3B": ModelShape(128256, 3072, 8192, 28, 24, 8, tie_word_embeddings=True,
+                               **_LLAMA3),
+    "Llama-3.1-8B": ModelShape(128256, 4096, 14336, 32, 32, 8, **_LLAMA3),
+    "Llama-3.1-70B": ModelShape(128256, 8192, 28672, 80, 64, 8, **_LLAMA3),
+    "Llama-2-7B": ModelShape(32000, 4096, 11008, 32, 32, 32, **_LLAMA2),
+    "Llama-2-13B": ModelShape(32000, 5120, 13824, 40, 40, 40, **_LLAMA2),
+    "Llama-2-70B": ModelShape(32000, 8192, 28672, 80, 64, 8, **_LLAMA2),
+    "Mistral-7B": ModelShape(32000, 4096, 14336, 32, 32, 8, **_32K),
+    "Qwen2.5-0.5B": ModelShape(151936, 896, 4864, 24, 14, 2, tie_word_embeddings=True, **_32K),
     "Qwen2.5-7B": ModelShape(152064, 3584, 18944, 28, 28, 4),
 }
 # config.json fields of real models the Llama-shaped presets above cannot stand for (heads wider

@@ -41,6 +41,7 @@ from recipes_lib.chunked_loss import ChunkedCausalLMLoss
 from recipes_lib.data import IGNORE_INDEX
 from recipes_lib.fsdp import shard_model
 from recipes_lib.grad_accumulation import forward_backward
+from recipes_lib.max_context import check_positions
 from recipes_lib.memory import MemoryReport, allocator_peak, measure_memory
 from recipes_lib.model import hub_config_file
 from recipes_lib.offload import CPUOffloadOptimizer
@@ -429,7 +430,8 @@ def model_config(model: Any):
                              num_attention_heads=shape.num_attention_heads,
                              num_key_value_heads=shape.num_key_value_heads,
                              tie_word_embeddings=shape.tie_word_embeddings,
-                             head_dim=shape.head_dim, max_position_embeddings=131072)
+                             head_dim=shape.head_dim,
+                             max_position_embeddings=shape.max_position_embeddings or 131072)
     else:
         path = Path(str(model))  # a folder with a config.json, or a config file of any name
         if path.is_dir():
@@ -450,15 +452,6 @@ def model_config(model: Any):
         raise ValueError(f"model={given!r}: a {config.model_type!r} config is not a causal "
                          "language model (transformers maps no AutoModelForCausalLM to it)")
     return config
-
-
-def _check_seq_len(config, seq_len: int) -> None:
-    limit = getattr(config, "max_position_embeddings", None)
-    if limit and seq_len > limit:
-        raise ValueError(f"seq_len={seq_len}: beyond the model's {limit} positions; RoPE "
-                         "scaling extends them: config.rope_parameters with a 'yarn' or 'linear' "
-                         f"rope_type and factor {seq_len / limit:.2g}, and max_position_embeddings "
-                         f"raised to {seq_len} (max_context.load_with_rope_scaling does both)")
 
 
 COMM_BACKENDS = ("nccl", "gloo")
@@ -865,7 +858,7 @@ def measure_step(model: Any, stack: Stack = Stack(), seq_len: int = 2048, batch_
     if comm_backend not in COMM_BACKENDS:
         raise ValueError(f"comm_backend={comm_backend!r}: one of {', '.join(COMM_BACKENDS)}")
     config = model_config(model)
-    _check_seq_len(config, seq_len)
+    check_positions(config, seq_len)
     device = torch.device(device)
     before = (0, 0)
     if not fake and device.type == "cuda":  # what earlier work left allocated is not this step's
@@ -959,7 +952,7 @@ def step_meter(model: Any, stack: Stack = Stack(), batch_size: int = 1,
 
     def at(seq_len: int) -> MemoryReport:
         _check_sizes(seq_len, batch_size, stack)
-        _check_seq_len(config, seq_len)
+        check_positions(config, seq_len)
         if not prepared:
             prepared.append(_Prepared(config, stack, torch.device(device), True))
         return prepared[0].measure(seq_len, batch_size)

@@ -20,6 +20,7 @@ from typing import Any
 
 from recipes_lib import calc
 from recipes_lib import model as models
+from recipes_lib.max_context import check_positions
 
 # What a fake trace cannot see, modelled as its own row (never folded into the measured figure):
 # the CUDA context lives outside PyTorch's allocator (a few hundred MiB; it depends on the driver,
@@ -297,8 +298,9 @@ def plan(model: str, gpu_mem: str | float, seq_len: int = 2048, batch_size: int 
 
     Raises:
         ValueError: naming the parameter, for an unknown model, a size that does not parse, a
-            count below 1, or an architecture the formulas do not describe without
-            ``measure``.
+            count below 1, a sequence beyond the model's positions (saying how RoPE scaling
+            extends them; a config.json with them raised is planned as it says), or an
+            architecture the formulas do not describe without ``measure``.
 
     Example:
         >>> plan("Llama-2-7B", "16GB", seq_len=512, batch_size=1, grad_accum_steps=1)["cheapest"]
@@ -315,6 +317,7 @@ def plan(model: str, gpu_mem: str | float, seq_len: int = 2048, batch_size: int 
         out = _unpredicted(err, calc.escalation_steps(grad_accum_steps) + [_fsdp_step(gpus)])
         out["gpu_bytes"] = budget = parse_bytes(gpu_mem)
     else:
+        check_positions(shape, seq_len)
         budget = parse_bytes(gpu_mem)
         out = _predicted(model, name, shape, seq_len, batch_size, gpus, grad_accum_steps, budget)
     rows = out["rows"]

@@ -259,7 +259,8 @@ def test_bad_inputs_name_the_parameter(config, tmp_path):
         fake_memory.model_config(tmp_path)
     with pytest.raises(ValueError, match=r"^model='ViTConfig': a 'vit' config is not a causal"):
         fake_memory.model_config(ViTConfig())  # named by its class, not its whole JSON
-    with pytest.raises(ValueError, match="seq_len=512.*RoPE scaling"):
+    with pytest.raises(ValueError, match=r"seq_len=512: beyond the model's "
+                                         r"max_position_embeddings=\d+\. RoPE"):
         fake_memory.measure_step(config, Stack(), 512, 1)
     with pytest.raises(ValueError, match="grad_accum_steps=2"):
         fake_memory.measure_step(config, Stack(grad_accum_steps=2), 64, 3)

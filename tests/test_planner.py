@@ -193,6 +193,27 @@ def test_bad_models(tmp_path):
         planner.plan(str(tmp_path / "qwen3.5"), "24GB")
 
 
+def test_a_sequence_beyond_the_models_positions_is_refused_with_how_to_extend_them(tmp_path):
+    """The formulas would plan any length; the planner refuses, as the fake-tensor meter does,
+    one beyond the positions the model was trained on: a preset's (Llama-2's 4096, recorded
+    with the preset), a built-in config's (Phi-3-mini-4k's) and a config.json's."""
+    from recipes_lib import fake_memory
+
+    beyond = r"^seq_len=8192: beyond the model's max_position_embeddings=4096\. RoPE .*linear"
+    for model in ("Llama-2-7B", "meta-llama/Llama-2-7b-chat-hf", "Phi-3-mini-4k-instruct"):
+        with pytest.raises(ValueError, match=beyond):
+            planner.plan(model, "80GB", seq_len=8192, batch_size=1)
+        with pytest.raises(ValueError, match=beyond):
+            fake_memory.measure_step(model, fake_memory.Stack(method="qlora"), 8192, 1)
+    assert planner.plan("Llama-2-7B", "80GB", seq_len=4096, batch_size=1)["rows"]
+    raised = {**calc.CONFIGS["Phi-3-mini-4k-instruct"], "max_position_embeddings": 8192}
+    (tmp_path / "config.json").write_text(json.dumps(raised))
+    assert planner.resolve_shape(str(tmp_path))[1].max_position_embeddings == 8192
+    assert planner.plan(str(tmp_path), "80GB", seq_len=8192, batch_size=1)["rows"]
+    assert calc.preset_shape("Qwen2.5-7B").max_position_embeddings is None  # not recorded
+    assert planner.plan("Qwen2.5-7B", "80GB", seq_len=65536, batch_size=1)["rows"]
+
+
 def test_cli(capsys):
     assert main(["plan", "--model", "Llama-2-7B", "--gpu-mem", "16GB", "--seq", "512",
                  "--batch", "1"]) == 0

@@ -1198,8 +1198,9 @@ def escalation_table(shape: ModelShape, seq_len: int, batch_size: int, budget_by
 # Shapes of real models (from their config.json), for tables at sizes people train.
 # Their positions (max_position_embeddings) where every release a preset's name stands for
 # (VARIANT_WORDS, PRESET_ALIASES) has the same; Qwen2.5-7B's are not recorded.
-_LLAMA3, _LLAMA2, _32K = {"max_position_embeddings": 131072}, {"max_position_embeddings": 4096}, \
-    {"max_position_embeddings": 32768}
+_LLAMA3 = {"max_position_embeddings": 131072}
+_LLAMA2 = {"max_position_embeddings": 4096}
+_32K = {"max_position_embeddings": 32768}
 PRESETS = {
     "Llama-3.2-1B": ModelShape(128256, 2048, 8192, 16, 32, 8, tie_word_embeddings=True,
                                **_LLAMA3),

@@ -19,11 +19,12 @@ def check_positions(config: Any, seq_len: int) -> None:
     """Refuse a sequence longer than the model's positional capacity, saying how to extend it.
 
     Args:
-        config: the model's transformers config.
+        config: the model's transformers config, or a ``calc.ModelShape`` (the planner's); a
+            ``max_position_embeddings`` of None is no limit.
         seq_len: the sequence length asked for.
 
     Raises:
-        ValueError: if seq_len > config.max_position_embeddings.
+        ValueError: if seq_len < 1 or seq_len > config.max_position_embeddings.
     """
     limit = getattr(config, "max_position_embeddings", None)
     if seq_len < 1:

@@ -394,12 +394,15 @@ def hub_offline() -> str | None:
     lookup is made.
 
     Returns:
-        ``"HF_HUB_OFFLINE=1"``, ``"<host> does not resolve (no network)"``, or None.
+        ``"HF_HUB_OFFLINE=1"`` (or ``TRANSFORMERS_OFFLINE``, which huggingface_hub honours too),
+        ``"<host> does not resolve (no network)"``, or None.
     """
     from huggingface_hub import constants
 
-    if constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").upper() in {
-            "1", "ON", "YES", "TRUE"}:  # the values huggingface_hub reads as true
+    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):  # read again: huggingface_hub reads
+        if os.environ.get(var, "").upper() in constants.ENV_VARS_TRUE_VALUES:  # them at import
+            return f"{var}=1"
+    if constants.is_offline_mode():
         return "HF_HUB_OFFLINE=1"
     if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
         return None
@@ -568,10 +571,9 @@ def load_model(
     would take the vision encoder's layers too (Gemma-3's first blocks found were SigLIP's).
 
     Raises:
-        ValueError: if a hub id is asked for offline and is not cached, with how to fix
-            it; if the model
-            cannot be loaded, with the reason transformers gave; or if a multimodal
-            checkpoint's language model is not where its weights were looked for.
+        ValueError: if a hub id is asked for offline and is not cached, with how to fix it;
+            if the model cannot be loaded, with the reason transformers gave; or if a
+            multimodal checkpoint's language model is not where its weights were looked for.
     """
     from transformers import AutoModelForCausalLM
 

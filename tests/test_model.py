@@ -91,7 +91,8 @@ def test_without_a_network_a_hub_id_fails_at_once_not_after_retries(monkeypatch)
 
     import huggingface_hub.constants
 
-    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):  # CI sets both
+        monkeypatch.delenv(var, raising=False)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(models, "_resolves", lambda host: False)
     for proxy in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
@@ -112,6 +113,8 @@ def test_without_a_network_a_hub_id_fails_at_once_not_after_retries(monkeypatch)
     monkeypatch.delenv("HTTPS_PROXY")
     monkeypatch.setattr(models, "_resolves", lambda host: True)
     assert models.hub_offline() is None
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")  # huggingface_hub honours it too
+    assert models.hub_offline() == "TRANSFORMERS_OFFLINE=1"
 
 
 @pytest.mark.parametrize("folder", ["/no/such/model", "./no-such-model", "runs/no/such-model"])

@@ -1271,6 +1271,18 @@ CONFIGS: dict[str, dict[str, Any]] = {
 # meta-llama/Llama-3.1-8B-Instruct, google/gemma-2-9b-it, meta-llama/Llama-2-7b-chat-hf,
 # mistralai/Mistral-7B-Instruct-v0.3, and Llama 3.1's first repository names (Meta-Llama-3.1-8B)
 VARIANT_WORDS = ("instruct", "chat", "hf", "it", "pt", "base", "meta")
+# The hub repository each built-in name was read from (the base model where there is one), which
+# a training script's from_pretrained loads: the planner's "in your trainer" code names it.
+HUB_IDS = {
+    "Llama-3.2-1B": "meta-llama/Llama-3.2-1B", "Llama-3.2-3B": "meta-llama/Llama-3.2-3B",
+    "Llama-3.1-8B": "meta-llama/Llama-3.1-8B", "Llama-3.1-70B": "meta-llama/Llama-3.1-70B",
+    "Llama-2-7B": "meta-llama/Llama-2-7b-hf", "Llama-2-13B": "meta-llama/Llama-2-13b-hf",
+    "Llama-2-70B": "meta-llama/Llama-2-70b-hf", "Mistral-7B": "mistralai/Mistral-7B-v0.1",
+    "Qwen2.5-0.5B": "Qwen/Qwen2.5-0.5B", "Qwen2.5-7B": "Qwen/Qwen2.5-7B",
+    "Qwen3-0.6B": "Qwen/Qwen3-0.6B", "Qwen3-8B": "Qwen/Qwen3-8B", "Gemma-2-2B": "google/gemma-2-2b",
+    "Gemma-2-9B": "google/gemma-2-9b", "Gemma-3-1B": "google/gemma-3-1b-pt",
+    "Mistral-7B-v0.3": "mistralai/Mistral-7B-v0.3",
+    "Phi-3-mini-4k-instruct": "microsoft/Phi-3-mini-4k-instruct", "Phi-4": "microsoft/phi-4"}
 # Versions a preset stands for under another name: Mistral-7B v0.1 and v0.2 (Instruct-v0.2's
 # config.json: the same sizes and 32000-token vocabulary; v0.3's 32768 tokens are their own entry)
 PRESET_ALIASES = {"Mistral-7B-v0.1": "Mistral-7B", "Mistral-7B-v0.2": "Mistral-7B"}

@@ -403,7 +403,8 @@ def settings_model(model: Any, stack: Any) -> Any:
 
 def script_model_id(model: str) -> str:
     """What a training script's ``from_pretrained`` loads for ``model``: a hub id or a folder as
-    given; a built-in name (not a repository) as a placeholder naming it.
+    given; a built-in name as the repository it was read from (``calc.HUB_IDS``); any other bare
+    name as a placeholder naming it.
 
     Args:
         model: what the planner was given.
@@ -413,9 +414,14 @@ def script_model_id(model: str) -> str:
 
     Example:
         >>> script_model_id("Llama-3.1-8B"), script_model_id("Qwen/Qwen3-8B")
-        ('<hub id of Llama-3.1-8B>', 'Qwen/Qwen3-8B')
+        ('meta-llama/Llama-3.1-8B', 'Qwen/Qwen3-8B')
+        >>> script_model_id("Llama-3.1-8B-Instruct")  # a variant: which repository is not known
+        '<hub id of Llama-3.1-8B-Instruct>'
     """
-    return model if "/" in model or Path(model).exists() else f"<hub id of {model}>"
+    if "/" in model or Path(model).exists():
+        return model
+    hub_ids = {name.lower(): hub_id for name, hub_id in calc.HUB_IDS.items()}
+    return hub_ids.get(model.lower(), f"<hub id of {model}>")
 
 
 def max_context(model: str, gpu_mem: str | float | list, stack: Any = None, batch_size: int = 1,

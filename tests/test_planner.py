@@ -130,13 +130,21 @@ def test_a_built_in_config_counts_as_its_model_card_and_transformers_do(name, ca
     assert type(fake_memory.model_config(name)).__name__ == config_class
 
 
+def test_every_built_in_name_has_the_repository_it_was_read_from():
+    """The trainer code loads a repository: each built-in name's, which names it back."""
+    assert set(calc.HUB_IDS) == set(calc.preset_names())
+    for name, hub_id in calc.HUB_IDS.items():
+        assert calc.find_preset(hub_id) == name, hub_id
+        assert planner.script_model_id(name.upper()) == hub_id
+
+
 def test_the_plan_ends_with_its_cheapest_step_in_a_trainers_settings(capsys):
     result = planner.plan("Llama-3.1-8B", "80GB", seq_len=4096, batch_size=8)
     trainer = result["trainer"]
     assert trainer["step"] == result["cheapest"] == "+ gradient accumulation (k=4)"
     assert trainer["settings"]["args"]["gradient_accumulation_steps"] == 4
     assert trainer["settings"]["quantization"]["bnb_4bit_quant_type"] == "nf4"
-    assert "from_pretrained('<hub id of Llama-3.1-8B>'" in planner.format_plan(result)
+    assert "from_pretrained('meta-llama/Llama-3.1-8B'" in planner.format_plan(result)
     assert planner.plan("Llama-3.1-70B", "8GB", 4096, 8)["trainer"] is None  # nothing fits
     # the FSDP row wraps the architecture's own block class, read from the model built on meta
     fsdp = planner._trainer_settings("Qwen/Qwen3-8B", planner._fsdp_step(8), 8, 1, 8)

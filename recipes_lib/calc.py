@@ -1271,8 +1271,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
 # meta-llama/Llama-3.1-8B-Instruct, google/gemma-2-9b-it, meta-llama/Llama-2-7b-chat-hf,
 # mistralai/Mistral-7B-Instruct-v0.3, and Llama 3.1's first repository names (Meta-Llama-3.1-8B)
 VARIANT_WORDS = ("instruct", "chat", "hf", "it", "pt", "base", "meta")
-# The hub repository each built-in name was read from (the base model where there is one), which
-# a training script's from_pretrained loads: the planner's "in your trainer" code names it.
+# The hub repository each built-in name's sizes were read from, which a training script's
+# from_pretrained loads: the planner's "in your trainer" code names it.
 HUB_IDS = {
     "Llama-3.2-1B": "meta-llama/Llama-3.2-1B", "Llama-3.2-3B": "meta-llama/Llama-3.2-3B",
     "Llama-3.1-8B": "meta-llama/Llama-3.1-8B", "Llama-3.1-70B": "meta-llama/Llama-3.1-70B",

@@ -9,6 +9,8 @@ nbval) call :func:`verdict` with the parameters cell's values instead.
 
 from __future__ import annotations
 
+import sys
+import traceback
 from typing import Any
 
 from recipes_lib import calc, planner, trainers
@@ -139,7 +141,11 @@ def form(model: str = "Llama-3.1-8B", gpu_mem: str = "24GB", seq_len: int = 2048
 
     def run(_=None) -> str:
         out.clear_output()
+        # a fake step of an 8 B model takes seconds to a minute on a CPU: say so meanwhile, and
+        # take no second click until it is done
+        button.disabled, button.description = True, "Measuring..."
         with out:
+            print(f"measuring one training step of {fields['model'].value} on fake tensors...")
             try:
                 stack = make_stack(fields["method"].value, fields["checkpointing"].value,
                                    fields["adamw_8bit"].value,
@@ -148,8 +154,18 @@ def form(model: str = "Llama-3.1-8B", gpu_mem: str = "24GB", seq_len: int = 2048
                 result = verdict(fields["model"].value, fields["gpu_mem"].value,
                                  fields["seq_len"].value, fields["batch_size"].value, stack)
             except ValueError as err:
+                out.clear_output(wait=True)
                 print(f"error: {err}")
                 return f"error: {err}"
+            except Exception as err:  # noqa: BLE001 - a callback's error reaches no cell
+                # an error raised in a click's callback goes to the front end's log, not to
+                # the notebook: show it here, whole
+                out.clear_output(wait=True)
+                traceback.print_exc(file=sys.stdout)
+                return f"error: {type(err).__name__}: {err}"
+            finally:
+                button.disabled, button.description = False, "Measure"
+            out.clear_output(wait=True)  # the line above goes when the verdict comes
             print(result["text"])
             fig = plot_verdict(result)
             display(fig)

@@ -41,6 +41,21 @@ def test_the_form_measures_on_click_and_shows_bad_input_as_an_error(config_dir):
     assert ", bf16, adamw, checkpointing: " in box.run()
     box.children[1].value = "lots"  # GPU memory
     assert box.run().startswith("error: gpu_mem='lots'")
+    button = box.children[-2]  # disabled while it measures, clickable again after an error too
+    assert not button.disabled and button.description == "Measure"
+
+
+def test_an_unexpected_error_in_the_form_is_shown_not_lost_in_the_front_ends_log(
+        config_dir, monkeypatch, capsys):
+    pytest.importorskip("ipywidgets")
+    box = fit_form.form(config_dir, "1GiB", 64, 1)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("something below the form broke")
+    monkeypatch.setattr(fit_form, "verdict", broken)
+    assert box.run() == "error: RuntimeError: something below the form broke"
+    assert "Traceback" in capsys.readouterr().out  # headless, the output area is stdout
+    assert not box.children[-2].disabled
 
 
 def test_bad_toggles_name_the_field():

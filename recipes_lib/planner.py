@@ -224,6 +224,28 @@ def _check_counts(**counts: Any) -> None:
             raise ValueError(f"{name}={v!r}: must be an integer >= 1")
 
 
+def _default_grad_accum_steps(batch_size: int) -> int:
+    """Micro-batches where nothing says how many fit: the largest divisor of the batch up to 4."""
+    return max(k for k in range(1, 5) if batch_size % k == 0)
+
+
+def _fewest_micro_batches(shape: calc.ModelShape, seq_len: int, batch_size: int,
+                          budget: float) -> int:
+    """The accumulation row's k: the fewest micro-batches (more than one where the batch
+    allows: the row adds accumulation to checkpointing's k=1) whose row fits ``budget`` by the
+    formulas plus ``gpu_overhead``; where none does, one sequence per micro-batch (the least
+    memory, the offload row's best chance). A fixed k=4 left 8 sequences of a 70 B QLoRA step
+    at 4096 tokens 'nothing fits' on 80 GB, where k=8 fits."""
+    divisors = [k for k in range(2, batch_size + 1) if batch_size % k == 0] or [1]
+    for k in divisors:
+        rows = calc.escalation_table(shape, seq_len, batch_size, budget, k)
+        row = next(r for r in rows if r["step"] == f"+ gradient accumulation (k={k})")
+        total = row["total_GiB"] * 2**30
+        if total + gpu_overhead(total) <= budget:
+            return k
+    return divisors[-1]
+
+
 def _predicted(model: str, name: str, shape: calc.ModelShape, seq_len: int, batch_size: int,
                gpus: int, grad_accum_steps: int, budget: float) -> dict[str, Any]:
     """:func:`plan`'s result from the formulas alone."""
@@ -276,8 +298,10 @@ def plan(model: str, gpu_mem: str | float, seq_len: int = 2048, batch_size: int 
         gpus: GPUs for the last step, a full fine-tune sharded with FSDP; each GPU is planned
             with the busiest one's share of the batch, ``ceil(batch_size / gpus)`` (at least
             one sequence: 1 sequence over 8 GPUs plans 1 per GPU).
-        grad_accum_steps: micro-batches per step in the accumulation row (default: the largest
-            divisor of ``batch_size`` up to 4).
+        grad_accum_steps: micro-batches per step in the accumulation row (default: the fewest,
+            more than one where the batch allows, whose row fits by the formulas, else one
+            sequence per micro-batch; for an architecture the formulas do not describe, the
+            largest divisor of ``batch_size`` up to 4).
         measure: also measure the rows on fake tensors (``fake_memory``): each gets
             ``measured_GiB`` (the trace's peak on the GPU), ``host_GiB`` (what offload keeps in
             CPU RAM), ``gpu_GiB`` (the peak plus ``gpu_overhead``), ``measured_stack`` and
@@ -307,18 +331,20 @@ def plan(model: str, gpu_mem: str | float, seq_len: int = 2048, batch_size: int 
         'QLoRA (NF4 base)'
     """
     _check_counts(seq_len=seq_len, batch_size=batch_size, gpus=gpus)
-    if grad_accum_steps is None:
-        grad_accum_steps = max(k for k in range(1, 5) if batch_size % k == 0)
     try:
         name, shape = resolve_shape(model)
     except calc.NotDescribedError as err:
         if not measure:
             raise ValueError(f"{err}; --measure (plan(measure=True)) measures every row") from err
+        if grad_accum_steps is None:
+            grad_accum_steps = _default_grad_accum_steps(batch_size)
         out = _unpredicted(err, calc.escalation_steps(grad_accum_steps) + [_fsdp_step(gpus)])
         out["gpu_bytes"] = budget = parse_bytes(gpu_mem)
     else:
         check_positions(shape, seq_len)
         budget = parse_bytes(gpu_mem)
+        if grad_accum_steps is None:
+            grad_accum_steps = _fewest_micro_batches(shape, seq_len, batch_size, budget)
         out = _predicted(model, name, shape, seq_len, batch_size, gpus, grad_accum_steps, budget)
     rows = out["rows"]
     if measure:
@@ -499,7 +525,8 @@ def max_context_per_step(model: str, gpu_mem: str | float, batch_size: int = 1,
         model: a built-in name or a config path.
         gpu_mem: memory of one GPU, e.g. "24GB".
         batch_size: sequences per optimizer step.
-        grad_accum_steps: micro-batches in the accumulation row (default as :func:`plan`).
+        grad_accum_steps: micro-batches in the accumulation row (default: the largest divisor
+            of ``batch_size`` up to 4; the lengths searched decide what fits, not a k).
         gpus: GPUs for the FSDP row.
         step: the search's length granularity, in tokens.
         workers: processes searching at once (1: this one; more: spawned, one stack each at a
@@ -514,7 +541,7 @@ def max_context_per_step(model: str, gpu_mem: str | float, batch_size: int = 1,
     """
     _check_counts(batch_size=batch_size, gpus=gpus, workers=workers)
     if grad_accum_steps is None:
-        grad_accum_steps = max(k for k in range(1, 5) if batch_size % k == 0)
+        grad_accum_steps = _default_grad_accum_steps(batch_size)
     steps = calc.escalation_steps(grad_accum_steps) + [_fsdp_step(gpus)]  # each measured
     stacks = {name: _measured_stack(name, grad_accum_steps, gpus) for name in steps}
     distinct = list(dict.fromkeys(s for s in stacks.values() if not isinstance(s, str)))

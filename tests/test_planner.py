@@ -138,11 +138,28 @@ def test_every_built_in_name_has_the_repository_it_was_read_from():
         assert planner.script_model_id(name.upper()) == hub_id
 
 
+def test_the_accumulation_row_takes_the_fewest_micro_batches_that_fit():
+    """8 sequences of 4096 tokens: an 8 B QLoRA step fits 80 GB in 2 micro-batches; a 70 B one
+    needs 8 (a fixed k=4 left it 'nothing fits'); where nothing fits, micro-batches of one."""
+    def accumulation(result):
+        return next(r for r in result["rows"] if r["step"].startswith("+ gradient accumulation"))
+    eight_b = planner.plan("Llama-3.1-8B", "80GB", 4096, 8)
+    assert accumulation(eight_b)["step"].endswith("(k=2)") and accumulation(eight_b)["fits"]
+    seventy_b = planner.plan("Llama-3.1-70B", "80GB", 4096, 8)
+    assert seventy_b["cheapest"] == "+ gradient accumulation (k=8)"
+    four = planner.plan("Llama-3.1-70B", "80GB", 4096, 8, grad_accum_steps=4)  # as asked
+    assert four["cheapest"] == "nothing fits" and accumulation(four)["step"].endswith("(k=4)")
+    assert accumulation(planner.plan("Llama-3.1-70B", "8GB", 4096, 8))["step"].endswith("(k=8)")
+    # a batch that is already one sequence: k=1, the checkpointing row's own step
+    assert accumulation(planner.plan("Llama-3.1-8B", "24GB", 2048, 1))["step"].endswith("(k=1)")
+
+
 def test_the_plan_ends_with_its_cheapest_step_in_a_trainers_settings(capsys):
     result = planner.plan("Llama-3.1-8B", "80GB", seq_len=4096, batch_size=8)
     trainer = result["trainer"]
-    assert trainer["step"] == result["cheapest"] == "+ gradient accumulation (k=4)"
-    assert trainer["settings"]["args"]["gradient_accumulation_steps"] == 4
+    assert trainer["step"] == result["cheapest"] == "+ gradient accumulation (k=2)"
+    assert trainer["settings"]["args"]["gradient_accumulation_steps"] == 2
+    assert trainer["settings"]["args"]["per_device_train_batch_size"] == 4
     assert trainer["settings"]["quantization"]["bnb_4bit_quant_type"] == "nf4"
     assert "from_pretrained('meta-llama/Llama-3.1-8B'" in planner.format_plan(result)
     assert planner.plan("Llama-3.1-70B", "8GB", 4096, 8)["trainer"] is None  # nothing fits

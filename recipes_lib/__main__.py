@@ -376,10 +376,15 @@ def main(argv: list[str] | None = None) -> int:
     pl.add_argument("--model", required=True,
                     help="a built-in name or its hub id (e.g. Llama-3.1-8B, Qwen/Qwen3-8B, "
                     "google/gemma-2-9b-it) or a config.json path")
-    pl.add_argument("--gpu-mem", required=True, help="memory per GPU, e.g. 16GB or 80GiB")
-    pl.add_argument("--seq", type=int, default=2048, help="sequence length")
-    pl.add_argument("--batch", type=int, default=8, help="sequences per optimizer step")
-    pl.add_argument("--gpus", type=int, default=1, help="GPUs for the FSDP row")
+    # what a card is sold as is neither unit exactly (modal-labs/modal-client#2797: nvidia-smi
+    # gives an H100 80GB 81559 MiB, an A100 80GB 81920 MiB, an A10 or L4 24GB ~23030 MiB)
+    pl.add_argument("--gpu-mem", required=True,
+                    help="memory per GPU, e.g. 16GB (10^9 bytes) or 80GiB; nvidia-smi's total "
+                    "is the card's exact size (an H100 80GB: 81559MiB)")
+    pl.add_argument("--seq", type=int, default=2048, help="sequence length (default: 2048)")
+    pl.add_argument("--batch", type=int, default=8,
+                    help="sequences per optimizer step (default: 8)")
+    pl.add_argument("--gpus", type=int, default=1, help="GPUs for the FSDP row (default: 1)")
     pl.add_argument("--measure", action="store_true",
                     help="also measure each row that can be on fake tensors")
     pl.add_argument("--max-context", action="store_true",

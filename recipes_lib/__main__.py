@@ -413,11 +413,13 @@ def main(argv: list[str] | None = None) -> int:
         from recipes_lib.planner import format_plan, max_context_per_step, plan
 
         try:
-            print(format_plan(plan(args.model, args.gpu_mem, args.seq, args.batch, args.gpus,
-                                   measure=args.measure)))
-            if args.max_context:
+            planned = plan(args.model, args.gpu_mem, args.seq, args.batch, args.gpus,
+                           measure=args.measure)
+            print(format_plan(planned))
+            if args.max_context:  # the same rows: the plan's micro-batches
                 rows = max_context_per_step(args.model, args.gpu_mem, args.batch,
-                                            gpus=args.gpus, workers=os.cpu_count() or 1)
+                                            planned["grad_accum_steps"], gpus=args.gpus,
+                                            workers=os.cpu_count() or 1)
                 searched = {id(r["tries"]): len(r["tries"]) for r in rows if "tries" in r}
                 print(f"\nlongest sequence that fits, by measurement (batch {args.batch}; "
                       f"{sum(searched.values())} fake steps):")

@@ -310,7 +310,9 @@ def plan(model: str, gpu_mem: str | float, seq_len: int = 2048, batch_size: int 
             CPU's for-loop), as ``foreach`` and as ``fused`` (``fake_memory.Stack.optimizer``).
 
     Returns:
-        ``{"model", "params_B", "gpu_bytes", "rows", "cheapest", "notes"}``; each row has
+        ``{"model", "params_B", "gpu_bytes", "rows", "cheapest", "notes", "trainer",
+        "grad_accum_steps"}`` (``trainer``: the cheapest step as a trainer's settings, None
+        where nothing fits; ``grad_accum_steps``: the accumulation row's k); each row has
         step, state_GiB, activations_GiB, total_GiB (the formulas' bytes), total_gpu_GiB (plus
         the modelled ``gpu_overhead``, as a measured trace gets) and fits (on that);
         ``notes``: what the formulas assume that this model does not do (eager attention's
@@ -380,6 +382,7 @@ def plan(model: str, gpu_mem: str | float, seq_len: int = 2048, batch_size: int 
                                         "nothing measured fits")
     out["trainer"] = _trainer_settings(model, out.get("cheapest_measured", out["cheapest"]),
                                        batch_size, grad_accum_steps, gpus)
+    out["grad_accum_steps"] = grad_accum_steps
     return out
 
 

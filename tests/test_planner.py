@@ -147,11 +147,24 @@ def test_the_accumulation_row_takes_the_fewest_micro_batches_that_fit():
     assert accumulation(eight_b)["step"].endswith("(k=2)") and accumulation(eight_b)["fits"]
     seventy_b = planner.plan("Llama-3.1-70B", "80GB", 4096, 8)
     assert seventy_b["cheapest"] == "+ gradient accumulation (k=8)"
+    assert seventy_b["grad_accum_steps"] == 8
     four = planner.plan("Llama-3.1-70B", "80GB", 4096, 8, grad_accum_steps=4)  # as asked
     assert four["cheapest"] == "nothing fits" and accumulation(four)["step"].endswith("(k=4)")
     assert accumulation(planner.plan("Llama-3.1-70B", "8GB", 4096, 8))["step"].endswith("(k=8)")
     # a batch that is already one sequence: k=1, the checkpointing row's own step
     assert accumulation(planner.plan("Llama-3.1-8B", "24GB", 2048, 1))["step"].endswith("(k=1)")
+
+
+def test_the_clis_length_search_accumulates_as_its_plan_does(monkeypatch, capsys):
+    searched = {}
+
+    def search(model, gpu_mem, batch_size, grad_accum_steps, **kwargs):
+        searched["k"] = grad_accum_steps
+        return []
+    monkeypatch.setattr(planner, "max_context_per_step", search)
+    assert main(["plan", "--model", "Llama-3.1-70B", "--gpu-mem", "80GB", "--seq", "4096",
+                 "--batch", "8", "--max-context"]) == 0
+    assert searched["k"] == 8 and "+ gradient accumulation (k=8)" in capsys.readouterr().out
 
 
 def test_the_plan_ends_with_its_cheapest_step_in_a_trainers_settings(capsys):

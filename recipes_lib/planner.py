@@ -238,12 +238,20 @@ def _fewest_micro_batches(shape: calc.ModelShape, seq_len: int, batch_size: int,
     at 4096 tokens 'nothing fits' on 80 GB, where k=8 fits."""
     divisors = [k for k in range(2, batch_size + 1) if batch_size % k == 0] or [1]
     for k in divisors:
-        rows = calc.escalation_table(shape, seq_len, batch_size, budget, k)
-        row = next(r for r in rows if r["step"] == f"+ gradient accumulation (k={k})")
-        total = row["total_GiB"] * 2**30
-        if total + gpu_overhead(total) <= budget:
+        rows = _on_gpu(calc.escalation_table(shape, seq_len, batch_size, budget, k), budget)
+        if next(r for r in rows if r["step"] == f"+ gradient accumulation (k={k})")["fits"]:
             return k
     return divisors[-1]
+
+
+def _on_gpu(rows: list[dict[str, Any]], budget: float) -> list[dict[str, Any]]:
+    """``rows`` with what the GPU needs beyond the formulas' bytes, as a measured trace gets
+    (``total_gpu_GiB``: plus ``gpu_overhead``), and whether that fits ``budget``."""
+    for row in rows:
+        total = row["total_GiB"] * 2**30
+        row["total_gpu_GiB"] = (total + gpu_overhead(total)) / 2**30
+        row["fits"] = total + gpu_overhead(total) <= budget
+    return rows
 
 
 def _predicted(model: str, name: str, shape: calc.ModelShape, seq_len: int, batch_size: int,
@@ -254,11 +262,8 @@ def _predicted(model: str, name: str, shape: calc.ModelShape, seq_len: int, batc
     rows.append({"step": _fsdp_step(gpus),
                  "state_GiB": (fs["state"] + fs["gathered"]) / 2**30,
                  "activations_GiB": fs["activations"] / 2**30,
-                 "total_GiB": fs["gpu_total"] / 2**30, "fits": fs["gpu_total"] <= budget})
-    for row in rows:  # what the GPU needs beyond the formulas' bytes, as for a measured trace
-        total = row["total_GiB"] * 2**30
-        row["total_gpu_GiB"] = (total + gpu_overhead(total)) / 2**30
-        row["fits"] = total + gpu_overhead(total) <= budget
+                 "total_GiB": fs["gpu_total"] / 2**30})
+    _on_gpu(rows, budget)
     cheapest = next((r["step"] for r in rows if r["fits"]), "nothing fits")
     out = {"model": name, "params_B": calc.param_count(shape)["total"] / 1e9,
            "gpu_bytes": budget, "rows": rows, "cheapest": cheapest, "notes": []}

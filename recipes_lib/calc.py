@@ -595,6 +595,33 @@ def layer_linear_shapes(shape: ModelShape) -> list[tuple[int, int]]:
             + [(h, shape.intermediate_size)])
 
 
+def lora_param_count(shape: ModelShape, rank: int = 16) -> int:
+    """Parameters of rank-``rank`` LoRA adapters on every linear layer of every decoder layer
+    (peft's ``target_modules="all-linear"``, the LM head left out): ``rank * (in + out)`` per
+    weight of :func:`layer_linear_shapes`. A fused projection (Phi-3's ``qkv_proj``) is one
+    adapter, ``rank * (in + out)`` for the fused width: ``2 * rank * h`` fewer than counted
+    here.
+
+    Args:
+        shape: the model's sizes.
+        rank: the adapters' rank.
+
+    Returns:
+        The adapters' parameters.
+
+    Raises:
+        ValueError: for a ``rank`` below 1.
+
+    Example:
+        >>> lora_param_count(ModelShape(128256, 4096, 14336, 32, 32, 8))  # Llama-3.1-8B, r=16
+        41943040
+    """
+    if not isinstance(rank, int) or rank < 1:
+        raise ValueError(f"rank={rank!r}: must be an integer >= 1")
+    per_layer = sum(out + inp for out, inp in layer_linear_shapes(shape))
+    return shape.num_hidden_layers * rank * per_layer
+
+
 def training_state_bytes(n_params: int, weights: str = "bf16", optimizer: str = "adamw",
                          n_trainable: int | None = None) -> dict[str, float]:
     """Weights + gradients + optimizer (+ master weights when weights are 16-bit).

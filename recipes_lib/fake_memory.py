@@ -1158,8 +1158,8 @@ def activation_anatomy(model: Any, stack: Stack = Stack(), seq_len: int = 2048,
 _COUNTED_LAYERS = ("llama", "mistral", "qwen2")
 
 
-def counted_layer_bytes(model: Any, stack: Stack, seq_len: int = 2048, batch_size: int = 1
-                        ) -> float | None:
+def counted_layer_bytes(model: Any, stack: Stack, seq_len: int = 2048, batch_size: int = 1,
+                        shape: calc.ModelShape | None = None) -> float | None:
     """The bytes one decoder layer keeps in this stack's step, by ``calc.llama_layer_bytes``'
     op-by-op count (a micro-batch's tokens), or None where the count does not model the stack:
     another architecture, selective checkpointing, offloaded activations, FSDP, LoRA targets
@@ -1170,6 +1170,8 @@ def counted_layer_bytes(model: Any, stack: Stack, seq_len: int = 2048, batch_siz
         stack: the recipes applied.
         seq_len: tokens per sequence.
         batch_size: sequences per step.
+        shape: the model's ``calc.ModelShape`` where the caller has it (None: read from the
+            config, a tenth of a second).
 
     Returns:
         Bytes, or None.
@@ -1186,7 +1188,7 @@ def counted_layer_bytes(model: Any, stack: Stack, seq_len: int = 2048, batch_siz
             or getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False)
             or not set(targets) <= set(calc.LLAMA_LINEARS)):
         return None
-    shape = calc.ModelShape.from_config(config.to_dict())
+    shape = shape or calc.ModelShape.from_config(config.to_dict())
     counted = calc.llama_layer_bytes(
         shape, seq_len, batch_size // stack.grad_accum_steps, stack.method, stack.precision,
         lora_rank=stack.lora_rank, lora_targets=tuple(targets),

@@ -229,16 +229,16 @@ def _default_grad_accum_steps(batch_size: int) -> int:
     return max(k for k in range(1, 5) if batch_size % k == 0)
 
 
-def _fewest_micro_batches(shape: calc.ModelShape, seq_len: int, batch_size: int,
+def _fewest_micro_batches(config: Any, shape: calc.ModelShape, seq_len: int, batch_size: int,
                           budget: float) -> int:
     """The accumulation row's k: the fewest micro-batches (more than one where the batch
     allows: the row adds accumulation to checkpointing's k=1) whose row fits ``budget`` by the
-    formulas plus ``gpu_overhead``; where none does, one sequence per micro-batch (the least
-    memory, the offload row's best chance). A fixed k=4 left 8 sequences of a 70 B QLoRA step
-    at 4096 tokens 'nothing fits' on 80 GB, where k=8 fits."""
+    formulas plus ``gpu_overhead`` (:func:`_formula_rows`); where none does, one sequence per
+    micro-batch (the least memory, the offload row's best chance). A fixed k=4 left 8 sequences
+    of a 70 B QLoRA step at 4096 tokens 'nothing fits' on 80 GB, where k=8 fits."""
     divisors = [k for k in range(2, batch_size + 1) if batch_size % k == 0] or [1]
     for k in divisors:
-        rows = _on_gpu(calc.escalation_table(shape, seq_len, batch_size, budget, k), budget)
+        rows, _ = _formula_rows(config, shape, seq_len, batch_size, 1, k, budget)
         if next(r for r in rows if r["step"] == f"+ gradient accumulation (k={k})")["fits"]:
             return k
     return divisors[-1]
@@ -254,19 +254,105 @@ def _on_gpu(rows: list[dict[str, Any]], budget: float) -> list[dict[str, Any]]:
     return rows
 
 
-def _predicted(model: str, name: str, shape: calc.ModelShape, seq_len: int, batch_size: int,
-               gpus: int, grad_accum_steps: int, budget: float) -> dict[str, Any]:
-    """:func:`plan`'s result from the formulas alone."""
-    rows = calc.escalation_table(shape, seq_len, batch_size, budget, grad_accum_steps)
+def _counted_config(model: str) -> Any:
+    """``model``'s transformers config for :func:`_count_layers`, or None where it cannot be
+    read as one (the rows then keep the calculator's count)."""
+    from recipes_lib import fake_memory
+
+    try:
+        return fake_memory.model_config(model)
+    except ValueError:
+        return None
+
+
+def _count_layers(rows: list[dict[str, Any]], config: Any, shape: calc.ModelShape,
+                  seq_len: int, batch_size: int, grad_accum_steps: int) -> bool:
+    """Predict again, in place, each row whose stack ``calc.llama_layer_bytes`` counts op by op
+    (``fake_memory.counted_layer_bytes``: the Llama family's layers, which the fake-tensor
+    meter matches to the byte; not FSDP): the layers as counted for that stack (one more
+    uncheckpointed layer with checkpointing, alive while it is recomputed, after the loss has
+    been freed: the larger of the two counts), the logits as the calculator has them (three
+    fp32 copies), and what the stack keeps that the escalation's formulas leave out: QLoRA's
+    k-bit preparation keeps the norms, embeddings and head in fp32, and under bf16 autocast the
+    head's matmul keeps a bf16 copy of its weight.
+    A full fine-tune's fp32 gradients fill memory as backward frees the activations, so its
+    total is the state without them plus the larger of the two. Korthikanti's ``34 s b h``
+    (a GPT layer) left a Llama-3.1-8B QLoRA step at 2048 tokens 17.9 GiB where it holds 30.3:
+    'fits 24 GB' without checkpointing. True where a row was counted."""
+    from recipes_lib import fake_memory
+
+    counts = calc.param_count(shape)
+    counted = False
+    for row in rows:
+        stack = _measured_stack(row["step"], grad_accum_steps)
+        if isinstance(stack, str):
+            continue
+        layer = fake_memory.counted_layer_bytes(config, stack, seq_len, batch_size, shape)
+        if layer is None:
+            continue
+        micro = batch_size // stack.grad_accum_steps
+        loss = calc.activation_bytes(shape, seq_len, micro)["logits"]
+        if stack.precision == "bf16-mixed":  # autocast's bf16 copy of the fp32 head's weight
+            loss += 2 * shape.vocab_size * shape.hidden_size
+        act = shape.num_hidden_layers * layer + loss
+        if stack.checkpointing:  # the loss is freed before the last layer is recomputed
+            act += max(0.0, fake_memory.counted_layer_bytes(
+                config, replace(stack, checkpointing=False), seq_len, batch_size, shape) - loss)
+        state = row["state_GiB"] * 2**30
+        if stack.method == "qlora" and stack.precision == "bf16-mixed":
+            state += 2 * (counts["total"] - counts["linear"])  # their fp32 copies, not bf16
+        grads = 0.0
+        if stack.method == "full":
+            grads = counts["total"] * (2 if stack.precision in ("bf16", "fp16") else 4)
+        row.update(state_GiB=state / 2**30, activations_GiB=act / 2**30,
+                   total_GiB=(state - grads + max(act, grads)) / 2**30)
+        counted = True
+    return counted
+
+
+def _formula_rows(config: Any, shape: calc.ModelShape, seq_len: int, batch_size: int,
+                  gpus: int, grad_accum_steps: int, budget: float
+                  ) -> tuple[list[dict[str, Any]], bool]:
+    """The escalation's rows by the formulas (``calc.escalation_table``, with the adapters the
+    measured stacks train, ``calc.lora_param_count``; the FSDP row from
+    ``calc.data_parallel_bytes``), the Llama family's counted op by op (:func:`_count_layers`;
+    ``config`` None: none), each on the GPU (:func:`_on_gpu`); and whether any was counted."""
+    adapters = calc.lora_param_count(shape, _measured_stack("QLoRA (NF4 base)", 1).lora_rank)
+    rows = calc.escalation_table(shape, seq_len, batch_size, budget, grad_accum_steps,
+                                 adapters / calc.param_count(shape)["total"])
     fs = calc.data_parallel_bytes(shape, gpus, "fsdp", seq_len, _per_gpu_batch(batch_size, gpus))
     rows.append({"step": _fsdp_step(gpus),
                  "state_GiB": (fs["state"] + fs["gathered"]) / 2**30,
                  "activations_GiB": fs["activations"] / 2**30,
                  "total_GiB": fs["gpu_total"] / 2**30})
-    _on_gpu(rows, budget)
+    counted = config is not None and _count_layers(rows, config, shape, seq_len, batch_size,
+                                                   grad_accum_steps)
+    return _on_gpu(rows, budget), counted
+
+
+COUNTED_NOTE = (
+    "activations: the layers counted op by op for each row's stack (calc.llama_layer_bytes: a "
+    "Llama-family layer, which the fake-tensor meter matches to the byte), the logits as three "
+    "fp32 copies; a full fine-tune's total is its state without the gradients plus the larger "
+    "of its activations and its gradients, which fill memory as backward frees the "
+    "activations; the FSDP row keeps Korthikanti's 34 sbh")
+KORTHIKANTI_NOTE = (
+    "activations: Korthikanti's 34 sbh bytes per layer (a GPT layer with a flash kernel), the "
+    "logits as three fp32 copies; this architecture's layers are not counted op by op, and a "
+    "gated MLP, norms that keep fp32 inputs and LoRA's fp32 adapters keep more (1.5-2x on a "
+    "Llama-family layer): --measure measures")
+
+
+def _predicted(model: str, name: str, shape: calc.ModelShape, seq_len: int, batch_size: int,
+               gpus: int, grad_accum_steps: int, budget: float, config: Any = None
+               ) -> dict[str, Any]:
+    """:func:`plan`'s result from the formulas alone (``config``: :func:`_formula_rows`')."""
+    rows, counted = _formula_rows(config, shape, seq_len, batch_size, gpus, grad_accum_steps,
+                                  budget)
     cheapest = next((r["step"] for r in rows if r["fits"]), "nothing fits")
     out = {"model": name, "params_B": calc.param_count(shape)["total"] / 1e9,
-           "gpu_bytes": budget, "rows": rows, "cheapest": cheapest, "notes": []}
+           "gpu_bytes": budget, "rows": rows, "cheapest": cheapest, "layers_counted": counted,
+           "notes": [COUNTED_NOTE if counted else KORTHIKANTI_NOTE]}
     if _multimodal(model):
         out["notes"].append(
             f"{name} is a multimodal checkpoint: planned and measured is its language model "
@@ -286,7 +372,7 @@ def _unpredicted(err: calc.NotDescribedError, steps: list[str]) -> dict[str, Any
     without a formula figure (a wrong prediction is worse than none), to be measured."""
     blank = dict.fromkeys(("state_GiB", "activations_GiB", "total_GiB", "total_gpu_GiB", "fits"))
     return {"model": err.model_name, "params_B": err.built / 1e9 if err.built else None,
-            "rows": [{"step": s, **blank} for s in steps],
+            "rows": [{"step": s, **blank} for s in steps], "layers_counted": False,
             "cheapest": "not predicted: the formulas do not describe this architecture",
             "notes": [f"not predicted, measured only: {err}"]}
 
@@ -316,8 +402,10 @@ def plan(model: str, gpu_mem: str | float, seq_len: int = 2048, batch_size: int 
 
     Returns:
         ``{"model", "params_B", "gpu_bytes", "rows", "cheapest", "notes", "trainer",
-        "grad_accum_steps"}`` (``trainer``: the cheapest step as a trainer's settings, None
-        where nothing fits; ``grad_accum_steps``: the accumulation row's k); each row has
+        "grad_accum_steps", "layers_counted"}`` (``trainer``: the cheapest step as a trainer's
+        settings, None where nothing fits; ``grad_accum_steps``: the accumulation row's k;
+        ``layers_counted``: the rows' layers were counted op by op, a Llama-family model, not
+        with Korthikanti's ``34 s b h``, and ``notes`` begins by saying which); each row has
         step, state_GiB, activations_GiB, total_GiB (the formulas' bytes), total_gpu_GiB (plus
         the modelled ``gpu_overhead``, as a measured trace gets) and fits (on that);
         ``notes``: what the formulas assume that this model does not do (eager attention's
@@ -350,9 +438,11 @@ def plan(model: str, gpu_mem: str | float, seq_len: int = 2048, batch_size: int 
     else:
         check_positions(shape, seq_len)
         budget = parse_bytes(gpu_mem)
+        config = _counted_config(model)
         if grad_accum_steps is None:
-            grad_accum_steps = _fewest_micro_batches(shape, seq_len, batch_size, budget)
-        out = _predicted(model, name, shape, seq_len, batch_size, gpus, grad_accum_steps, budget)
+            grad_accum_steps = _fewest_micro_batches(config, shape, seq_len, batch_size, budget)
+        out = _predicted(model, name, shape, seq_len, batch_size, gpus, grad_accum_steps, budget,
+                         config)
     rows = out["rows"]
     if measure:
         from recipes_lib import fake_memory

@@ -110,6 +110,7 @@ def test_the_layer_count_of_a_gpus_dropout_and_of_bitsandbytes_before_0_43_2():
     (lambda: calc.activation_bytes_per_layer(0, 1, 1, 1), "seq_len=0"),
     (lambda: calc.activation_bytes_per_layer(1, 1, 1, 1, "some"), "recompute='some'"),
     (lambda: calc.escalation_table(LLAMA2_7B, 512, 4, -1), "budget_bytes=-1"),
+    (lambda: calc.lora_param_count(LLAMA2_7B, 0), "rank=0"),
     (lambda: calc.ModelShape.from_config({"hidden_size": 8}), "config:"),
 ])
 def test_bad_inputs_name_the_parameter(call, match):
@@ -218,6 +219,16 @@ def test_a_layers_linear_shapes_are_its_projections_then_its_mlp(name):
     shapes = calc.layer_linear_shapes(shape)
     assert len(shapes) == 4 + shape.mlp_matrices
     assert shapes[-1] == (shape.hidden_size, shape.intermediate_size)  # down
+
+
+def test_the_adapters_count_is_what_peft_trains(small_llama):
+    """peft's all-linear LoRA on a GQA Llama: the trainable parameters it reports."""
+    from peft import LoraConfig, get_peft_model
+
+    shape = calc.ModelShape.from_config(small_llama.config.to_dict())
+    model = get_peft_model(small_llama, LoraConfig(r=4, target_modules="all-linear"))
+    trainable, _ = model.get_nb_trainable_parameters()
+    assert calc.lora_param_count(shape, 4) == trainable
 
 
 def test_an_mlp_of_neither_kind_is_refused():

@@ -750,8 +750,8 @@ def llama_layer_bytes(shape: ModelShape, seq_len: int, batch_size: int, method: 
                       precision: str = "bf16", *, lora_rank: int = 16,
                       lora_targets: tuple[str, ...] = LLAMA_LINEARS, fp32_adapters: bool = True,
                       lora_dropout: float = 0.0, gpu_dropout: bool = False,
-                      nf4_keeps_input: bool = False, checkpointing: bool = False
-                      ) -> dict[str, float]:
+                      nf4_keeps_input: bool = False, checkpointing: bool = False,
+                      qk_norm: bool = False) -> dict[str, float]:
     """What autograd keeps for one transformers Llama decoder layer in a training step, op by op.
 
     Counted as the layer runs (SDPA's flash kernel, every layer after the first), for a full
@@ -775,7 +775,10 @@ def llama_layer_bytes(shape: ModelShape, seq_len: int, batch_size: int, method: 
       fused kernel;
     - with ``nf4_keeps_input`` (QLoRA on bitsandbytes before 0.43.2), each 4-bit matmul keeps its
       input in the compute dtype: the shared tensor where it already is one, a cast per module
-      where the layer casts it.
+      where the layer casts it;
+    - with ``qk_norm`` (Qwen3's RMSNorm over each query and key head), those norms keep their
+      input upcast to fp32 (``4 (q + kv)``), an fp32 rsqrt per head (``4 (heads + kv_heads)``)
+      and, when their weights train, the normalised heads (``c (q + kv)``).
 
     Under autocast each matmul also keeps the bf16 copy of an fp32 weight (2 bytes per weight,
     frozen or not, NF4 excepted): a term of the layer, not of its tokens. A full fine-tune in
@@ -797,6 +800,7 @@ def llama_layer_bytes(shape: ModelShape, seq_len: int, batch_size: int, method: 
         gpu_dropout: count CUDA's 1-byte dropout mask (above).
         nf4_keeps_input: bitsandbytes before 0.43.2 (above).
         checkpointing: the layer is checkpointed.
+        qk_norm: the layer normalises each query and key head (Qwen3).
 
     Returns:
         ``{"per_token", "weight_copies", "total"}``: bytes a token, bytes independent of the
@@ -879,6 +883,9 @@ def llama_layer_bytes(shape: ModelShape, seq_len: int, batch_size: int, method: 
             if autocast:
                 weight_copies += 2 * lora_rank * (d_in + d_out)
     per_token += sum(nbytes for _, nbytes in shared)
+    if qk_norm:
+        per_token += (4 * (q + kv) + 4 * (heads + shape.num_key_value_heads)
+                      + (c * (q + kv) if trains_base else 0))
     tokens = seq_len * batch_size
     return {"per_token": float(per_token), "weight_copies": float(weight_copies),
             "total": float(per_token * tokens + weight_copies)}
@@ -1151,7 +1158,7 @@ def escalation_steps(grad_accum_steps: int = 4) -> list[str]:
 
 
 def escalation_table(shape: ModelShape, seq_len: int, batch_size: int, budget_bytes: float,
-                     grad_accum_steps: int = 4, lora_fraction: float = 0.01,
+                     grad_accum_steps: int = 4, lora_fraction: float | None = None,
                      bytes_per_value: int = 2) -> list[dict[str, Any]]:
     """Predicted training memory as practitioners escalate when a run does not fit.
 
@@ -1168,7 +1175,8 @@ def escalation_table(shape: ModelShape, seq_len: int, batch_size: int, budget_by
         batch_size: sequences per optimizer step.
         budget_bytes: the memory available.
         grad_accum_steps: micro-batches per step in the gradient-accumulation row.
-        lora_fraction: trainable share of the parameters with LoRA.
+        lora_fraction: trainable share of the parameters with LoRA (None: rank-16 adapters
+            on every linear layer of the decoder, :func:`lora_param_count`).
         bytes_per_value: 2 for 16-bit activations, 4 for fp32.
 
     Returns:
@@ -1190,7 +1198,7 @@ def escalation_table(shape: ModelShape, seq_len: int, batch_size: int, budget_by
         raise ValueError(f"grad_accum_steps={grad_accum_steps}: does not divide batch_size")
     counts = param_count(shape)
     n = counts["total"]
-    n_lora = int(n * lora_fraction)
+    n_lora = lora_param_count(shape) if lora_fraction is None else int(n * lora_fraction)
     # QLoRA quantizes the decoder layers' linear weights (each with its scales and code
     # tables); the embeddings, the LM head (which transformers leaves out of bitsandbytes'
     # conversion) and the norms stay 16-bit

@@ -1154,8 +1154,9 @@ def activation_anatomy(model: Any, stack: Stack = Stack(), seq_len: int = 2048,
 
 
 # Decoders whose layers are a transformers Llama layer as ``calc.llama_layer_bytes`` counts it
-# (Qwen2's q, k and v biases keep nothing more).
-_COUNTED_LAYERS = ("llama", "mistral", "qwen2")
+# (Qwen2's q, k and v biases keep nothing more; Qwen3's norms over each query and key head are
+# its ``qk_norm``).
+_COUNTED_LAYERS = ("llama", "mistral", "qwen2", "qwen3")
 
 
 def counted_layer_bytes(model: Any, stack: Stack, seq_len: int = 2048, batch_size: int = 1,
@@ -1194,7 +1195,7 @@ def counted_layer_bytes(model: Any, stack: Stack, seq_len: int = 2048, batch_siz
         lora_rank=stack.lora_rank, lora_targets=tuple(targets),
         fp32_adapters=stack.autocast_adapter_dtype, lora_dropout=stack.lora_dropout,
         gpu_dropout=stack.gpu_dropout, nf4_keeps_input=stack.nf4_keeps_input,
-        checkpointing=stack.checkpointing)["total"]
+        checkpointing=stack.checkpointing, qk_norm=config.model_type == "qwen3")["total"]
     if config.model_type == "qwen2" and stack.method == "qlora":
         # a 16-bit copy of q, k and v's biases per layer, checkpointed or not (measured): what
         # bitsandbytes' 4-bit layer casts for its matmul

@@ -313,13 +313,10 @@ def _count_layers(rows: list[dict[str, Any]], config: Any, shape: calc.ModelShap
 def _formula_rows(config: Any, shape: calc.ModelShape, seq_len: int, batch_size: int,
                   gpus: int, grad_accum_steps: int, budget: float
                   ) -> tuple[list[dict[str, Any]], bool]:
-    """The escalation's rows by the formulas (``calc.escalation_table``, with the adapters the
-    measured stacks train, ``calc.lora_param_count``; the FSDP row from
+    """The escalation's rows by the formulas (``calc.escalation_table``, the FSDP row from
     ``calc.data_parallel_bytes``), the Llama family's counted op by op (:func:`_count_layers`;
     ``config`` None: none), each on the GPU (:func:`_on_gpu`); and whether any was counted."""
-    adapters = calc.lora_param_count(shape, _measured_stack("QLoRA (NF4 base)", 1).lora_rank)
-    rows = calc.escalation_table(shape, seq_len, batch_size, budget, grad_accum_steps,
-                                 adapters / calc.param_count(shape)["total"])
+    rows = calc.escalation_table(shape, seq_len, batch_size, budget, grad_accum_steps)
     fs = calc.data_parallel_bytes(shape, gpus, "fsdp", seq_len, _per_gpu_batch(batch_size, gpus))
     rows.append({"step": _fsdp_step(gpus),
                  "state_GiB": (fs["state"] + fs["gathered"]) / 2**30,
@@ -332,7 +329,8 @@ def _formula_rows(config: Any, shape: calc.ModelShape, seq_len: int, batch_size:
 
 COUNTED_NOTE = (
     "activations: the layers counted op by op for each row's stack (calc.llama_layer_bytes: a "
-    "Llama-family layer, which the fake-tensor meter matches to the byte), the logits as three "
+    "Llama, Mistral, Qwen2 or Qwen3 layer, which the fake-tensor meter matches to the byte), the "
+    "logits as three "
     "fp32 copies; a full fine-tune's total is its state without the gradients plus the larger "
     "of its activations and its gradients, which fill memory as backward frees the "
     "activations; the FSDP row keeps Korthikanti's 34 sbh")

@@ -449,6 +449,21 @@ def test_the_op_count_of_qlora_on_qwen2_counts_its_biases():
     assert measured["per_layer_bytes"] == fake_memory.counted_layer_bytes(cfg, stack, 512, 2)
 
 
+@pytest.mark.parametrize("stack", [
+    Stack(), Stack(precision="fp32"), Stack(method="lora"),
+    Stack(method="qlora", precision="bf16-mixed")], ids=lambda s: s.label)
+def test_the_op_count_of_qwen3_counts_its_query_and_key_norms(stack):
+    """Qwen3's RMSNorm over each query and key head keeps its fp32 input and rsqrt, and, when
+    its weight trains, the normalised heads in the matmuls' dtype (``qk_norm``)."""
+    from transformers import Qwen3Config
+
+    cfg = Qwen3Config(vocab_size=2048, hidden_size=128, intermediate_size=352,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=48, max_position_embeddings=4096)  # queries wider than h
+    measured = fake_memory.activation_anatomy(cfg, stack, 512, 2)["per_layer_bytes"]
+    assert measured == fake_memory.counted_layer_bytes(cfg, stack, 512, 2)
+
+
 @pytest.mark.parametrize("gpu_dropout", [False, True])
 def test_the_op_count_of_adapter_dropout(gpu_dropout):
     """CPU's dropout keeps its noise in the input's dtype, CUDA's fused kernel a 1-byte mask

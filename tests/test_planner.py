@@ -35,6 +35,17 @@ def test_an_8b_qlora_step_at_2048_tokens_needs_checkpointing_on_24gb():
     assert result["cheapest"] == result["trainer"]["step"] == "+ activation checkpointing"
 
 
+def test_a_sliding_window_model_beyond_its_window_says_the_count_misses_its_mask(tmp_path):
+    from transformers import MistralConfig
+
+    MistralConfig(vocab_size=8192, hidden_size=512, intermediate_size=1536, num_hidden_layers=2,
+                  num_attention_heads=8, num_key_value_heads=2, sliding_window=512,
+                  max_position_embeddings=4096).save_pretrained(tmp_path)
+    notes = {n: planner.plan(str(tmp_path), "8GB", n, 1)["notes"] for n in (512, 1024)}
+    assert not any("sliding window" in n for n in notes[512])
+    assert any("beyond its sliding window (512 tokens)" in n for n in notes[1024])
+
+
 def test_more_gpus_make_fsdp_fit():
     one = planner.plan("Llama-3.1-8B", "80GB", 2048, 8, gpus=1)["rows"][-1]
     eight = planner.plan("Llama-3.1-8B", "80GB", 2048, 8, gpus=8)["rows"][-1]

@@ -742,16 +742,19 @@ def activation_bytes(shape: ModelShape, seq_len: int, batch_size: int, recompute
 
 
 LLAMA_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Phi-3's (and Phi-4's) linears: q, k and v in one projection, gate and up in another
+PHI3_LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 LAYER_METHODS = ("full", "lora", "qlora")
 LAYER_PRECISIONS = ("fp32", "bf16", "fp16", "bf16-mixed")
 
 
 def llama_layer_bytes(shape: ModelShape, seq_len: int, batch_size: int, method: str = "full",
                       precision: str = "bf16", *, lora_rank: int = 16,
-                      lora_targets: tuple[str, ...] = LLAMA_LINEARS, fp32_adapters: bool = True,
+                      lora_targets: tuple[str, ...] | None = None, fp32_adapters: bool = True,
                       lora_dropout: float = 0.0, gpu_dropout: bool = False,
                       nf4_keeps_input: bool = False, checkpointing: bool = False,
-                      qk_norm: bool = False) -> dict[str, float]:
+                      qk_norm: bool = False, fused_projections: bool = False,
+                      kv_cache: bool = True) -> dict[str, float]:
     """What autograd keeps for one transformers Llama decoder layer in a training step, op by op.
 
     Counted as the layer runs (SDPA's flash kernel, every layer after the first), for a full
@@ -778,7 +781,26 @@ def llama_layer_bytes(shape: ModelShape, seq_len: int, batch_size: int, method: 
       where the layer casts it;
     - with ``qk_norm`` (Qwen3's RMSNorm over each query and key head), those norms keep their
       input upcast to fp32 (``4 (q + kv)``), an fp32 rsqrt per head (``4 (heads + kv_heads)``)
-      and, when their weights train, the normalised heads (``c (q + kv)``).
+      and, when their weights train, the normalised heads (``c (q + kv)``);
+    - with ``fused_projections`` (Phi-3 and Phi-4: ``qkv_proj`` and ``gate_up_proj``,
+      :data:`PHI3_LINEARS`), one module reads each norm's output where three and two did, so
+      one cast of it, one adapter and one ``lora_A`` output each; and the query, a slice of the
+      fused output, comes out of RoPE head-major, SDPA's output with it, so the
+      ``transpose(1, 2).contiguous()`` before ``o_proj`` copies it: ``o_proj``'s input is its
+      own ``c q`` (on this CPU; kept when something keeps it). The value is a view of the fused
+      output, so without ``kv_cache`` SDPA's saved value keeps all of it, ``c (q + kv)`` more,
+      unless autocast casts it first (QLoRA's 4-bit matmul returns fp32 under bf16-mixed); with
+      one (``config.use_cache``, transformers' default, off under checkpointing) the cache's
+      ``torch.cat`` copies the keys and values and the fused output goes.
+
+    ``kv_cache``: transformers builds a ``DynamicCache`` in a training forward too where
+    ``config.use_cache`` is on (a plain loop; Trainer and TRL turn it off). Where SDPA keeps the
+    very keys and values it holds, it costs nothing; under bf16 autocast RoPE leaves the keys in
+    fp32 (``cos`` has the residual stream's dtype), and QLoRA's 4-bit matmul the values too, so
+    the cache holds fp32 copies beside SDPA's bf16 casts, ``4 kv`` or ``8 kv`` a token, until
+    the forward's output is dropped: after the layers, before the loss (a Llama-2-7B QLoRA step
+    at 2 x 1024 tokens: 2 GiB, more than its loss's logits at that peak;
+    ``config.use_cache = False`` frees them).
 
     Under autocast each matmul also keeps the bf16 copy of an fp32 weight (2 bytes per weight,
     frozen or not, NF4 excepted): a term of the layer, not of its tokens. A full fine-tune in
@@ -794,17 +816,22 @@ def llama_layer_bytes(shape: ModelShape, seq_len: int, batch_size: int, method: 
         method: "full", "lora" or "qlora".
         precision: "fp32", "bf16", "fp16" or "bf16-mixed".
         lora_rank: the adapters' rank.
-        lora_targets: the linears adapted.
+        lora_targets: the linears adapted (None: all of the layer's).
         fp32_adapters: peft's default fp32 adapters (False: the base's dtype).
         lora_dropout: the adapters' dropout probability.
         gpu_dropout: count CUDA's 1-byte dropout mask (above).
         nf4_keeps_input: bitsandbytes before 0.43.2 (above).
         checkpointing: the layer is checkpointed.
         qk_norm: the layer normalises each query and key head (Qwen3).
+        fused_projections: Phi-3's fused projections (above); ``lora_targets`` then names
+            :data:`PHI3_LINEARS`.
+        kv_cache: the forward builds a KV cache (``use_cache``, above).
 
     Returns:
-        ``{"per_token", "weight_copies", "total"}``: bytes a token, bytes independent of the
-        tokens, and ``per_token * seq_len * batch_size + weight_copies``.
+        ``{"per_token", "weight_copies", "total", "kv_cache"}``: bytes a token, bytes
+        independent of the tokens, ``per_token * seq_len * batch_size + weight_copies``, and
+        what the layer's KV cache holds beyond that until the forward's output is dropped
+        (``kv_cache``; 0 with checkpointing, which turns the cache off).
 
     Raises:
         ValueError: for an unknown ``method``, ``precision`` or target, or a LoRA setting out of
@@ -821,9 +848,10 @@ def llama_layer_bytes(shape: ModelShape, seq_len: int, batch_size: int, method: 
         raise ValueError(f"method={method!r}: expected one of {LAYER_METHODS}")
     if precision not in LAYER_PRECISIONS:
         raise ValueError(f"precision={precision!r}: expected one of {LAYER_PRECISIONS}")
-    unknown = set(lora_targets) - set(LLAMA_LINEARS)
-    if unknown or not lora_targets:
-        raise ValueError(f"lora_targets={lora_targets!r}: expected some of {LLAMA_LINEARS}")
+    linears = PHI3_LINEARS if fused_projections else LLAMA_LINEARS
+    lora_targets = linears if lora_targets is None else lora_targets
+    if set(lora_targets) - set(linears) or not lora_targets:
+        raise ValueError(f"lora_targets={lora_targets!r}: expected some of {linears}")
     if not isinstance(lora_rank, int) or lora_rank < 1:
         raise ValueError(f"lora_rank={lora_rank!r}: must be an integer >= 1")
     if not 0 <= lora_dropout < 1:
@@ -848,12 +876,17 @@ def llama_layer_bytes(shape: ModelShape, seq_len: int, batch_size: int, method: 
               "v_proj": ("attn_norm", p, False), "o_proj": ("sdpa_out", c, True),
               "gate_proj": ("mlp_norm", p, False), "up_proj": ("mlp_norm", p, False),
               "down_proj": ("swiglu", gate_bytes, False)}
+    if fused_projections:
+        shapes = {"qkv_proj": (h, q + 2 * kv), "o_proj": (q, h), "gate_up_proj": (h, 2 * inter),
+                  "down_proj": (inter, h)}
+        inputs = {"qkv_proj": inputs["q_proj"], "o_proj": ("sdpa_out_copy", c, False),
+                  "gate_up_proj": inputs["gate_proj"], "down_proj": inputs["down_proj"]}
     if checkpointing:  # the layer's input; bitsandbytes' old 4-bit matmul kept its own too
         kept_inputs = {(x if x_bytes == c else name, c * shapes[name][0])
                        for name, (x, x_bytes, _) in inputs.items()} if nf4_keeps_input else set()
         per_token = p * h + sum(nbytes for _, nbytes in kept_inputs)
         return {"per_token": float(per_token), "weight_copies": 0.0,
-                "total": float(per_token * seq_len * batch_size)}
+                "total": float(per_token * seq_len * batch_size), "kv_cache": 0.0}
     per_token = 2 * (4 * h + 4 + (p * h if trains_base else 0))  # two RMSNorms
     per_token += c * (2 * q + 2 * kv) + 4 * heads + 3 * gate_bytes * inter  # SDPA, SwiGLU
     weight_copies, shared = 0, set()
@@ -883,12 +916,18 @@ def llama_layer_bytes(shape: ModelShape, seq_len: int, batch_size: int, method: 
             if autocast:
                 weight_copies += 2 * lora_rank * (d_in + d_out)
     per_token += sum(nbytes for _, nbytes in shared)
+    if fused_projections and not kv_cache and gate_bytes == c:  # the value's view keeps q, k
+        per_token += c * (q + kv)
     if qk_norm:
         per_token += (4 * (q + kv) + 4 * (heads + shape.num_key_value_heads)
                       + (c * (q + kv) if trains_base else 0))
     tokens = seq_len * batch_size
+    # the cache's copies of the keys (RoPE'd in the residual stream's dtype) and values (the
+    # projection's), where SDPA computes in another dtype and keeps casts of its own
+    cache = kv * ((p if p != c else 0) + (gate_bytes if gate_bytes != c else 0))
     return {"per_token": float(per_token), "weight_copies": float(weight_copies),
-            "total": float(per_token * tokens + weight_copies)}
+            "total": float(per_token * tokens + weight_copies),
+            "kv_cache": float(cache * tokens) if kv_cache else 0.0}
 
 
 def llama_activation_bytes(shape: ModelShape, seq_len: int, batch_size: int,

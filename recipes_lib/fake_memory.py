@@ -25,6 +25,7 @@ adds a few bytes of RNG state).
 from __future__ import annotations
 
 import contextlib
+import copy
 import gc
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -416,8 +417,8 @@ def model_config(model: Any):
     from transformers import AutoConfig, LlamaConfig, PretrainedConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    if isinstance(model, PretrainedConfig):
-        config = model
+    if isinstance(model, PretrainedConfig):  # a copy: a model built from it may change it
+        config = copy.deepcopy(model)
     elif isinstance(model, dict):  # a config's to_dict(), e.g. sent to the ranks of a real run
         config = AutoConfig.for_model(**model)
     elif (preset := calc.find_preset(model)) in calc.CONFIGS:  # Qwen3, Gemma, Phi: their class
@@ -1121,8 +1122,6 @@ def activation_anatomy(model: Any, stack: Stack = Stack(), seq_len: int = 2048,
         >>> round(a["layer_coefficient"])  # doctest: +SKIP
         53
     """
-    import copy
-
     config = model_config(model)
     layers, vocab = config.num_hidden_layers, config.vocab_size
     if small_vocab is None:
@@ -1137,6 +1136,8 @@ def activation_anatomy(model: Any, stack: Stack = Stack(), seq_len: int = 2048,
     if getattr(half, "layer_types", None):  # Gemma-2, Qwen3: one entry per layer
         half.layer_types = half.layer_types[:layers // 2]
     small.vocab_size = small_vocab
+    if (getattr(small, "pad_token_id", None) or 0) >= small_vocab:  # Phi-3's 32000: the
+        small.pad_token_id = None  # embedding's padding row, which changes no byte
     act = {name: measure_step(c, stack, seq_len, batch_size).by_category["activations"]
            for name, c in (("full", config), ("half", half), ("small", small))}
     tokens = batch_size * seq_len // stack.fsdp_ranks
@@ -1155,16 +1156,26 @@ def activation_anatomy(model: Any, stack: Stack = Stack(), seq_len: int = 2048,
 
 # Decoders whose layers are a transformers Llama layer as ``calc.llama_layer_bytes`` counts it
 # (Qwen2's q, k and v biases keep nothing more; Qwen3's norms over each query and key head are
-# its ``qk_norm``).
-_COUNTED_LAYERS = ("llama", "mistral", "qwen2", "qwen3")
+# its ``qk_norm``; Phi-3's fused projections its ``fused_projections``, where its residual
+# dropout is off and RoPE turns every dimension of a head: Phi-4-mini's partial rotary is not).
+_COUNTED_LAYERS = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+
+
+def _partial_rotary(config: Any) -> float:
+    """The share of each head's dimensions RoPE turns (Phi-4-mini: 0.75), where a config names
+    it, as a field or in its ``rope_parameters``; else 1."""
+    rope = getattr(config, "rope_parameters", None)
+    return (getattr(config, "partial_rotary_factor", None)
+            or (rope.get("partial_rotary_factor") if isinstance(rope, dict) else None) or 1.0)
 
 
 def counted_layer_bytes(model: Any, stack: Stack, seq_len: int = 2048, batch_size: int = 1,
-                        shape: calc.ModelShape | None = None) -> float | None:
+                        shape: calc.ModelShape | None = None, recomputed: bool = False,
+                        with_cache: bool = False) -> float | None:
     """The bytes one decoder layer keeps in this stack's step, by ``calc.llama_layer_bytes``'
     op-by-op count (a micro-batch's tokens), or None where the count does not model the stack:
     another architecture, selective checkpointing, offloaded activations, FSDP, LoRA targets
-    that are not Llama's linears.
+    that are not its linears, dropout in the layer.
 
     Args:
         model: a preset name, a ``config.json`` (or its folder) or a config.
@@ -1173,6 +1184,10 @@ def counted_layer_bytes(model: Any, stack: Stack, seq_len: int = 2048, batch_siz
         batch_size: sequences per step.
         shape: the model's ``calc.ModelShape`` where the caller has it (None: read from the
             config, a tenth of a second).
+        recomputed: with checkpointing, the layer while backward recomputes it (all it keeps,
+            without a KV cache, which checkpointing turns off) instead of its input alone.
+        with_cache: add what the layer's KV cache holds beyond that while the forward runs
+            (``calc.llama_layer_bytes``' ``kv_cache``: where ``config.use_cache`` is on).
 
     Returns:
         Bytes, or None.
@@ -1182,12 +1197,15 @@ def counted_layer_bytes(model: Any, stack: Stack, seq_len: int = 2048, batch_siz
         77.28515625
     """
     config = model_config(model)
-    targets = (calc.LLAMA_LINEARS if stack.lora_targets == "all-linear"
-               else stack.lora_targets)
+    fused = config.model_type == "phi3"
+    linears = calc.PHI3_LINEARS if fused else calc.LLAMA_LINEARS
+    targets = linears if stack.lora_targets == "all-linear" else stack.lora_targets
     if (config.model_type not in _COUNTED_LAYERS or stack.selective_checkpointing
             or stack.offload_activations or stack.fsdp_ranks > 1
             or getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False)
-            or not set(targets) <= set(calc.LLAMA_LINEARS)):
+            or getattr(config, "resid_pdrop", 0.0) or getattr(config, "attention_dropout", 0.0)
+            or _partial_rotary(config) != 1.0
+            or not set(targets) <= set(linears)):
         return None
     shape = shape or calc.ModelShape.from_config(config.to_dict())
     counted = calc.llama_layer_bytes(
@@ -1195,7 +1213,10 @@ def counted_layer_bytes(model: Any, stack: Stack, seq_len: int = 2048, batch_siz
         lora_rank=stack.lora_rank, lora_targets=tuple(targets),
         fp32_adapters=stack.autocast_adapter_dtype, lora_dropout=stack.lora_dropout,
         gpu_dropout=stack.gpu_dropout, nf4_keeps_input=stack.nf4_keeps_input,
-        checkpointing=stack.checkpointing, qk_norm=config.model_type == "qwen3")["total"]
+        checkpointing=stack.checkpointing and not recomputed,
+        qk_norm=config.model_type == "qwen3", fused_projections=fused,
+        kv_cache=getattr(config, "use_cache", True) and not stack.checkpointing)
+    counted = counted["total"] + (counted["kv_cache"] if with_cache else 0.0)
     if config.model_type == "qwen2" and stack.method == "qlora":
         # a 16-bit copy of q, k and v's biases per layer, checkpointed or not (measured): what
         # bitsandbytes' 4-bit layer casts for its matmul

@@ -268,13 +268,18 @@ def _counted_config(model: str) -> Any:
 def _count_layers(rows: list[dict[str, Any]], config: Any, shape: calc.ModelShape,
                   seq_len: int, batch_size: int, grad_accum_steps: int) -> bool:
     """Predict again, in place, each row whose stack ``calc.llama_layer_bytes`` counts op by op
-    (``fake_memory.counted_layer_bytes``: the Llama family's layers, which the fake-tensor
-    meter matches to the byte; not FSDP): the layers as counted for that stack (one more
-    uncheckpointed layer with checkpointing, alive while it is recomputed, after the loss has
+    (``fake_memory.counted_layer_bytes``: the Llama family's and Phi-3's layers, which the
+    fake-tensor meter matches to the byte; not FSDP): the layers as counted for that stack (one
+    more uncheckpointed layer with checkpointing, alive while it is recomputed, after the loss has
     been freed: the larger of the two counts), the logits as the calculator has them (three
     fp32 copies), and what the stack keeps that the escalation's formulas leave out: QLoRA's
     k-bit preparation keeps the norms, embeddings and head in fp32, and under bf16 autocast the
-    head's matmul keeps a bf16 copy of its weight.
+    head's matmul keeps a bf16 copy of its weight. Without checkpointing the peak may instead be
+    the forward's end, where the KV cache transformers builds in a training forward with
+    ``use_cache`` on (the meter's loop; Trainer and TRL turn it off) still holds fp32 keys
+    (and QLoRA's fp32 values) beside SDPA's casts, with the model's 16-bit logits: the larger of
+    the two (a Llama-2-7B QLoRA step at 2 x 1024 tokens: 2 GiB of cache against 0.7 of loss;
+    predicted / measured 0.945 without it, 1.004 with it).
     A full fine-tune's fp32 gradients fill memory as backward frees the activations, so its
     total is the state without them plus the larger of the two. Korthikanti's ``34 s b h``
     (a GPT layer) left a Llama-3.1-8B QLoRA step at 2048 tokens 17.9 GiB where it holds 30.3:
@@ -291,13 +296,18 @@ def _count_layers(rows: list[dict[str, Any]], config: Any, shape: calc.ModelShap
         if layer is None:
             continue
         micro = batch_size // stack.grad_accum_steps
-        loss = calc.activation_bytes(shape, seq_len, micro)["logits"]
-        if stack.precision == "bf16-mixed":  # autocast's bf16 copy of the fp32 head's weight
-            loss += 2 * shape.vocab_size * shape.hidden_size
+        # autocast's bf16 copy of the fp32 head's weight
+        head = 2 * shape.vocab_size * shape.hidden_size if stack.precision == "bf16-mixed" else 0
+        loss = calc.activation_bytes(shape, seq_len, micro)["logits"] + head
         act = shape.num_hidden_layers * layer + loss
         if stack.checkpointing:  # the loss is freed before the last layer is recomputed
             act += max(0.0, fake_memory.counted_layer_bytes(
-                config, replace(stack, checkpointing=False), seq_len, batch_size, shape) - loss)
+                config, stack, seq_len, batch_size, shape, recomputed=True) - loss)
+        else:  # or the forward's end, the KV cache and the model's output logits still there
+            cached = fake_memory.counted_layer_bytes(config, stack, seq_len, batch_size, shape,
+                                                     with_cache=True)
+            logits = (4 if stack.precision == "fp32" else 2) * micro * seq_len * shape.vocab_size
+            act = max(act, shape.num_hidden_layers * cached + logits + head)
         state = row["state_GiB"] * 2**30
         if stack.method == "qlora" and stack.precision == "bf16-mixed":
             state += 2 * (counts["total"] - counts["linear"])  # their fp32 copies, not bf16
@@ -315,8 +325,9 @@ def _formula_rows(config: Any, shape: calc.ModelShape, seq_len: int, batch_size:
                   gpus: int, grad_accum_steps: int, budget: float
                   ) -> tuple[list[dict[str, Any]], bool]:
     """The escalation's rows by the formulas (``calc.escalation_table``, the FSDP row from
-    ``calc.data_parallel_bytes``), the Llama family's counted op by op (:func:`_count_layers`;
-    ``config`` None: none), each on the GPU (:func:`_on_gpu`); and whether any was counted."""
+    ``calc.data_parallel_bytes``), the Llama family's and Phi-3's counted op by op
+    (:func:`_count_layers`; ``config`` None: none), each on the GPU (:func:`_on_gpu`); and
+    whether any was counted."""
     rows = calc.escalation_table(shape, seq_len, batch_size, budget, grad_accum_steps)
     fs = calc.data_parallel_bytes(shape, gpus, "fsdp", seq_len, _per_gpu_batch(batch_size, gpus))
     rows.append({"step": _fsdp_step(gpus),
@@ -330,10 +341,13 @@ def _formula_rows(config: Any, shape: calc.ModelShape, seq_len: int, batch_size:
 
 COUNTED_NOTE = (
     "activations: the layers counted op by op for each row's stack (calc.llama_layer_bytes: a "
-    "Llama, Mistral, Qwen2 or Qwen3 layer, which the fake-tensor meter matches to the byte), "
-    "the logits as three fp32 copies; a full fine-tune's total is its state without the "
-    "gradients plus the larger of its activations and its gradients, which fill memory as "
-    "backward frees the activations; the FSDP row keeps Korthikanti's 34 sbh")
+    "Llama, Mistral, Qwen2, Qwen3 or Phi-3 layer, which the fake-tensor meter matches to the "
+    "byte), the logits as three fp32 copies, or where that is more the forward's end, when the "
+    "KV cache transformers builds in a training forward with use_cache on (not in Trainer or "
+    "TRL, which turn it off) still holds the keys in fp32 under autocast; a full fine-tune's "
+    "total is its state without the gradients plus the larger of its activations and its "
+    "gradients, which fill memory as backward frees the activations; the FSDP row keeps "
+    "Korthikanti's 34 sbh")
 KORTHIKANTI_NOTE = (
     "activations: Korthikanti's 34 sbh bytes per layer (a GPT layer with a flash kernel), the "
     "logits as three fp32 copies; this architecture's layers are not counted op by op, and a "
@@ -352,12 +366,12 @@ def _predicted(model: str, name: str, shape: calc.ModelShape, seq_len: int, batc
     out = {"model": name, "params_B": calc.param_count(shape)["total"] / 1e9,
            "gpu_bytes": budget, "rows": rows, "cheapest": cheapest, "layers_counted": counted,
            "notes": [COUNTED_NOTE if counted else KORTHIKANTI_NOTE]}
-    if counted and shape.sliding_layers and seq_len > shape.sliding_window:
-        out["notes"].append(
-            f"beyond its sliding window ({shape.sliding_window} tokens), transformers hands "
-            "SDPA an explicit mask, and the measured step keeps more than the count per layer "
-            "(Mistral-7B-v0.1 at 8192 tokens: 7 GiB, the prediction 0.92-0.97x): --measure "
-            "measures it")
+    if counted and shape.sliding_layers and seq_len >= shape.sliding_window:
+        out["notes"].append(  # transformers' mask from kv_length >= the window, not beyond it
+            f"from its sliding window's length ({shape.sliding_window} tokens) on, transformers "
+            "hands SDPA an explicit mask, and the measured step keeps more than the count per "
+            "layer (Mistral-7B-v0.1 at 8192 tokens: 7 GiB, the prediction 0.92-0.97x): "
+            "--measure measures it")
     if _multimodal(model):
         out["notes"].append(
             f"{name} is a multimodal checkpoint: planned and measured is its language model "
@@ -409,10 +423,11 @@ def plan(model: str, gpu_mem: str | float, seq_len: int = 2048, batch_size: int 
         ``{"model", "params_B", "gpu_bytes", "rows", "cheapest", "notes", "trainer",
         "grad_accum_steps", "layers_counted"}`` (``trainer``: the cheapest step as a trainer's
         settings, None where nothing fits; ``grad_accum_steps``: the accumulation row's k;
-        ``layers_counted``: the rows' layers were counted op by op, a Llama-family model, not
-        with Korthikanti's ``34 s b h``, and ``notes`` begins by saying which); each row has
-        step, state_GiB, activations_GiB, total_GiB (the formulas' bytes), total_gpu_GiB (plus
-        the modelled ``gpu_overhead``, as a measured trace gets) and fits (on that);
+        ``layers_counted``: the rows' layers were counted op by op (a Llama-family or Phi-3
+        model), not with Korthikanti's ``34 s b h``, and ``notes`` begins by saying which);
+        each row has step, state_GiB, activations_GiB, total_GiB (the formulas' bytes),
+        total_gpu_GiB (plus the modelled ``gpu_overhead``, as a measured trace gets) and fits
+        (on that);
         ``notes``: what the formulas assume that this model does not do (eager attention's
         scores). For an architecture the formulas do not describe (``calc.check_counted``: a
         hybrid such as Qwen3.5, Gemma-4's layers of two shapes, a mixture of experts), measured

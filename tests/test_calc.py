@@ -65,6 +65,43 @@ def test_the_llama_layer_count_in_closed_form():
     assert fp32 == 2048 * (32 * h + 8 * kv + 16 * inter + 4 * heads + 8)
 
 
+def test_the_kv_cache_a_training_forward_holds_beside_sdpas_casts():
+    """fp32 keys under bf16 autocast (RoPE's cos has the residual stream's dtype), QLoRA's fp32
+    values too; nothing where SDPA keeps the cache's own tensors, nor with checkpointing."""
+    s = calc.PRESETS["Llama-2-7B"]
+    kv, tokens = 4096, 2 * 1024
+
+    def cache(method, precision, **kw):
+        return calc.llama_layer_bytes(s, 1024, 2, method, precision, **kw)["kv_cache"]
+
+    assert cache("qlora", "bf16-mixed") == 8 * kv * tokens
+    assert cache("full", "bf16-mixed") == 4 * kv * tokens
+    assert cache("full", "bf16") == cache("lora", "bf16") == cache("full", "fp32") == 0
+    assert cache("qlora", "bf16-mixed", checkpointing=True) == 0
+    assert cache("qlora", "bf16-mixed", kv_cache=False) == 0
+
+
+def test_the_phi3_layer_count_against_the_llama_count():
+    """Phi-3's fused projections: a full fine-tune keeps o_proj's own input (``c q``) more,
+    and without a KV cache the fused output the value views (``c (q + kv)``); peft's fp32
+    adapters cast the attention norm's output once, not three times, and the MLP norm's once,
+    not twice, with four ``lora_A`` outputs, not seven."""
+    s = calc.CONFIGS["Phi-3-mini-4k-instruct"]
+    shape = calc.ModelShape.from_config(s)
+    h, q, kv, r = 3072, 3072, 3072, 16
+    full, lora = ({fused: calc.llama_layer_bytes(shape, 2048, 1, method,
+                                                 fused_projections=fused)["per_token"]
+                   for fused in (False, True)} for method in ("full", "lora"))
+    assert full[True] - full[False] == 2 * q
+    assert lora[True] - lora[False] == -(2 * 4 * h + 4 * h) - 3 * 4 * r
+    no_cache = calc.llama_layer_bytes(shape, 2048, 1, fused_projections=True, kv_cache=False)
+    assert no_cache["per_token"] - full[True] == 2 * (q + kv)
+    assert calc.llama_layer_bytes(shape, 2048, 1, kv_cache=False)["per_token"] == full[False]
+    with pytest.raises(ValueError, match=r"lora_targets=\('q_proj',\).*qkv_proj"):
+        calc.llama_layer_bytes(shape, 8, 1, "lora", lora_targets=("q_proj",),
+                               fused_projections=True)
+
+
 def test_the_layer_count_of_a_gpus_dropout_and_of_bitsandbytes_before_0_43_2():
     """A GPU's dropout keeps a 1-byte mask where CPU's keeps fp32 noise (3 bytes less per
     adapted input); bitsandbytes' old 4-bit matmul kept each 4-bit layer's input, in bf16: the

@@ -1,3 +1,6 @@
+import copy
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -462,6 +465,86 @@ def test_the_op_count_of_qwen3_counts_its_query_and_key_norms(stack):
                       head_dim=48, max_position_embeddings=4096)  # queries wider than h
     measured = fake_memory.activation_anatomy(cfg, stack, 512, 2)["per_layer_bytes"]
     assert measured == fake_memory.counted_layer_bytes(cfg, stack, 512, 2)
+
+
+@pytest.fixture(scope="module")
+def phi3_config():
+    """Phi-3's fused projections, queries wider than the hidden size."""
+    from transformers import Phi3Config
+
+    return Phi3Config(vocab_size=2048, hidden_size=128, intermediate_size=352,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=48, max_position_embeddings=4096, sliding_window=None,
+                      pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+@pytest.mark.parametrize("use_cache", [True, False], ids=["kv-cache", "no-cache"])
+@pytest.mark.parametrize("stack", [
+    Stack(), Stack(precision="bf16-mixed"), Stack(method="lora"),
+    Stack(method="lora", autocast_adapter_dtype=False, lora_targets=("qkv_proj", "o_proj")),
+    Stack(method="qlora", precision="bf16-mixed")], ids=lambda s: s.label)
+def test_the_op_count_of_phi3_counts_its_fused_projections(phi3_config, stack, use_cache):
+    """Phi-3's ``qkv_proj`` and ``gate_up_proj``: one cast and one adapter each where Llama has
+    three and two, ``o_proj``'s input a copy of SDPA's head-major output, and without a KV
+    cache the value's view keeping the whole fused output (``fused_projections``)."""
+    config = copy.deepcopy(phi3_config)
+    config.use_cache = use_cache
+    measured = fake_memory.activation_anatomy(config, stack, 512, 2)["per_layer_bytes"]
+    assert measured == fake_memory.counted_layer_bytes(config, stack, 512, 2)
+
+
+def test_checkpointing_recomputes_a_layer_without_the_kv_cache(phi3_config):
+    """A measurement leaves the caller's config as it was (checkpointing turns the cache off on
+    the model's), and the recomputed layer is counted as checkpointing runs it: no cache."""
+    from transformers import Phi3Config
+
+    ckpt = Stack(method="qlora", precision="bf16", checkpointing=True)
+    fake_memory.measure_step(phi3_config, ckpt, 256)
+    assert phi3_config.use_cache
+    no_cache = copy.deepcopy(phi3_config)
+    no_cache.use_cache = False
+    plain = replace(ckpt, checkpointing=False)
+    recomputed = fake_memory.counted_layer_bytes(phi3_config, ckpt, 512, 2, recomputed=True)
+    assert recomputed == fake_memory.counted_layer_bytes(no_cache, plain, 512, 2)
+    assert recomputed > fake_memory.counted_layer_bytes(phi3_config, plain, 512, 2)
+    dropout = copy.deepcopy(phi3_config)
+    dropout.resid_pdrop = 0.1
+    partial = Phi3Config(partial_rotary_factor=0.75)  # Phi-4-mini's RoPE
+    for other in (dropout, partial):
+        assert fake_memory.counted_layer_bytes(other, plain) is None
+
+
+@pytest.mark.parametrize("arch, stack", [
+    ("llama", Stack(method="qlora", precision="bf16-mixed")),
+    ("llama", Stack(precision="bf16-mixed")), ("phi3", Stack(precision="bf16-mixed"))],
+    ids=["llama-qlora", "llama-full", "phi3-full"])
+def test_the_kv_cache_a_training_forward_builds(phi3_config, arch, stack):
+    """transformers builds a KV cache in a training forward where ``use_cache`` is on: under
+    bf16 autocast it holds fp32 keys (QLoRA's values too) beside SDPA's bf16 casts, which the
+    count's ``kv_cache`` has, to the byte, at the forward's end (Phi-3 without a cache keeps its
+    fused output instead)."""
+    from transformers import LlamaConfig
+
+    from recipes_lib.device import autocast
+    from recipes_lib.memory import measure_memory
+
+    base = phi3_config if arch == "phi3" else LlamaConfig(
+        vocab_size=512, hidden_size=256, intermediate_size=704, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
+    peaks, counts = {}, {}
+    for use_cache in (True, False):
+        config = copy.deepcopy(base)
+        config.use_cache = use_cache
+        net, mode = fake_memory.build_model(config, stack, "cpu")
+        with mode, fake_memory._unpacked_rows(), autocast(torch.device("cpu"), "bf16"):
+            ids = torch.randint(0, config.vocab_size, (2, 512))
+            peaks[use_cache] = measure_memory(
+                lambda net=net, ids=ids: net(input_ids=ids).logits.sum(),
+                net).by_category["activations"]
+        counts[use_cache] = fake_memory.counted_layer_bytes(config, stack, 512, 2,
+                                                            with_cache=True)
+    assert counts[True] > fake_memory.counted_layer_bytes(base, stack, 512, 2)
+    assert peaks[True] - peaks[False] == 2 * (counts[True] - counts[False])
 
 
 @pytest.mark.parametrize("gpu_dropout", [False, True])

@@ -754,7 +754,7 @@ def llama_layer_bytes(shape: ModelShape, seq_len: int, batch_size: int, method: 
                       lora_dropout: float = 0.0, gpu_dropout: bool = False,
                       nf4_keeps_input: bool = False, checkpointing: bool = False,
                       qk_norm: bool = False, fused_projections: bool = False,
-                      kv_cache: bool = True) -> dict[str, float]:
+                      kv_cache: bool = True, gemma2: bool = False) -> dict[str, float]:
     """What autograd keeps for one transformers Llama decoder layer in a training step, op by op.
 
     Counted as the layer runs (SDPA's flash kernel, every layer after the first), for a full
@@ -793,6 +793,14 @@ def llama_layer_bytes(shape: ModelShape, seq_len: int, batch_size: int, method: 
       one (``config.use_cache``, transformers' default, off under checkpointing) the cache's
       ``torch.cat`` copies the keys and values and the fused output goes.
 
+    With ``gemma2`` (transformers' Gemma-2 layer, which runs eager attention): four norms, each
+    multiplying its weight in fp32 (the normalised input kept in fp32, ``4h``, when it trains,
+    and ``1 + weight`` in fp32 per norm: ``16h`` bytes a layer); eager attention keeps the
+    query and the (repeated) keys and values, ``3 c q``, no log-sum-exp, and 8 bytes per score
+    (``heads x s`` a token: soft-capping's tanh output, softmax's fp32 output and its cast back;
+    in fp32 the cast is the same tensor), and ``o_proj`` reads its own contiguous copy of the
+    output. Its GeGLU keeps what SwiGLU does.
+
     ``kv_cache``: transformers builds a ``DynamicCache`` in a training forward too where
     ``config.use_cache`` is on (a plain loop; Trainer and TRL turn it off). Where SDPA keeps the
     very keys and values it holds, it costs nothing; under bf16 autocast RoPE leaves the keys in
@@ -826,6 +834,7 @@ def llama_layer_bytes(shape: ModelShape, seq_len: int, batch_size: int, method: 
         fused_projections: Phi-3's fused projections (above); ``lora_targets`` then names
             :data:`PHI3_LINEARS`.
         kv_cache: the forward builds a KV cache (``use_cache``, above).
+        gemma2: Gemma-2's layer (above).
 
     Returns:
         ``{"per_token", "weight_copies", "total", "kv_cache"}``: bytes a token, bytes
@@ -876,6 +885,8 @@ def llama_layer_bytes(shape: ModelShape, seq_len: int, batch_size: int, method: 
               "v_proj": ("attn_norm", p, False), "o_proj": ("sdpa_out", c, True),
               "gate_proj": ("mlp_norm", p, False), "up_proj": ("mlp_norm", p, False),
               "down_proj": ("swiglu", gate_bytes, False)}
+    if gemma2:  # eager attention: o_proj reads a contiguous copy of its output
+        inputs["o_proj"] = ("eager_out", c, False)
     if fused_projections:
         shapes = {"qkv_proj": (h, q + 2 * kv), "o_proj": (q, h), "gate_up_proj": (h, 2 * inter),
                   "down_proj": (inter, h)}
@@ -890,6 +901,10 @@ def llama_layer_bytes(shape: ModelShape, seq_len: int, batch_size: int, method: 
     per_token = 2 * (4 * h + 4 + (p * h if trains_base else 0))  # two RMSNorms
     per_token += c * (2 * q + 2 * kv) + 4 * heads + 3 * gate_bytes * inter  # SDPA, SwiGLU
     weight_copies, shared = 0, set()
+    if gemma2:  # two more norms, each weight multiplied in fp32; eager, soft-capped scores
+        per_token += 2 * (4 * h + 4) + (16 - 2 * p) * h * trains_base
+        per_token += c * (q - 2 * kv) - 4 * heads + 8 * heads * seq_len
+        weight_copies += 4 * 4 * h  # each norm's 1 + weight, in fp32
     for name, (d_in, d_out) in shapes.items():
         x, x_bytes, kept = inputs[name]
         if trains_base:
@@ -923,8 +938,10 @@ def llama_layer_bytes(shape: ModelShape, seq_len: int, batch_size: int, method: 
                       + (c * (q + kv) if trains_base else 0))
     tokens = seq_len * batch_size
     # the cache's copies of the keys (RoPE'd in the residual stream's dtype) and values (the
-    # projection's), where SDPA computes in another dtype and keeps casts of its own
-    cache = kv * ((p if p != c else 0) + (gate_bytes if gate_bytes != c else 0))
+    # projection's), where attention computes in another dtype and keeps casts of its own, or,
+    # eager with grouped queries, keeps the heads repeat_kv copied (Gemma-2)
+    repeated = gemma2 and heads != shape.num_key_value_heads
+    cache = kv * sum(nbytes for nbytes in (p, gate_bytes) if nbytes != c or repeated)
     return {"per_token": float(per_token), "weight_copies": float(weight_copies),
             "total": float(per_token * tokens + weight_copies),
             "kv_cache": float(cache * tokens) if kv_cache else 0.0}

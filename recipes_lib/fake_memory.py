@@ -1157,8 +1157,9 @@ def activation_anatomy(model: Any, stack: Stack = Stack(), seq_len: int = 2048,
 # Decoders whose layers are a transformers Llama layer as ``calc.llama_layer_bytes`` counts it
 # (Qwen2's q, k and v biases keep nothing more; Qwen3's norms over each query and key head are
 # its ``qk_norm``; Phi-3's fused projections its ``fused_projections``, where its residual
-# dropout is off and RoPE turns every dimension of a head: Phi-4-mini's partial rotary is not).
-_COUNTED_LAYERS = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+# dropout is off and RoPE turns every dimension of a head: Phi-4-mini's partial rotary is not;
+# Gemma-2's norms and eager, soft-capped attention its ``gemma2``).
+_COUNTED_LAYERS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2")
 
 
 def _partial_rotary(config: Any) -> float:
@@ -1205,6 +1206,7 @@ def counted_layer_bytes(model: Any, stack: Stack, seq_len: int = 2048, batch_siz
             or getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False)
             or getattr(config, "resid_pdrop", 0.0) or getattr(config, "attention_dropout", 0.0)
             or _partial_rotary(config) != 1.0
+            or (config.model_type == "gemma2" and not config.attn_logit_softcapping)
             or not set(targets) <= set(linears)):
         return None
     shape = shape or calc.ModelShape.from_config(config.to_dict())
@@ -1215,6 +1217,7 @@ def counted_layer_bytes(model: Any, stack: Stack, seq_len: int = 2048, batch_siz
         gpu_dropout=stack.gpu_dropout, nf4_keeps_input=stack.nf4_keeps_input,
         checkpointing=stack.checkpointing and not recomputed,
         qk_norm=config.model_type == "qwen3", fused_projections=fused,
+        gemma2=config.model_type == "gemma2",
         kv_cache=getattr(config, "use_cache", True) and not stack.checkpointing)
     counted = counted["total"] + (counted["kv_cache"] if with_cache else 0.0)
     if config.model_type == "qwen2" and stack.method == "qlora":

@@ -268,8 +268,8 @@ def _counted_config(model: str) -> Any:
 def _count_layers(rows: list[dict[str, Any]], config: Any, shape: calc.ModelShape,
                   seq_len: int, batch_size: int, grad_accum_steps: int) -> bool:
     """Predict again, in place, each row whose stack ``calc.llama_layer_bytes`` counts op by op
-    (``fake_memory.counted_layer_bytes``: the Llama family's and Phi-3's layers, which the
-    fake-tensor meter matches to the byte; not FSDP): the layers as counted for that stack (one
+    (``fake_memory.counted_layer_bytes``: the Llama family's, Phi-3's and Gemma-2's layers, which
+    the fake-tensor meter matches to the byte; not FSDP): the layers as counted for that stack (one
     more uncheckpointed layer with checkpointing, alive while it is recomputed, after the loss has
     been freed: the larger of the two counts), the logits as the calculator has them (three
     fp32 copies), and what the stack keeps that the escalation's formulas leave out: QLoRA's
@@ -298,15 +298,25 @@ def _count_layers(rows: list[dict[str, Any]], config: Any, shape: calc.ModelShap
         micro = batch_size // stack.grad_accum_steps
         # autocast's bf16 copy of the fp32 head's weight
         head = 2 * shape.vocab_size * shape.hidden_size if stack.precision == "bf16-mixed" else 0
-        loss = calc.activation_bytes(shape, seq_len, micro)["logits"] + head
+        # Gemma-2's soft-capped logits: tanh keeps its output, in the logits' dtype
+        out_bytes, logit_count = 4 if stack.precision == "fp32" else 2, micro * seq_len
+        capped = 2 if getattr(config, "final_logit_softcapping", None) else 1
+        loss = (calc.activation_bytes(shape, seq_len, micro)["logits"] + head
+                + (capped - 1) * out_bytes * logit_count * shape.vocab_size)
         act = shape.num_hidden_layers * layer + loss
         if stack.checkpointing:  # the loss is freed before the last layer is recomputed
             act += max(0.0, fake_memory.counted_layer_bytes(
                 config, stack, seq_len, batch_size, shape, recomputed=True) - loss)
+            if config.model_type == "gemma2":  # eager attention's additive masks, one per
+                # kind of layer (full, sliding), in the residual stream's dtype: inputs the
+                # checkpointed layers keep for their recomputation
+                kinds = len(set(getattr(config, "layer_types", None) or ["full"]))
+                act += kinds * micro * seq_len**2 * (2 if stack.precision in ("bf16", "fp16")
+                                                     else 4)
         else:  # or the forward's end, the KV cache and the model's output logits still there
             cached = fake_memory.counted_layer_bytes(config, stack, seq_len, batch_size, shape,
                                                      with_cache=True)
-            logits = (4 if stack.precision == "fp32" else 2) * micro * seq_len * shape.vocab_size
+            logits = capped * out_bytes * logit_count * shape.vocab_size
             act = max(act, shape.num_hidden_layers * cached + logits + head)
         state = row["state_GiB"] * 2**30
         if stack.method == "qlora" and stack.precision == "bf16-mixed":
@@ -325,8 +335,8 @@ def _formula_rows(config: Any, shape: calc.ModelShape, seq_len: int, batch_size:
                   gpus: int, grad_accum_steps: int, budget: float
                   ) -> tuple[list[dict[str, Any]], bool]:
     """The escalation's rows by the formulas (``calc.escalation_table``, the FSDP row from
-    ``calc.data_parallel_bytes``), the Llama family's and Phi-3's counted op by op
-    (:func:`_count_layers`; ``config`` None: none), each on the GPU (:func:`_on_gpu`); and
+    ``calc.data_parallel_bytes``), the Llama family's, Phi-3's and Gemma-2's counted op by
+    op (:func:`_count_layers`; ``config`` None: none), each on the GPU (:func:`_on_gpu`); and
     whether any was counted."""
     rows = calc.escalation_table(shape, seq_len, batch_size, budget, grad_accum_steps)
     fs = calc.data_parallel_bytes(shape, gpus, "fsdp", seq_len, _per_gpu_batch(batch_size, gpus))
@@ -341,13 +351,13 @@ def _formula_rows(config: Any, shape: calc.ModelShape, seq_len: int, batch_size:
 
 COUNTED_NOTE = (
     "activations: the layers counted op by op for each row's stack (calc.llama_layer_bytes: a "
-    "Llama, Mistral, Qwen2, Qwen3 or Phi-3 layer, which the fake-tensor meter matches to the "
-    "byte), the logits as three fp32 copies, or where that is more the forward's end, when the "
-    "KV cache transformers builds in a training forward with use_cache on (not in Trainer or "
-    "TRL, which turn it off) still holds the keys in fp32 under autocast; a full fine-tune's "
-    "total is its state without the gradients plus the larger of its activations and its "
-    "gradients, which fill memory as backward frees the activations; the FSDP row keeps "
-    "Korthikanti's 34 sbh")
+    "Llama, Mistral, Qwen2, Qwen3, Phi-3 or Gemma-2 layer, which the fake-tensor meter matches "
+    "to the byte), the logits as three fp32 copies, or where that is more the forward's end, "
+    "when the KV cache transformers builds in a training forward with use_cache on (not in "
+    "Trainer or TRL, which turn it off) still holds the keys in fp32 under autocast; a full "
+    "fine-tune's total is its state without the gradients plus the larger of its activations "
+    "and its gradients, which fill memory as backward frees the activations; the FSDP row "
+    "keeps Korthikanti's 34 sbh")
 KORTHIKANTI_NOTE = (
     "activations: Korthikanti's 34 sbh bytes per layer (a GPT layer with a flash kernel), the "
     "logits as three fp32 copies; this architecture's layers are not counted op by op, and a "
@@ -366,7 +376,8 @@ def _predicted(model: str, name: str, shape: calc.ModelShape, seq_len: int, batc
     out = {"model": name, "params_B": calc.param_count(shape)["total"] / 1e9,
            "gpu_bytes": budget, "rows": rows, "cheapest": cheapest, "layers_counted": counted,
            "notes": [COUNTED_NOTE if counted else KORTHIKANTI_NOTE]}
-    if counted and shape.sliding_layers and seq_len >= shape.sliding_window:
+    if counted and shape.sliding_layers and not shape.score_bytes and (
+            seq_len >= shape.sliding_window):  # eager attention has its masks counted
         out["notes"].append(  # transformers' mask from kv_length >= the window, not beyond it
             f"from its sliding window's length ({shape.sliding_window} tokens) on, transformers "
             "hands SDPA an explicit mask, and the measured step keeps more than the count per "
@@ -381,8 +392,11 @@ def _predicted(model: str, name: str, shape: calc.ModelShape, seq_len: int, batc
             f"attention: transformers has no SDPA for {name}'s architecture, so it runs eager "
             f"attention, which keeps {shape.score_bytes} bytes per score (batch x heads x s x s) "
             "for backward: counted in the rows above (a fused kernel, flash-attn's where the "
-            "architecture supports it, keeps none); what else its layers keep beyond the "
-            "formulas' (more norms, soft-capped logits) is not: --measure measures it")
+            "architecture supports it, keeps none); "
+            + ("its four norms and soft-capped logits too, and with checkpointing the "
+               "additive masks the layers keep" if counted else
+               "what else its layers keep beyond the formulas' (more norms, soft-capped "
+               "logits) is not: --measure measures it"))
     return out
 
 
@@ -423,8 +437,8 @@ def plan(model: str, gpu_mem: str | float, seq_len: int = 2048, batch_size: int 
         ``{"model", "params_B", "gpu_bytes", "rows", "cheapest", "notes", "trainer",
         "grad_accum_steps", "layers_counted"}`` (``trainer``: the cheapest step as a trainer's
         settings, None where nothing fits; ``grad_accum_steps``: the accumulation row's k;
-        ``layers_counted``: the rows' layers were counted op by op (a Llama-family or Phi-3
-        model), not with Korthikanti's ``34 s b h``, and ``notes`` begins by saying which);
+        ``layers_counted``: the rows' layers were counted op by op (a Llama-family, Phi-3 or
+        Gemma-2 model), not with Korthikanti's ``34 s b h``, and ``notes`` begins by saying which);
         each row has step, state_GiB, activations_GiB, total_GiB (the formulas' bytes),
         total_gpu_GiB (plus the modelled ``gpu_overhead``, as a measured trace gets) and fits
         (on that);

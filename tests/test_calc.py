@@ -65,6 +65,20 @@ def test_the_llama_layer_count_in_closed_form():
     assert fp32 == 2048 * (32 * h + 8 * kv + 16 * inter + 4 * heads + 8)
 
 
+def test_the_gemma2_layer_count_against_the_llama_count():
+    """Gemma-2's two more norms (weights multiplied in fp32), eager attention's 3 c q and 8 bytes
+    per score where SDPA keeps c (2q + 2kv) and a log-sum-exp, o_proj's own copy of its input
+    (c q), and each norm's 1 + weight."""
+    shape = calc.ModelShape.from_config(calc.CONFIGS["Gemma-2-2B"])
+    h, q, kv, heads = 2304, 2048, 1024, 8
+    llama, gemma = (calc.llama_layer_bytes(shape, 1024, 1, gemma2=g) for g in (False, True))
+    assert gemma["per_token"] - llama["per_token"] == (
+        2 * (4 * h + 4) + 12 * h + 2 * (q - 2 * kv) - 4 * heads + 8 * heads * 1024 + 2 * q)
+    assert gemma["weight_copies"] - llama["weight_copies"] == 16 * h
+    # the cache's keys and values beside the repeated heads eager attention keeps, in bf16 too
+    assert gemma["kv_cache"] == 2 * 2 * kv * 1024 and llama["kv_cache"] == 0
+
+
 def test_the_kv_cache_a_training_forward_holds_beside_sdpas_casts():
     """fp32 keys under bf16 autocast (RoPE's cos has the residual stream's dtype), QLoRA's fp32
     values too; nothing where SDPA keeps the cache's own tensors, nor with checkpointing."""

@@ -514,6 +514,26 @@ def test_checkpointing_recomputes_a_layer_without_the_kv_cache(phi3_config):
         assert fake_memory.counted_layer_bytes(other, plain) is None
 
 
+@pytest.mark.parametrize("stack, kv_heads", [
+    (Stack(), 2), (Stack(precision="bf16-mixed"), 2),
+    (Stack(method="qlora", precision="bf16-mixed"), 2), (Stack(precision="fp32"), 4),
+    (Stack(method="lora", autocast_adapter_dtype=False), 4)],
+    ids=lambda v: v.label if isinstance(v, Stack) else ("grouped" if v == 2 else "mha"))
+def test_the_op_count_of_gemma2_counts_its_norms_and_eager_soft_capped_scores(stack, kv_heads):
+    """Gemma-2's four norms (their weights multiplied in fp32), eager attention's query and
+    repeated keys and values, 8 bytes per score, and o_proj's copy of the output (``gemma2``),
+    exact at two lengths (the scores grow with s^2)."""
+    from transformers import Gemma2Config
+
+    config = Gemma2Config(vocab_size=2048, hidden_size=128, intermediate_size=352,
+                          num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=kv_heads, head_dim=48, query_pre_attn_scalar=48,
+                          max_position_embeddings=4096, sliding_window=4096, pad_token_id=0)
+    for seq_len in (256, 512):
+        measured = fake_memory.activation_anatomy(config, stack, seq_len, 2)["per_layer_bytes"]
+        assert measured == fake_memory.counted_layer_bytes(config, stack, seq_len, 2), seq_len
+
+
 @pytest.mark.parametrize("arch, stack", [
     ("llama", Stack(method="qlora", precision="bf16-mixed")),
     ("llama", Stack(precision="bf16-mixed")), ("phi3", Stack(precision="bf16-mixed"))],

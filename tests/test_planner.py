@@ -221,7 +221,7 @@ def test_the_cli_plans_a_built_in_gemma_by_its_hub_id(capsys):
                  "2048", "--batch", "1"]) == 0
     out = capsys.readouterr().out
     assert "Gemma-2-9B" in out and "runs eager attention" in out
-    assert planner.KORTHIKANTI_NOTE in out  # its layers are not the Llama family's
+    assert planner.COUNTED_NOTE in out  # its layers counted op by op (gemma2=True)
 
 
 def test_parse_bytes():
@@ -310,6 +310,23 @@ def test_a_row_without_checkpointing_peaks_where_the_kv_cache_is_largest():
     assert rows["QLoRA (NF4 base)"]["activations_GiB"] * 2**30 == pytest.approx(forward_end)
     assert forward_end - s.num_hidden_layers * fake_memory.counted_layer_bytes(
         "Llama-2-7B", stack, 1024, 2) > 2 * 2**30
+
+
+def test_gemma2_is_counted_with_its_masks_under_checkpointing():
+    """Gemma-2 is counted op by op (no sliding-window note: eager attention always has its
+    masks), and its checkpointed rows keep the two additive masks (full and sliding layers) as
+    the layers' inputs: 2 x 8192^2 fp32 values at 8192 tokens, QLoRA's fp32 embeddings."""
+    plans = {n: planner.plan("Gemma-2-2B", "80GB", n, 1) for n in (4096, 8192)}
+    for result in plans.values():
+        assert result["layers_counted"] and result["notes"][0] == planner.COUNTED_NOTE
+        assert not any("sliding window" in n for n in result["notes"])
+        assert any("four norms and soft-capped logits" in n for n in result["notes"])
+    ckpt = {n: next(r for r in p["rows"] if r["step"] == "+ activation checkpointing")
+            for n, p in plans.items()}
+    shape = calc.ModelShape.from_config(calc.CONFIGS["Gemma-2-2B"])
+    layer = {n: shape.num_hidden_layers * 4 * shape.hidden_size * n for n in plans}
+    grown = (ckpt[8192]["activations_GiB"] - ckpt[4096]["activations_GiB"]) * 2**30
+    assert grown > layer[8192] - layer[4096] + 2 * 4 * (8192**2 - 4096**2)
 
 
 def test_measure_puts_a_fake_measurement_or_its_reason_beside_each_row(tmp_path):
@@ -409,7 +426,7 @@ def test_max_context_per_step_searches_each_measured_stack_once(tmp_path, small_
 def test_a_gemma2_config_json_is_read_as_transformers_reads_it(tmp_path):
     """A Gemma-2 config.json leaves out tie_word_embeddings (True in Gemma2Config) and its
     layer types; transformers has no SDPA for it, so the plan counts eager attention's scores
-    and says so."""
+    (8 bytes each, in the layer's op-by-op count) and says so."""
     fields = calc.CONFIGS["Gemma-2-9B"]  # google/gemma-2-9b's config.json
     assert "tie_word_embeddings" not in fields
     (tmp_path / "config.json").write_text(json.dumps(fields))
@@ -418,11 +435,12 @@ def test_a_gemma2_config_json_is_read_as_transformers_reads_it(tmp_path):
     assert shape.tie_word_embeddings and shape.sliding_layers == 21 and shape.score_bytes == 8
     assert round(calc.param_count(shape)["total"] / 1e9, 2) == 9.24  # Gemma-2-9B's published
     result = planner.plan(str(tmp_path), "24GB", seq_len=2048, batch_size=1, grad_accum_steps=1)
-    flash = calc.escalation_table(calc.ModelShape(**{**shape.__dict__, "score_bytes": 0}), 2048,
-                                  1, 24e9, 1)
-    scores = 42 * 8 * 16 * 2048**2 / 2**30  # every layer's, without checkpointing
-    assert result["rows"][0]["activations_GiB"] == pytest.approx(
-        flash[0]["activations_GiB"] + scores)
+    assert result["layers_counted"]
+    scores = 42 * 8 * 16 * 2048**2  # every layer's, without checkpointing
+    assert result["rows"][0]["activations_GiB"] * 2**30 > scores
+    per_token = {s: calc.llama_layer_bytes(shape, s, 1, "full", "bf16-mixed",
+                                           gemma2=True)["per_token"] for s in (1024, 2048)}
+    assert per_token[2048] - per_token[1024] == 8 * 16 * 1024
     assert "runs eager attention, which keeps 8 bytes per score" in planner.format_plan(result)
 
 

@@ -298,11 +298,10 @@ def _count_layers(rows: list[dict[str, Any]], config: Any, shape: calc.ModelShap
         micro = batch_size // stack.grad_accum_steps
         # autocast's bf16 copy of the fp32 head's weight
         head = 2 * shape.vocab_size * shape.hidden_size if stack.precision == "bf16-mixed" else 0
-        # Gemma-2's soft-capped logits: tanh keeps its output, in the logits' dtype
-        out_bytes, logit_count = 4 if stack.precision == "fp32" else 2, micro * seq_len
-        capped = 2 if getattr(config, "final_logit_softcapping", None) else 1
-        loss = (calc.activation_bytes(shape, seq_len, micro)["logits"] + head
-                + (capped - 1) * out_bytes * logit_count * shape.vocab_size)
+        # the model's output logits; Gemma-2 soft-caps them, and tanh keeps its output too
+        logits = (4 if stack.precision == "fp32" else 2) * micro * seq_len * shape.vocab_size
+        tanh = logits if getattr(config, "final_logit_softcapping", None) else 0
+        loss = calc.activation_bytes(shape, seq_len, micro)["logits"] + head + tanh
         act = shape.num_hidden_layers * layer + loss
         if stack.checkpointing:  # the loss is freed before the last layer is recomputed
             act += max(0.0, fake_memory.counted_layer_bytes(
@@ -316,8 +315,7 @@ def _count_layers(rows: list[dict[str, Any]], config: Any, shape: calc.ModelShap
         else:  # or the forward's end, the KV cache and the model's output logits still there
             cached = fake_memory.counted_layer_bytes(config, stack, seq_len, batch_size, shape,
                                                      with_cache=True)
-            logits = capped * out_bytes * logit_count * shape.vocab_size
-            act = max(act, shape.num_hidden_layers * cached + logits + head)
+            act = max(act, shape.num_hidden_layers * cached + logits + tanh + head)
         state = row["state_GiB"] * 2**30
         if stack.method == "qlora" and stack.precision == "bf16-mixed":
             state += 2 * (counts["total"] - counts["linear"])  # their fp32 copies, not bf16

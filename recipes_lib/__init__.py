@@ -8,7 +8,7 @@ Recipes (one module per idea; may import core and other recipes, never tooling):
     quantization, checkpointing, offload, optim8bit, fsdp, fsdp_qlora, data_loading, comm_bench,
     ptq, latency, distillation, chunked_loss, attention, norms, kv_cache, gemm_bench,
     sparse_attention, curriculum, max_context, passkey, fp8, fake_memory, packing,
-    context_parallel, trainers, compiling.
+    context_parallel, trainers, compiling, litgpt_memory.
 Tooling (the command line and what it drives; may import anything):
     __main__, notebooks, report, colab, planner, calc_validation, published, fit_form.
 

@@ -155,12 +155,20 @@ def real_scale_benchmark() -> None:
     training step measured on fake tensors, timed (the claim: at most 90 s on the reference
     machine), and the published GPU figures beside our predictions (``published``)."""
     import time
-    from dataclasses import asdict
+    from dataclasses import asdict, replace
 
     import torch
     from transformers import LlamaConfig
 
-    from recipes_lib import checks, device, distributed, fake_memory, published, results
+    from recipes_lib import (
+        checks,
+        device,
+        distributed,
+        fake_memory,
+        litgpt_memory,
+        published,
+        results,
+    )
 
     S = fake_memory.Stack
     # every flag at both sizes (bf16 is emulated on CPUs without AVX512-BF16 / AMX, such as the
@@ -220,6 +228,17 @@ def real_scale_benchmark() -> None:
         r.add("fake_vs_real_nccl", f"{name}: {stack.label}", nccl_ratio, baseline=ratio,
               unit="fake NCCL rank (no gloo copy) / real gloo peak, lowest of 2 ranks "
                    "(baseline: with the copy)")
+    # litgpt's own model (litgpt_memory), the code its published rows ran: fake vs real
+    lit = S(method="lora", lora_rank=8, lora_targets=("q_proj", "v_proj"), lora_dropout=0.05,
+            loss="litgpt", autocast_adapter_dtype=False, gpu_dropout=True)
+    for stack in (lit, replace(lit, precision="fp32", gpu_dropout=False),
+                  replace(lit, method="qlora", nf4_keeps_input=True)):
+        fake, real = (litgpt_memory.measure_step(litgpt_memory.TINY, stack, 256, 2, fake=f)
+                      for f in (True, False))
+        ratio = fake.peak_bytes / real.peak_bytes
+        print(f"  fake vs real, litgpt's tiny model, {stack.label}: peak {ratio:.4f}")
+        r.add("fake_vs_real", f"litgpt's tiny model: {stack.label}", ratio, baseline=1.0,
+              unit="fake / real peak, 2 x 256 tokens, CPU (litgpt_memory)")
     t0 = time.perf_counter()
     big = fake_memory.measure_step("Llama-3.1-8B", S(checkpointing=True), 2048, 1)
     seconds = time.perf_counter() - t0

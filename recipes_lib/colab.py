@@ -20,12 +20,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 BADGE_TAG, INSTALL_TAG = "colab-badge", "colab-install"
 # What the notebooks need that Colab lacks, as requirements.txt names it (a test keeps them
-# equal); Colab ships the rest of what they import; the test and lint tools are not needed there.
+# equal); Colab ships the rest of what they import. Not needed there: the test and lint tools, and
+# litgpt (its model measures litgpt's published rows in `make bench` and the tests, no notebook).
 COLAB_PACKAGES = ("transformers>=5.23,<6", "peft>=0.19", "bitsandbytes>=0.50", "accelerate>=1.7",
                   "trl>=0.26", "datasets", "torchao>=0.18", "safetensors", "tqdm", "tensorboard")
 COLAB_SHIPS = ("torch", "tokenizers", "numpy", "pandas", "matplotlib", "ipykernel", "ipywidgets")
 NOT_ON_COLAB = ("jupyterlab", "nbval", "nbclient", "nbformat", "papermill", "pytest",
-                "pytest-xdist", "ruff")
+                "pytest-xdist", "ruff", "litgpt")
 _REPO = re.compile(r"^[A-Za-z0-9_.-]+/[A-Za-z0-9_.-]+$")
 _REF = re.compile(r"^[A-Za-z0-9_./-]+$")
 

@@ -54,7 +54,7 @@ METHODS = ("full", "lora", "qlora")
 PRECISIONS = ("fp32", "bf16", "fp16", "bf16-mixed")
 OPTIMIZERS = ("adamw", "adamw-foreach", "adamw-fused", "adamw-8bit", "sgd")
 _FP_ADAMW = OPTIMIZERS[:3]  # AdamW with moments in the weights' dtype
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
            "bf16-mixed": torch.float32}
 _AUTOCAST = {"bf16-mixed": "bf16"}  # precision -> the training loop's autocast precision
 # Stack's switches that must be bools, and what each value means (for the error)
@@ -66,13 +66,14 @@ _SWITCHES = {"autocast_adapter_dtype": "True (adapters in fp32, peft's default) 
 # transformers; "transformers-4.46", transformers' loss from 4.46 until #35646
 # (``TransformersLoss``: with several sequences, one more fp32 copy of the logits in forward);
 # "litgpt", litgpt's fine-tuning scripts (``LitGPTLoss``: the head over 128-token chunks, no
-# fp32 copy, every chunk's logits held by the loop through backward).
+# fp32 copy, every chunk's logits held by the loop through backward) on a transformers model
+# (litgpt's own model is ``litgpt_memory``'s).
 LOSSES = ("course", "transformers-4.46", "litgpt")
 
 
 def _compute_dtype(stack: Stack) -> torch.dtype:
     """The dtype matmuls run in (a QLoRA base's compute dtype; bf16 under bf16-mixed)."""
-    return torch.bfloat16 if stack.precision == "bf16-mixed" else _DTYPES[stack.precision]
+    return torch.bfloat16 if stack.precision == "bf16-mixed" else DTYPES[stack.precision]
 
 
 @dataclass(frozen=True)
@@ -110,7 +111,8 @@ class Stack:
     chunk size of the chunked cross-entropy (0: the full logits). ``loss`` is how the full
     loss holds the logits: ``"course"`` (the course's loop, and transformers since #35646), or
     ``"transformers-4.46"`` (``TransformersLoss``: 4.46 until #35646, late 2024), for measuring
-    a stack as it ran then, or ``"litgpt"`` (``LitGPTLoss``), for a stack litgpt's own loop ran.
+    a stack as it ran then, or ``"litgpt"`` (``LitGPTLoss``), litgpt's loop's loss on a
+    transformers model (litgpt's own model: ``litgpt_memory``).
     ``autocast_adapter_dtype`` is peft's ``get_peft_model`` argument:
     True (peft's default) keeps LoRA adapters in fp32 over a 16-bit base; False keeps them in
     the base's dtype, as torchtune does with ``dtype: bf16``. ``gpu_dropout=True`` (with
@@ -501,12 +503,11 @@ def build_model(config, stack: Stack, device: torch.device | str, fake: bool = T
     Returns:
         ``(model, mode)``: ``mode`` is the ``FakeTensorMode`` to run the step in (None if real).
     """
-    from torch._subclasses.fake_tensor import FakeTensorMode
 
     device = torch.device(device)
     # a QLoRA base loads in its compute dtype (peft's k-bit preparation then casts what stays
     # unquantized to fp32 under bf16-mixed); other stacks load in their weights' dtype
-    dtype = _compute_dtype(stack) if stack.method == "qlora" else _DTYPES[stack.precision]
+    dtype = _compute_dtype(stack) if stack.method == "qlora" else DTYPES[stack.precision]
     attn_implementation = attn_implementation or default_attention(config)
     model = meta_model(config, dtype=dtype, attn_implementation=attn_implementation)
     if stack.method == "qlora":
@@ -525,7 +526,7 @@ def build_model(config, stack: Stack, device: torch.device | str, fake: bool = T
         for module in (model.get_input_embeddings(), model.get_output_embeddings()):
             module.to(torch.bfloat16)
     _check_experts(model, config, stack)
-    nf4_shapes = _packed_placeholders(model)
+    nf4_shapes = packed_placeholders(model)
     if stack.fsdp_ranks > 1:  # sharded on meta; to_empty then gives each rank its shards only
         shard_model(model, "bf16" if stack.precision == "bf16-mixed" else "fp32",
                     device_type=device.type)
@@ -536,6 +537,35 @@ def build_model(config, stack: Stack, device: torch.device | str, fake: bool = T
             for module in model.modules():
                 if isinstance(module, FSDPModule):
                     module.set_custom_reduce_scatter(comm)
+    mode = materialize(model, nf4_shapes, _compute_dtype(stack), device, fake)
+    with mode or contextlib.nullcontext():
+        if stack.fsdp_ranks == 1:  # FSDP keeps one sharded parameter for tied weights
+            model.tie_weights()  # to_empty gives tied weights separate storages
+        if not fake:  # fake tensors hold no values to restore
+            _restore_buffers(model)
+    if stack.checkpointing:
+        enable_activation_checkpointing(model, selective=stack.selective_checkpointing)
+    model.train()
+    return model, mode
+
+
+def materialize(model: torch.nn.Module, nf4_shapes: dict[torch.nn.Module, torch.Size],
+                dtype: torch.dtype, device: torch.device, fake: bool) -> Any:
+    """Give a model built on the meta device fake (or random) storage on ``device``, its 4-bit
+    layers quantized (:func:`quantize_nf4`).
+
+    Args:
+        model: the model, on meta.
+        nf4_shapes: its 4-bit layers' weight shapes (:func:`packed_placeholders`).
+        dtype: the dtype 4-bit weights are quantized from.
+        device: where the weights go.
+        fake: fake storage (no memory); False draws random weights.
+
+    Returns:
+        The ``FakeTensorMode`` a step must run in (None if real).
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
     mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else None
     with mode or contextlib.nullcontext():
         model.to_empty(device=device)
@@ -545,15 +575,8 @@ def build_model(config, stack: Stack, device: torch.device | str, fake: bool = T
                     if p.is_floating_point():
                         p.normal_(0.0, 0.02)
         for layer, shape in nf4_shapes.items():
-            _quantize_nf4(layer, shape, _compute_dtype(stack), device, fake)
-        if stack.fsdp_ranks == 1:  # FSDP keeps one sharded parameter for tied weights
-            model.tie_weights()  # to_empty gives tied weights separate storages
-        if not fake:  # fake tensors hold no values to restore
-            _restore_buffers(model)
-    if stack.checkpointing:
-        enable_activation_checkpointing(model, selective=stack.selective_checkpointing)
-    model.train()
-    return model, mode
+            quantize_nf4(layer, shape, dtype, device, fake)
+    return mode
 
 
 class UnmeasuredStackError(ValueError):
@@ -632,10 +655,16 @@ def _to_nf4(model: torch.nn.Module, stack: Stack) -> None:
         prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
 
 
-def _packed_placeholders(model: torch.nn.Module) -> dict[torch.nn.Module, torch.Size]:
+def packed_placeholders(model: torch.nn.Module) -> dict[torch.nn.Module, torch.Size]:
     """Give each 4-bit layer (once peft has wrapped it) a plain uint8 weight of the packed shape
-    for ``to_empty``: bitsandbytes' ``Params4bit`` cannot wrap a fake tensor. Returns each 4-bit
-    layer's full weight shape, to quantize once materialised."""
+    for ``to_empty``: bitsandbytes' ``Params4bit`` cannot wrap a fake tensor.
+
+    Args:
+        model: a model on the meta device whose linear layers may be bitsandbytes' 4-bit ones.
+
+    Returns:
+        Each 4-bit layer's full weight shape, to quantize once materialised (:func:`quantize_nf4`).
+    """
     from recipes_lib.device import has_module
 
     if not has_module("bitsandbytes"):
@@ -653,11 +682,19 @@ def _packed_placeholders(model: torch.nn.Module) -> dict[torch.nn.Module, torch.
     return shapes
 
 
-def _quantize_nf4(layer: torch.nn.Module, shape: torch.Size, dtype: torch.dtype,
+def quantize_nf4(layer: torch.nn.Module, shape: torch.Size, dtype: torch.dtype,
                   device: torch.device, fake: bool) -> None:
     """Quantize a (fake or random) weight of ``shape`` into ``layer`` with bitsandbytes' own op,
     whose fake implementation allocates what the kernel does. The quantization statistics are
-    registered as buffers so the meter counts them; the packed weight stays a frozen parameter."""
+    registered as buffers so the meter counts them; the packed weight stays a frozen parameter.
+
+    Args:
+        layer: a 4-bit layer given a placeholder by :func:`packed_placeholders`.
+        shape: its full weight shape.
+        dtype: the dtype the weight is quantized from.
+        device: where the weight is.
+        fake: a fake weight (inside ``FakeTensorMode``); False draws a random one.
+    """
     import bitsandbytes as bnb
 
     weight = torch.empty(shape, dtype=dtype, device=device)
@@ -748,7 +785,17 @@ def _restore_buffers(model: torch.nn.Module) -> None:
                 buf.copy_(getattr(fresh, name))
 
 
-def _optimizer(model: torch.nn.Module, stack: Stack, host: torch.device | str = "cpu"):
+def make_step_optimizer(model: torch.nn.Module, stack: Stack, host: torch.device | str = "cpu"):
+    """The optimizer ``stack`` names, over ``model``'s trainable parameters.
+
+    Args:
+        model: the model.
+        stack: its ``optimizer`` and ``offload_optimizer``.
+        host: where offloaded states go.
+
+    Returns:
+        The optimizer.
+    """
     trainable = [p for p in model.parameters() if p.requires_grad]
     if stack.offload_optimizer:  # fp32 master copies and states on ``host``
         opt_class = torch.optim.SGD if stack.optimizer == "sgd" else torch.optim.AdamW
@@ -780,9 +827,14 @@ def _saved_on(host: str):
 
 
 @contextlib.contextmanager
-def _step_context(stack: Stack, host: str):
+def step_context(stack: Stack, host: str):
     """What a step of ``stack`` runs under: its activations saved on ``host``, a GPU's dropout,
-    bitsandbytes' 4-bit matmul of before 0.43.2, as the stack asks."""
+    bitsandbytes' 4-bit matmul of before 0.43.2, as the stack asks.
+
+    Args:
+        stack: the recipes.
+        host: where offloaded activations go.
+    """
     with contextlib.ExitStack() as contexts:
         if stack.offload_activations:
             contexts.enter_context(_saved_on(host))
@@ -793,10 +845,15 @@ def _step_context(stack: Stack, host: str):
         yield
 
 
-def _create_optimizer_states(model: torch.nn.Module, optimizer: Any) -> None:
+def create_optimizer_states(model: torch.nn.Module, optimizer: Any) -> None:
     """One optimizer step on zero gradients, then the gradients freed: the states a first
     training step leaves behind, at half the cost of running that step (on fake tensors the
-    step's time is dispatch overhead, the same for both)."""
+    step's time is dispatch overhead, the same for both).
+
+    Args:
+        model: the model whose trainable parameters ``optimizer`` updates.
+        optimizer: the optimizer.
+    """
     trainable = [p for p in model.parameters() if p.requires_grad]
     with torch.no_grad():
         for p in trainable:
@@ -805,8 +862,19 @@ def _create_optimizer_states(model: torch.nn.Module, optimizer: Any) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
-def _check_sizes(seq_len: int, batch_size: int, stack: Stack) -> int:
-    """The batch each rank takes, or a ValueError naming the bad size."""
+def check_sizes(seq_len: int, batch_size: int, stack: Stack) -> int:
+    """The batch each rank takes.
+
+    Args:
+        seq_len, batch_size: the step's sizes.
+        stack: its ranks and accumulation steps.
+
+    Returns:
+        Sequences per rank.
+
+    Raises:
+        ValueError: naming the bad size.
+    """
     for name, v, low in (("seq_len", seq_len, 2), ("batch_size", batch_size, 1)):
         if not isinstance(v, int) or isinstance(v, bool) or v < low:
             raise ValueError(f"{name}={v!r}: must be an integer >= {low}")
@@ -855,7 +923,7 @@ def measure_step(model: Any, stack: Stack = Stack(), seq_len: int = 2048, batch_
         >>> r.by_category["parameters"] / 2**30  # doctest: +SKIP
         14.96
     """
-    per_rank = _check_sizes(seq_len, batch_size, stack)
+    per_rank = check_sizes(seq_len, batch_size, stack)
     if comm_backend not in COMM_BACKENDS:
         raise ValueError(f"comm_backend={comm_backend!r}: one of {', '.join(COMM_BACKENDS)}")
     config = model_config(model)
@@ -885,7 +953,7 @@ class _Prepared:
         # bytes are counted apart (``MemoryReport.host_by_category``); the copies need fake mode
         self.host = "meta" if fake and device.type == "cpu" else "cpu"
         with (self.mode if stack.offload_optimizer and self.mode else contextlib.nullcontext()):
-            self.opt = _optimizer(self.net, stack, self.host)
+            self.opt = make_step_optimizer(self.net, stack, self.host)
         self.loss_fn = (ChunkedCausalLMLoss(stack.chunked_loss) if stack.chunked_loss else
                         TransformersLoss() if stack.loss == "transformers-4.46" else
                         LitGPTLoss() if stack.loss == "litgpt" else None)
@@ -902,7 +970,7 @@ class _Prepared:
             batch = {"input_ids": ids, "labels": ids}
 
             def step() -> None:
-                with _step_context(stack, self.host):
+                with step_context(stack, self.host):
                     forward_backward(net, batch, stack.grad_accum_steps, autocast,
                                      num_target_tokens=targets, loss_fn=self.loss_fn)
                 optimizer_step(net, opt, max_grad_norm=None)
@@ -913,7 +981,7 @@ class _Prepared:
                 if stack.fsdp_ranks > 1:  # FSDP2's first iteration records its prefetch order
                     step()
                 else:  # the optimizer states, as they exist in every step after the first
-                    _create_optimizer_states(net, opt)
+                    create_optimizer_states(net, opt)
                 self.stepped = True
             allocated = reserved = None
             if not self.fake and device.type == "cuda":
@@ -952,13 +1020,13 @@ def step_meter(model: Any, stack: Stack = Stack(), batch_size: int = 1,
     prepared: list[_Prepared] = []
 
     def at(seq_len: int) -> MemoryReport:
-        _check_sizes(seq_len, batch_size, stack)
+        check_sizes(seq_len, batch_size, stack)
         check_positions(config, seq_len)
         if not prepared:
             prepared.append(_Prepared(config, stack, torch.device(device), True))
         return prepared[0].measure(seq_len, batch_size)
 
-    _check_sizes(2, batch_size, stack)
+    check_sizes(2, batch_size, stack)
     return at
 
 

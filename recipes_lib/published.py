@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from recipes_lib import fake_memory, planner, results
+from recipes_lib import fake_memory, litgpt_memory, planner, results
 from recipes_lib.fake_memory import Stack
 
 TOLERANCE = 0.15
@@ -60,20 +60,25 @@ BF16_QLORA = Stack(method="qlora", precision="bf16", checkpointing=True, lora_ra
 UNSLOTH_OTHER_STACKS = (("fp32 embeddings and head", HF_QLORA), ("bf16 base", BF16_QLORA),
                         ("today's loss", replace(TRL_2024_QLORA, loss="course")),
                         ("8-bit AdamW", replace(TRL_2024_QLORA, optimizer="adamw-8bit")))
-# litgpt (October 2023): --precision bf16-true, LoRA r=8 on the query and value projections
-# (4,194,304 trainable parameters for Llama 2 7B), dropout 0.05, no activation checkpointing;
-# "Max GPU RAM" is torch.cuda.max_memory_allocated() / 1e9 at the longest Alpaca example,
-# 1304 tokens with the Llama 2 tokenizer (1044 with phi-1.5's, 1034 with StableLM's). Measured
-# as the source ran: bf16-true makes every parameter bf16, adapters included; on an A100 dropout
-# keeps CUDA's 1-byte mask; the bitsandbytes of that time (0.41) kept each 4-bit layer's input
-# for backward until #1270 (0.43.2, July 2024); and finetune/lora.py's loss (LitGPTLoss: the
-# head over 128-token chunks, bf16 logits, no fp32 copy). peft's default fp32 adapters and
-# today's bitsandbytes are measured beside. The table's "bnb.nf4" rows (4-bit without double
-# quantization) are left out: the course's QLoRA always double-quantizes.
+# litgpt (commit 8641822, October 2023, A100 40GB): finetune/lora.py with --precision bf16-true,
+# LoRA r=8 on the query and value projections (4,194,304 trainable parameters for Llama 2 7B),
+# dropout 0.05, no activation checkpointing; "Max GPU RAM" is torch.cuda.max_memory_allocated()
+# / 1e9 at the longest Alpaca example, 1304 tokens with the Llama 2 tokenizer (1044 with
+# phi-1.5's, 1034 with StableLM's). Measured as the source ran: litgpt's own model
+# (litgpt_memory: lit_gpt as litgpt 0.1.0.dev1 shipped it, February 2024, the earliest release),
+# every parameter bf16, adapters included; on an A100 dropout keeps CUDA's 1-byte mask;
+# --quantize bnb.nf4-dq makes every linear layer 4-bit, the head's included (Lightning's
+# BitsandbytesPrecision, as litgpt's scripts call it), and the bitsandbytes of that time (0.41)
+# kept each 4-bit layer's input for backward until #1270 (0.43.2, July 2024); the loss is
+# finetune/lora.py's (the head over 128-token chunks, bf16 logits, no fp32 copy). Beside it:
+# today's bitsandbytes, and transformers' model of the same config with the same precision,
+# adapters, dropout and loss (what was measured for these rows before litgpt's model was). The
+# table's "bnb.nf4" rows (4-bit without double quantization) are left out: the course's QLoRA
+# always double-quantizes.
 _LITGPT = {"precision": "bf16", "lora_rank": 8, "lora_targets": ("q_proj", "v_proj"),
            "lora_dropout": 0.05, "autocast_adapter_dtype": False, "gpu_dropout": True,
            "loss": "litgpt"}
-# litgpt's phi-1.5 and StableLM-Alpha-3B as transformers builds them: microsoft/phi-1_5's and
+# transformers' phi-1.5 and StableLM-Alpha-3B: microsoft/phi-1_5's and
 # stabilityai/stablelm-base-alpha-3b's config.json (litgpt pads both vocabularies as these do).
 # litgpt's Phi computes GELU's tanh approximation in one op (F.gelu(approximate="tanh"),
 # transformers' "gelu_pytorch_tanh"); the hub config's "gelu_new" is the same function written
@@ -91,13 +96,29 @@ STABLELM_ALPHA_3B = {"model_type": "gpt_neox", "vocab_size": 50688, "hidden_size
                      "num_attention_heads": 32, "rotary_pct": 0.25,
                      "max_position_embeddings": 4096, "use_parallel_residual": True,
                      "hidden_act": "gelu", "tie_word_embeddings": False}
-# the source's model -> (what is measured: a preset or config.json fields, the longest Alpaca
-# example's tokens, the LoRA targets, the trainable parameters in the source's table)
-LITGPT_MODELS: dict[str, tuple[Any, int, tuple[str, ...], int]] = {
-    "Llama-2-7B": ("Llama-2-7B", 1304, ("q_proj", "v_proj"), 4_194_304),
-    "Llama-2-13B": ("Llama-2-13B", 1304, ("q_proj", "v_proj"), 6_553_600),
-    "phi-1.5": (PHI_1_5, 1044, ("q_proj", "v_proj"), 1_572_864),
-    "StableLM-Alpha-3B": (STABLELM_ALPHA_3B, 1034, ("query_key_value",), 2_097_152),
+
+
+@dataclass(frozen=True)
+class LitGPTModel:
+    """litgpt's own model of one of its config names: a row's ``model`` measured by
+    ``litgpt_memory`` instead of as a transformers config.
+
+    Args:
+        name: litgpt's config name, e.g. "Llama-2-7b-hf".
+    """
+
+    name: str
+
+
+# the source's model -> (litgpt's config name, transformers' model of the same config, the
+# longest Alpaca example's tokens, the LoRA targets on transformers' model, the trainable
+# parameters in the source's table)
+LITGPT_MODELS: dict[str, tuple[str, Any, int, tuple[str, ...], int]] = {
+    "Llama-2-7B": ("Llama-2-7b-hf", "Llama-2-7B", 1304, ("q_proj", "v_proj"), 4_194_304),
+    "Llama-2-13B": ("Llama-2-13b-hf", "Llama-2-13B", 1304, ("q_proj", "v_proj"), 6_553_600),
+    "phi-1.5": ("phi-1_5", PHI_1_5, 1044, ("q_proj", "v_proj"), 1_572_864),
+    "StableLM-Alpha-3B": ("stablelm-base-alpha-3b", STABLELM_ALPHA_3B, 1034,
+                          ("query_key_value",), 2_097_152),
 }
 
 
@@ -106,30 +127,25 @@ def _litgpt_stack(quantized: bool, targets: tuple[str, ...] = ("q_proj", "v_proj
                  **{**_LITGPT, "lora_targets": targets})
 
 
-def _litgpt_other_stacks(quantized: bool, targets: tuple[str, ...] = ("q_proj", "v_proj")
-                         ) -> tuple[tuple[str, Stack], ...]:
+def _litgpt_other_models(name: str, quantized: bool) -> tuple[tuple[str, Any, Stack], ...]:
+    """transformers' model of the row's config (and, for phi-1.5, of the hub's gelu_new)."""
+    _, model, _, targets, _ = LITGPT_MODELS[name]
     stack = _litgpt_stack(quantized, targets)
-    others = [("peft's default: fp32 adapters", replace(stack, autocast_adapter_dtype=True)),
-              ("transformers' loss (fp32 logits)", replace(stack, loss="course"))]
-    if quantized:
-        others.append(("today's bitsandbytes", replace(stack, nf4_keeps_input=False)))
+    others = [("transformers' model", model, stack)]
+    if name == "phi-1.5":
+        others.append(("transformers' Phi (gelu_new: eight ops)", PHI_1_5_HUB, stack))
     return tuple(others)
 
 
 def _litgpt_config(name: str, quantize: str, micro_batch: int) -> str:
     """A litgpt row's configuration, in the source's words and what is measured for them."""
-    _, tokens, targets, trainable = LITGPT_MODELS[name]
-    fused = "" if targets == ("q_proj", "v_proj") else (
-        "; here on transformers' fused query_key_value, the same count")
-    return ("bf16-true (adapters bf16 too), LoRA r=8 on q and v "
-            f"({trainable:,} trainable{fused}), dropout 0.05, micro-batch {micro_batch}, "
-            f"longest example {tokens} tokens"
-            + (f", quantize {quantize} (bitsandbytes 0.41, which kept each 4-bit layer's "
-               "input)" if quantize else "")
-            + ("; GELU in one op, as litgpt's Phi (transformers' gelu_new beside)"
-               if name == "phi-1.5" else "")
-            + "; litgpt's loss (the head over 128-token chunks, bf16 logits); lm_head stays "
-              "16-bit here")
+    _, _, tokens, _, trainable = LITGPT_MODELS[name]
+    return ("litgpt's own model (litgpt 0.1.0.dev1's lit_gpt; the source ran commit 8641822), "
+            f"bf16-true (adapters bf16 too), LoRA r=8 on q and v ({trainable:,} trainable), "
+            f"dropout 0.05, micro-batch {micro_batch}, longest example {tokens} tokens"
+            + (f", quantize {quantize} (every linear layer, the head's too; bitsandbytes 0.41, "
+               "which kept each 4-bit layer's input)" if quantize else "")
+            + "; litgpt's loss (the head over 128-token chunks, bf16 logits)")
 
 
 # torchtune (2025 README): Llama 3.2 3B, batch 2, max sequence 4096, dtype bf16 (weights,
@@ -167,7 +183,8 @@ class Figure:
     Attributes:
         source: the source's address.
         row: the row as the source labels it.
-        model: a preset name, or a config.json's fields (``fake_memory.model_config``).
+        model: a preset name, a config.json's fields (``fake_memory.model_config``), or
+            ``LitGPTModel``: litgpt's own model (``litgpt_memory``).
         stack: the recipes the source's words describe.
         kind: "max_context" or "peak".
         published: the source's figure (tokens, or memory in ``unit_bytes``).
@@ -178,8 +195,8 @@ class Figure:
         reads: "allocated" or "reserved" (above).
         unit_bytes: bytes per published unit.
         alternatives: other stacks the source's words fit, ``(name, stack)``.
-        model_alternatives: the same stack on other models, ``(name, model)``: where the
-            source's model differs from transformers' (``PHI_1_5_HUB``).
+        model_alternatives: other models, ``(name, model, stack)``: where the source ran its
+            own model, transformers' model of the same config.
     """
 
     source: str
@@ -197,7 +214,7 @@ class Figure:
     # (name, stack) the source's words also fit, or the library default the source's setting
     # replaces (torchtune's bf16 adapters: peft's fp32 ones), measured beside the row's own stack
     alternatives: tuple[tuple[str, Stack], ...] = ()
-    model_alternatives: tuple[tuple[str, Any], ...] = ()
+    model_alternatives: tuple[tuple[str, Any, Stack], ...] = ()
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -230,12 +247,12 @@ FIGURES = [
              alternatives=UNSLOTH_OTHER_STACKS)
       for gb, tokens in ((48, 0), (80, 6916))),
     *(Figure(LITGPT, f"{name} LoRA{' ' + q if q else ''}, micro-batch {b}",
-             LITGPT_MODELS[name][0], _litgpt_stack(bool(q), LITGPT_MODELS[name][2]), "peak", gb,
+             LitGPTModel(LITGPT_MODELS[name][0]), _litgpt_stack(bool(q)), "peak", gb,
              config=_litgpt_config(name, q, b),
-             seq_len=LITGPT_MODELS[name][1], batch_size=b, reads="allocated", unit_bytes=1e9,
-             alternatives=_litgpt_other_stacks(bool(q), LITGPT_MODELS[name][2]),
-             model_alternatives=((("transformers' Phi (gelu_new: eight ops)", PHI_1_5_HUB),)
-                                 if name == "phi-1.5" else ()))
+             seq_len=LITGPT_MODELS[name][2], batch_size=b, reads="allocated", unit_bytes=1e9,
+             alternatives=((("today's bitsandbytes",
+                             replace(_litgpt_stack(True), nf4_keeps_input=False)),) if q else ()),
+             model_alternatives=_litgpt_other_models(name, bool(q)))
       for name, q, b, gb in (("Llama-2-7B", "", 1, 21.30), ("Llama-2-7B", "", 2, 29.07),
                              ("Llama-2-7B", "bnb.nf4-dq", 1, 13.84),
                              ("Llama-2-13B", "", 1, 38.12),
@@ -311,18 +328,6 @@ REASONS = {
         "(unslothai/unsloth#22) the memory before the first token drops further below the "
         "source's. Which stack, and which GB (10^9 bytes or the card's GiB), the source measured "
         "with stays open; neither is tuned here."),
-    LITGPT: (
-        "litgpt ran its own model, measured here as transformers' model of the same config "
-        "with litgpt's precision, adapters, dropout and loss. Where a model has rows at several "
-        "micro-batches, what each further sequence adds falls short of the source's for every "
-        "model, Llama 2 included (below); and at micro-batch 1, where every 4-bit row is, each "
-        "model's 4-bit row falls 6-10 points further short than its 16-bit row. "
-        "Neither the loss nor the adapters explain it: litgpt's loss holds less than "
-        "transformers' ('transformers' loss' column, which happens to land closer), and peft "
-        "drops out the inputs of q and v apart, holding more than litgpt's one dropout before "
-        "its fused qkv. Where the rest lies, in litgpt's model of October 2023 or in "
-        "bitsandbytes 0.41's 4-bit path beyond the input it kept, is not found yet; nothing is "
-        "tuned to meet it."),
 }
 MIN_LINE_ROWS = 3  # longest-context rows of one source and model that make a line worth fitting
 
@@ -459,8 +464,8 @@ def predict(figures: list[Figure] = FIGURES, step: int = 64) -> list[dict[str, A
     jobs = [(i, f, f.model, f.stack, "main") for i, f in enumerate(figures)] + [
         (i, f, f.model, stack, name) for i, f in enumerate(figures)
         for name, stack in f.alternatives] + [
-        (i, f, model, f.stack, name) for i, f in enumerate(figures)
-        for name, model in f.model_alternatives]
+        (i, f, model, stack, name) for i, f in enumerate(figures)
+        for name, model, stack in f.model_alternatives]
     values: dict[tuple[int, str], float] = {}
     groups: dict[tuple, list[tuple[int, str]]] = {}
     for i, f, model, stack, which in jobs:
@@ -469,7 +474,9 @@ def predict(figures: list[Figure] = FIGURES, step: int = 64) -> list[dict[str, A
                 raise ValueError(f"model: a longest-context figure ({f.row}) names a preset")
             groups.setdefault((model, stack, f.batch_size), []).append((i, which))
             continue
-        peak = fake_memory.measure_step(model, stack, f.seq_len, f.batch_size).peak_bytes
+        peak = (litgpt_memory.measure_step(model.name, stack, f.seq_len, f.batch_size)
+                if isinstance(model, LitGPTModel) else
+                fake_memory.measure_step(model, stack, f.seq_len, f.batch_size)).peak_bytes
         if f.reads == "reserved":
             peak += planner.gpu_overhead(peak)
         values[i, which] = peak / f.unit_bytes
@@ -492,7 +499,7 @@ def predict(figures: list[Figure] = FIGURES, step: int = 64) -> list[dict[str, A
                "error": error, "stack": f.stack.label,
                "met": values[i, "main"] == 0 if error is None else abs(error) <= TOLERANCE,
                "alternatives": {name: values[i, name]
-                                for name, _ in (*f.alternatives, *f.model_alternatives)}}
+                                for name, *_ in (*f.alternatives, *f.model_alternatives)}}
         if not row["met"]:
             row["reason"] = REASONS.get(f.source, "not investigated yet")
         out.append(row)

@@ -657,7 +657,7 @@ def stack_settings(stack: Any, batch_size: int,
 
 # transformers' gelu_new is GELU's tanh approximation written as eight elementwise ops, each
 # keeping a tensor for backward; gelu_pytorch_tanh is the same function in one op
-# (published.PHI_1_5 and its row measure the difference on phi-1.5, as litgpt ran it)
+# (the published phi-1.5 rows measure the difference: transformers' Phi with each, beside litgpt's)
 GELU_NEW_NOTE = ("this model computes GELU as gelu_new, eight elementwise ops that each keep a "
                  "tensor for backward: from_pretrained(..., hidden_act='gelu_pytorch_tanh') "
                  "computes the same function in one op and keeps less (the README's published "

@@ -754,7 +754,8 @@ def llama_layer_bytes(shape: ModelShape, seq_len: int, batch_size: int, method: 
                       lora_dropout: float = 0.0, gpu_dropout: bool = False,
                       nf4_keeps_input: bool = False, checkpointing: bool = False,
                       qk_norm: bool = False, fused_projections: bool = False,
-                      kv_cache: bool = True, gemma2: bool = False) -> dict[str, float]:
+                      kv_cache: bool = True, gemma2: bool = False, gemma3: bool = False,
+                      masked: bool = False) -> dict[str, float]:
     """What autograd keeps for one transformers Llama decoder layer in a training step, op by op.
 
     Counted as the layer runs (SDPA's flash kernel, every layer after the first), for a full
@@ -801,6 +802,17 @@ def llama_layer_bytes(shape: ModelShape, seq_len: int, batch_size: int, method: 
     in fp32 the cast is the same tensor), and ``o_proj`` reads its own contiguous copy of the
     output. Its GeGLU keeps what SwiGLU does.
 
+    With ``gemma3`` (transformers' Gemma-3 layer, SDPA): Gemma-2's four norms (above) and, over
+    each query and key head, two more of the same kind: their input in fp32 (``4 (q + kv)``),
+    an fp32 rsqrt per head, and when their weights train the normalised heads in fp32
+    (``4 (q + kv)``), each ``1 + weight`` in fp32; its attention is SDPA's, as a Llama's.
+
+    With ``masked`` (a sliding-window layer from its window's length on, where transformers hands
+    SDPA an explicit mask instead of ``is_causal``): SDPA keeps its own copy of the mask in the
+    matmuls' dtype (``c s`` a token, the ``s^2`` term), and, with grouped queries, the keys and
+    values ``repeat_kv`` widened to every head instead of the grouped ones (``c (q - kv)`` more
+    each, where ``repeat_kv`` copies, more than one key head, or autocast casts its view).
+
     ``kv_cache``: transformers builds a ``DynamicCache`` in a training forward too where
     ``config.use_cache`` is on (a plain loop; Trainer and TRL turn it off). Where SDPA keeps the
     very keys and values it holds, it costs nothing; under bf16 autocast RoPE leaves the keys in
@@ -835,6 +847,8 @@ def llama_layer_bytes(shape: ModelShape, seq_len: int, batch_size: int, method: 
             :data:`PHI3_LINEARS`.
         kv_cache: the forward builds a KV cache (``use_cache``, above).
         gemma2: Gemma-2's layer (above).
+        gemma3: Gemma-3's layer (above).
+        masked: SDPA gets an explicit mask (a sliding-window layer, above).
 
     Returns:
         ``{"per_token", "weight_copies", "total", "kv_cache"}``: bytes a token, bytes
@@ -865,6 +879,9 @@ def llama_layer_bytes(shape: ModelShape, seq_len: int, batch_size: int, method: 
         raise ValueError(f"lora_rank={lora_rank!r}: must be an integer >= 1")
     if not 0 <= lora_dropout < 1:
         raise ValueError(f"lora_dropout={lora_dropout!r}: must be in [0, 1)")
+    if gemma2 and (gemma3 or masked):
+        raise ValueError("gemma2=True with gemma3 or masked: Gemma-2's eager attention counts "
+                         "its own masks")
     if nf4_keeps_input and method != "qlora":
         raise ValueError(f"nf4_keeps_input=True with method={method!r}: only QLoRA has 4-bit "
                          "layers")
@@ -933,15 +950,26 @@ def llama_layer_bytes(shape: ModelShape, seq_len: int, batch_size: int, method: 
     per_token += sum(nbytes for _, nbytes in shared)
     if fused_projections and not kv_cache and gate_bytes == c:  # the value's view keeps q, k
         per_token += c * (q + kv)
-    if qk_norm:
+    if qk_norm or gemma3:  # Gemma's norms keep the normalised heads in fp32
         per_token += (4 * (q + kv) + 4 * (heads + shape.num_key_value_heads)
-                      + (c * (q + kv) if trains_base else 0))
+                      + ((4 if gemma3 else c) * (q + kv) if trains_base else 0))
+    if gemma3:  # Gemma-2's two more norms, each norm's 1 + weight in fp32
+        per_token += 2 * (4 * h + 4) + (16 - 2 * p) * h * trains_base
+        weight_copies += 4 * 4 * h + 2 * 4 * shape.head_dim
+    # repeat_kv copies the grouped keys and values for every head (one key head: a view)
+    copied = heads != shape.num_key_value_heads and (
+        gemma2 or (masked and shape.num_key_value_heads > 1))
+    if masked:  # SDPA's copy of the mask; the keys (RoPE'd, p) and values (gate) repeated
+        per_token += c * seq_len
+        if heads != shape.num_key_value_heads:
+            per_token += sum(c * (q - kv) for nbytes in (p, gate_bytes)
+                             if copied or nbytes != c)
     tokens = seq_len * batch_size
     # the cache's copies of the keys (RoPE'd in the residual stream's dtype) and values (the
     # projection's), where attention computes in another dtype and keeps casts of its own, or,
-    # eager with grouped queries, keeps the heads repeat_kv copied (Gemma-2)
-    repeated = gemma2 and heads != shape.num_key_value_heads
-    cache = kv * sum(nbytes for nbytes in (p, gate_bytes) if nbytes != c or repeated)
+    # where attention keeps the heads repeat_kv copied (Gemma-2's eager attention, a masked
+    # SDPA with grouped queries)
+    cache = kv * sum(nbytes for nbytes in (p, gate_bytes) if nbytes != c or copied)
     return {"per_token": float(per_token), "weight_copies": float(weight_copies),
             "total": float(per_token * tokens + weight_copies),
             "kv_cache": float(cache * tokens) if kv_cache else 0.0}

@@ -1226,8 +1226,9 @@ def activation_anatomy(model: Any, stack: Stack = Stack(), seq_len: int = 2048,
 # (Qwen2's q, k and v biases keep nothing more; Qwen3's norms over each query and key head are
 # its ``qk_norm``; Phi-3's fused projections its ``fused_projections``, where its residual
 # dropout is off and RoPE turns every dimension of a head: Phi-4-mini's partial rotary is not;
-# Gemma-2's norms and eager, soft-capped attention its ``gemma2``).
-_COUNTED_LAYERS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2")
+# Gemma-2's norms and eager, soft-capped attention its ``gemma2``; Gemma-3's norms its ``gemma3``;
+# a sliding-window layer from its window's length on, its ``masked``).
+_COUNTED_LAYERS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
 
 
 def _partial_rotary(config: Any) -> float:
@@ -1244,7 +1245,8 @@ def counted_layer_bytes(model: Any, stack: Stack, seq_len: int = 2048, batch_siz
     """The bytes one decoder layer keeps in this stack's step, by ``calc.llama_layer_bytes``'
     op-by-op count (a micro-batch's tokens), or None where the count does not model the stack:
     another architecture, selective checkpointing, offloaded activations, FSDP, LoRA targets
-    that are not its linears, dropout in the layer.
+    that are not its linears, dropout in the layer. Where sliding-window layers get SDPA's
+    explicit mask (``seq_len`` from the window's length on), the mean over the layers.
 
     Args:
         model: a preset name, a ``config.json`` (or its folder) or a config.
@@ -1275,19 +1277,34 @@ def counted_layer_bytes(model: Any, stack: Stack, seq_len: int = 2048, batch_siz
             or getattr(config, "resid_pdrop", 0.0) or getattr(config, "attention_dropout", 0.0)
             or _partial_rotary(config) != 1.0
             or (config.model_type == "gemma2" and not config.attn_logit_softcapping)
+            or getattr(config, "attn_logit_softcapping", None) and config.model_type != "gemma2"
             or not set(targets) <= set(linears)):
         return None
     shape = shape or calc.ModelShape.from_config(config.to_dict())
-    counted = calc.llama_layer_bytes(
-        shape, seq_len, batch_size // stack.grad_accum_steps, stack.method, stack.precision,
-        lora_rank=stack.lora_rank, lora_targets=tuple(targets),
-        fp32_adapters=stack.autocast_adapter_dtype, lora_dropout=stack.lora_dropout,
-        gpu_dropout=stack.gpu_dropout, nf4_keeps_input=stack.nf4_keeps_input,
-        checkpointing=stack.checkpointing and not recomputed,
-        qk_norm=config.model_type == "qwen3", fused_projections=fused,
-        gemma2=config.model_type == "gemma2",
-        kv_cache=getattr(config, "use_cache", True) and not stack.checkpointing)
-    counted = counted["total"] + (counted["kv_cache"] if with_cache else 0.0)
+    gemma2 = config.model_type == "gemma2"
+
+    def layer(masked: bool) -> float:
+        count = calc.llama_layer_bytes(
+            shape, seq_len, batch_size // stack.grad_accum_steps, stack.method,
+            stack.precision, lora_rank=stack.lora_rank, lora_targets=tuple(targets),
+            fp32_adapters=stack.autocast_adapter_dtype, lora_dropout=stack.lora_dropout,
+            gpu_dropout=stack.gpu_dropout, nf4_keeps_input=stack.nf4_keeps_input,
+            checkpointing=stack.checkpointing and not recomputed,
+            qk_norm=config.model_type == "qwen3", fused_projections=fused, gemma2=gemma2,
+            gemma3=config.model_type == "gemma3_text", masked=masked,
+            kv_cache=getattr(config, "use_cache", True) and not stack.checkpointing)
+        return count["total"] + (count["kv_cache"] if with_cache else 0.0)
+
+    # SDPA's sliding-window layers get an explicit mask from the window's length on (Gemma-2's
+    # eager attention counts its own)
+    sliding = 0 if gemma2 or shape.sliding_window is None or seq_len < shape.sliding_window \
+        else shape.sliding_layers
+    if sliding and recomputed:  # the layer recomputed last: the larger kind, a masked one
+        counted = layer(True)
+    else:  # the mean over the layers, which the caller multiplies by their number
+        layers = shape.num_hidden_layers
+        counted = (sliding * layer(True) + (layers - sliding) * layer(False)) / layers \
+            if sliding else layer(False)
     if config.model_type == "qwen2" and stack.method == "qlora":
         # a 16-bit copy of q, k and v's biases per layer, checkpointed or not (measured): what
         # bitsandbytes' 4-bit layer casts for its matmul

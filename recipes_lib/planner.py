@@ -268,22 +268,22 @@ def _counted_config(model: str) -> Any:
 def _count_layers(rows: list[dict[str, Any]], config: Any, shape: calc.ModelShape,
                   seq_len: int, batch_size: int, grad_accum_steps: int) -> bool:
     """Predict again, in place, each row whose stack ``calc.llama_layer_bytes`` counts op by op
-    (``fake_memory.counted_layer_bytes``: the Llama family's, Phi-3's and Gemma-2's layers, which
-    the fake-tensor meter matches to the byte; not FSDP): the layers as counted for that stack (one
-    more uncheckpointed layer with checkpointing, alive while it is recomputed, after the loss has
-    been freed: the larger of the two counts), the logits as the calculator has them (three
-    fp32 copies), and what the stack keeps that the escalation's formulas leave out: QLoRA's
-    k-bit preparation keeps the norms, embeddings and head in fp32, and under bf16 autocast the
-    head's matmul keeps a bf16 copy of its weight. Without checkpointing the peak may instead be
-    the forward's end, where the KV cache transformers builds in a training forward with
-    ``use_cache`` on (the meter's loop; Trainer and TRL turn it off) still holds fp32 keys
-    (and QLoRA's fp32 values) beside SDPA's casts, with the model's 16-bit logits: the larger of
-    the two (a Llama-2-7B QLoRA step at 2 x 1024 tokens: 2 GiB of cache against 0.7 of loss;
-    predicted / measured 0.945 without it, 1.004 with it).
-    A full fine-tune's fp32 gradients fill memory as backward frees the activations, so its
-    total is the state without them plus the larger of the two. Korthikanti's ``34 s b h``
-    (a GPT layer) left a Llama-3.1-8B QLoRA step at 2048 tokens 17.9 GiB where it holds 30.3:
-    'fits 24 GB' without checkpointing. True where a row was counted."""
+    (``fake_memory.counted_layer_bytes``: the Llama family's, Phi-3's, Gemma-2's and Gemma-3's
+    layers, which the fake-tensor meter matches to the byte; not FSDP): the layers as counted
+    for that stack (one more uncheckpointed layer with checkpointing, alive while it is
+    recomputed, after the loss has been freed: the larger of the two counts), the logits as the
+    calculator has them (three fp32 copies), and what the stack keeps that the escalation's
+    formulas leave out: QLoRA's k-bit preparation keeps the norms, embeddings and head in fp32,
+    and under bf16 autocast the head's matmul keeps a bf16 copy of its weight. Without
+    checkpointing the peak may instead be the forward's end, where the KV cache transformers
+    builds in a training forward with ``use_cache`` on (the meter's loop; Trainer and TRL turn
+    it off) still holds fp32 keys (and QLoRA's fp32 values) beside SDPA's casts, with the
+    model's 16-bit logits: the larger of the two (a Llama-2-7B QLoRA step at 2 x 1024 tokens: 2
+    GiB of cache against 0.7 of loss; predicted / measured 0.945 without it, 1.004 with it). A
+    full fine-tune's fp32 gradients fill memory as backward frees the activations, so its total
+    is the state without them plus the larger of the two. Korthikanti's ``34 s b h`` (a GPT
+    layer) left a Llama-3.1-8B QLoRA step at 2048 tokens 17.9 GiB where it holds 30.3: 'fits 24
+    GB' without checkpointing. True where a row was counted."""
     from recipes_lib import fake_memory
 
     counts = calc.param_count(shape)
@@ -333,8 +333,8 @@ def _formula_rows(config: Any, shape: calc.ModelShape, seq_len: int, batch_size:
                   gpus: int, grad_accum_steps: int, budget: float
                   ) -> tuple[list[dict[str, Any]], bool]:
     """The escalation's rows by the formulas (``calc.escalation_table``, the FSDP row from
-    ``calc.data_parallel_bytes``), the Llama family's, Phi-3's and Gemma-2's counted op by
-    op (:func:`_count_layers`; ``config`` None: none), each on the GPU (:func:`_on_gpu`); and
+    ``calc.data_parallel_bytes``), the Llama family's, Phi-3's, Gemma-2's and Gemma-3's counted
+    op by op (:func:`_count_layers`; ``config`` None: none), each on the GPU (:func:`_on_gpu`); and
     whether any was counted."""
     rows = calc.escalation_table(shape, seq_len, batch_size, budget, grad_accum_steps)
     fs = calc.data_parallel_bytes(shape, gpus, "fsdp", seq_len, _per_gpu_batch(batch_size, gpus))
@@ -349,13 +349,13 @@ def _formula_rows(config: Any, shape: calc.ModelShape, seq_len: int, batch_size:
 
 COUNTED_NOTE = (
     "activations: the layers counted op by op for each row's stack (calc.llama_layer_bytes: a "
-    "Llama, Mistral, Qwen2, Qwen3, Phi-3 or Gemma-2 layer, which the fake-tensor meter matches "
-    "to the byte), the logits as three fp32 copies, or where that is more the forward's end, "
-    "when the KV cache transformers builds in a training forward with use_cache on (not in "
+    "Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma-2 or Gemma-3 layer, which the fake-tensor meter "
+    "matches to the byte), the logits as three fp32 copies, or where that is more the forward's "
+    "end, when the KV cache transformers builds in a training forward with use_cache on (not in "
     "Trainer or TRL, which turn it off) still holds the keys in fp32 under autocast; a full "
-    "fine-tune's total is its state without the gradients plus the larger of its activations "
-    "and its gradients, which fill memory as backward frees the activations; the FSDP row "
-    "keeps Korthikanti's 34 sbh")
+    "fine-tune's total is its state without the gradients plus the larger of its activations and "
+    "its gradients, which fill memory as backward frees the activations; the FSDP row keeps "
+    "Korthikanti's 34 sbh")
 KORTHIKANTI_NOTE = (
     "activations: Korthikanti's 34 sbh bytes per layer (a GPT layer with a flash kernel), the "
     "logits as three fp32 copies; this architecture's layers are not counted op by op, and a "
@@ -378,9 +378,11 @@ def _predicted(model: str, name: str, shape: calc.ModelShape, seq_len: int, batc
             seq_len >= shape.sliding_window):  # eager attention has its masks counted
         out["notes"].append(  # transformers' mask from kv_length >= the window, not beyond it
             f"from its sliding window's length ({shape.sliding_window} tokens) on, transformers "
-            "hands SDPA an explicit mask, and the measured step keeps more than the count per "
-            "layer (Mistral-7B-v0.1 at 8192 tokens: 7 GiB, the prediction 0.92-0.97x): "
-            "--measure measures it")
+            "hands SDPA an explicit mask: its sliding-window layers are counted with SDPA's copy "
+            "of it (s x s in the matmuls' dtype, a layer) and, with grouped queries, the keys "
+            "and values repeat_kv widens to every head; with checkpointing, the step keeps more "
+            "than the count, not traced (the 1-byte mask the checkpointed layers keep as an "
+            "input, and more: a Mistral-7B at 8192 tokens 0.3 GiB): --measure measures it")
     if _multimodal(model):
         out["notes"].append(
             f"{name} is a multimodal checkpoint: planned and measured is its language model "
@@ -435,8 +437,9 @@ def plan(model: str, gpu_mem: str | float, seq_len: int = 2048, batch_size: int 
         ``{"model", "params_B", "gpu_bytes", "rows", "cheapest", "notes", "trainer",
         "grad_accum_steps", "layers_counted"}`` (``trainer``: the cheapest step as a trainer's
         settings, None where nothing fits; ``grad_accum_steps``: the accumulation row's k;
-        ``layers_counted``: the rows' layers were counted op by op (a Llama-family, Phi-3 or
-        Gemma-2 model), not with Korthikanti's ``34 s b h``, and ``notes`` begins by saying which);
+        ``layers_counted``: the rows' layers were counted op by op (a Llama-family, Phi-3,
+        Gemma-2 or Gemma-3 model), not with Korthikanti's ``34 s b h``, and ``notes`` begins
+        by saying which);
         each row has step, state_GiB, activations_GiB, total_GiB (the formulas' bytes),
         total_gpu_GiB (plus the modelled ``gpu_overhead``, as a measured trace gets) and fits
         (on that);

@@ -534,6 +534,50 @@ def test_the_op_count_of_gemma2_counts_its_norms_and_eager_soft_capped_scores(st
         assert measured == fake_memory.counted_layer_bytes(config, stack, seq_len, 2), seq_len
 
 
+def _sliding_config(arch: str, kv_heads: int):
+    """A two-kind Gemma-3 (sliding, full, sliding, full) or an all-sliding Mistral, window 256."""
+    from transformers import Gemma3TextConfig, MistralConfig
+
+    sizes = {"vocab_size": 2048, "hidden_size": 128, "intermediate_size": 352,
+             "num_attention_heads": 4, "num_key_value_heads": kv_heads,
+             "max_position_embeddings": 4096, "sliding_window": 256}
+    if arch == "mistral":
+        return MistralConfig(num_hidden_layers=2, **sizes)
+    return Gemma3TextConfig(num_hidden_layers=4, head_dim=48, query_pre_attn_scalar=48,
+                            pad_token_id=0, layer_types=["sliding_attention", "full_attention"] * 2,
+                            **sizes)
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "mistral"])
+@pytest.mark.parametrize("stack, kv_heads", [
+    (Stack(), 2), (Stack(precision="fp32"), 1),
+    (Stack(method="qlora", precision="bf16-mixed"), 1), (Stack(method="lora"), 2)],
+    ids=lambda v: v.label if isinstance(v, Stack) else f"{v}-kv")
+def test_the_op_count_of_sliding_window_layers_and_gemma3(arch, stack, kv_heads):
+    """Gemma-3's six norms (``gemma3``), and a sliding-window layer from its window's length on
+    (``masked``): SDPA's copy of the explicit mask and the keys and values repeat_kv widens
+    (copied with two key heads; with one, a view that only autocast's cast copies). Exact one
+    token short of the window (no mask) and beyond it (the mean over both kinds of layer)."""
+    config = _sliding_config(arch, kv_heads)
+    for seq_len in (255, 512):
+        measured = fake_memory.activation_anatomy(config, stack, seq_len, 2)["per_layer_bytes"]
+        assert measured == fake_memory.counted_layer_bytes(config, stack, seq_len, 2), seq_len
+    assert fake_memory.counted_layer_bytes(config, stack, 512, 2) > \
+        fake_memory.counted_layer_bytes(config, stack, 255, 2) * 512 / 255
+
+
+def test_a_masked_layer_is_counted_apart_from_gemma2s_own_masks():
+    """Gemma-2's eager attention counts its masks itself: ``masked`` with it is refused."""
+    shape = calc.PRESETS["Llama-3.2-1B"]
+    with pytest.raises(ValueError, match="gemma2=True"):
+        calc.llama_layer_bytes(shape, 512, 1, gemma2=True, masked=True)
+    plain, masked = (calc.llama_layer_bytes(shape, 512, 1, masked=m)["per_token"]
+                     for m in (False, True))
+    grouped = shape.num_attention_heads != shape.num_key_value_heads
+    assert masked - plain == 2 * 512 + grouped * 2 * 2 * (shape.q_size - shape.num_key_value_heads
+                                                           * shape.head_dim)
+
+
 @pytest.mark.parametrize("arch, stack", [
     ("llama", Stack(method="qlora", precision="bf16-mixed")),
     ("llama", Stack(precision="bf16-mixed")), ("phi3", Stack(precision="bf16-mixed"))],

@@ -503,7 +503,6 @@ def build_model(config, stack: Stack, device: torch.device | str, fake: bool = T
     Returns:
         ``(model, mode)``: ``mode`` is the ``FakeTensorMode`` to run the step in (None if real).
     """
-
     device = torch.device(device)
     # a QLoRA base loads in its compute dtype (peft's k-bit preparation then casts what stays
     # unquantized to fp32 under bf16-mixed); other stacks load in their weights' dtype
@@ -683,7 +682,7 @@ def packed_placeholders(model: torch.nn.Module) -> dict[torch.nn.Module, torch.S
 
 
 def quantize_nf4(layer: torch.nn.Module, shape: torch.Size, dtype: torch.dtype,
-                  device: torch.device, fake: bool) -> None:
+                 device: torch.device, fake: bool) -> None:
     """Quantize a (fake or random) weight of ``shape`` into ``layer`` with bitsandbytes' own op,
     whose fake implementation allocates what the kernel does. The quantization statistics are
     registered as buffers so the meter counts them; the packed weight stays a frozen parameter.
@@ -1153,6 +1152,11 @@ def _fsdp_calculator_GiB(config: Any, stack: Stack, ranks: int, seq_len: int,
                                     recompute)["gpu_total"] / 2**30
 
 
+_PEAK_ELSEWHERE = ("the step's peak does not fall where the activations are (at short lengths "
+                   "it falls at the end of backward, when the gradients exist), so differences "
+                   "of peaks do not split them; measure at a longer seq_len")
+
+
 def activation_anatomy(model: Any, stack: Stack = Stack(), seq_len: int = 2048,
                        batch_size: int = 1, small_vocab: int | None = None
                        ) -> dict[str, float]:
@@ -1199,27 +1203,73 @@ def activation_anatomy(model: Any, stack: Stack = Stack(), seq_len: int = 2048,
     if not isinstance(small_vocab, int) or not 0 < small_vocab < vocab:
         raise ValueError(f"small_vocab={small_vocab!r}: must be an integer in 1..{vocab - 1} "
                          "(below the model's vocabulary)")
-    half, small = copy.deepcopy(config), copy.deepcopy(config)
-    half.num_hidden_layers = layers // 2
-    if getattr(half, "layer_types", None):  # Gemma-2, Qwen3: one entry per layer
-        half.layer_types = half.layer_types[:layers // 2]
+    small = copy.deepcopy(config)
     small.vocab_size = small_vocab
     if (getattr(small, "pad_token_id", None) or 0) >= small_vocab:  # Phi-3's 32000: the
         small.pad_token_id = None  # embedding's padding row, which changes no byte
     act = {name: measure_step(c, stack, seq_len, batch_size).by_category["activations"]
-           for name, c in (("full", config), ("half", half), ("small", small))}
+           for name, c in (("full", config), ("half", _half_the_layers(config)),
+                           ("small", small))}
     tokens = batch_size * seq_len // stack.fsdp_ranks
     per_layer = (act["full"] - act["half"]) / (layers - layers // 2)
     per_logit = (act["full"] - act["small"]) / (tokens * (vocab - small_vocab))
     rest = act["full"] - layers * per_layer - tokens * vocab * per_logit
     if per_layer <= 0 or per_logit <= 0 or rest < 0:
-        raise ValueError(
-            f"seq_len={seq_len}: the step's peak does not fall where the activations are (at "
-            "short lengths it falls at the end of backward, when the gradients exist), so "
-            "differences of peaks do not split them; measure at a longer seq_len")
+        raise ValueError(f"seq_len={seq_len}: {_PEAK_ELSEWHERE}")
     return {"activation_bytes": act["full"], "per_layer_bytes": per_layer,
             "layer_coefficient": per_layer / (tokens * config.hidden_size),
             "per_logit_bytes": per_logit, "rest_bytes": rest}
+
+
+def _half_the_layers(config: Any) -> Any:
+    """A copy of ``config`` with the first half of its decoder layers."""
+    half = copy.deepcopy(config)
+    half.num_hidden_layers = config.num_hidden_layers // 2
+    if getattr(half, "layer_types", None):  # Gemma-2, Qwen3: one entry per layer
+        half.layer_types = half.layer_types[:half.num_hidden_layers]
+    return half
+
+
+def per_layer_activation_bytes(model: Any, stack: Stack = Stack(),
+                               seq_lens: tuple[int, ...] = (2048,),
+                               batch_size: int = 1) -> dict[int, float]:
+    """:func:`activation_anatomy`'s ``per_layer_bytes`` at each of ``seq_lens``, from its two
+    steps that differ by layers alone (the model as given and with half its layers), each model
+    built once for every length (:func:`step_meter`): what the op-by-op count is checked
+    against, in two builds instead of three per length.
+
+    Args:
+        model: a preset name, a ``config.json`` (or its folder) or a config.
+        stack: the recipes applied.
+        seq_lens: tokens per sequence, one measurement each.
+        batch_size: sequences per step.
+
+    Returns:
+        ``{seq_len: bytes a decoder layer holds at the step's peak}`` (the mean over layers).
+
+    Raises:
+        ValueError: for a model with fewer than 2 layers, a length whose peak falls where the
+            difference does not split the activations (as :func:`activation_anatomy`), or what
+            ``measure_step`` refuses.
+
+    Example:
+        >>> per_layer_activation_bytes("Llama-3.2-1B", Stack(), (2048,))  # doctest: +SKIP
+        {2048: 222576640.0}
+        >>> counted_layer_bytes("Llama-3.2-1B", Stack(), 2048)  # doctest: +SKIP
+        222576640.0
+    """
+    config = model_config(model)
+    layers = config.num_hidden_layers
+    if layers < 2:
+        raise ValueError(f"model: num_hidden_layers={layers}; halving the layers needs >= 2")
+    full, half = (step_meter(c, stack, batch_size) for c in (config, _half_the_layers(config)))
+    out = {}
+    for s in seq_lens:
+        act = full(s).by_category["activations"]
+        out[s] = (act - half(s).by_category["activations"]) / (layers - layers // 2)
+        if out[s] <= 0 or act < layers * out[s]:  # as activation_anatomy refuses
+            raise ValueError(f"seq_len={s}: {_PEAK_ELSEWHERE}")
+    return out
 
 
 # Decoders whose layers are a transformers Llama layer as ``calc.llama_layer_bytes`` counts it

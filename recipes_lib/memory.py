@@ -67,6 +67,16 @@ class MemoryReport:
         return sum(self.by_category.get(k, 0) for k in ("parameters", "gradients", "optimizer"))
 
 
+def _update_global_peak(tracker, peak_state) -> None:
+    """A tracker's ``_update_peak_stats`` for the global peak alone: MemTracker (and
+    FSDPMemTracker) also update every active module's peak by walking all the modules at every
+    allocation (most of their time on a 1 B model), and no per-module peak is read here."""
+    for dev, snap in tracker._curr_mem_snap.items():
+        if tracker._peak_mem.get(dev, 0) < snap["Total"]:
+            tracker._peak_mem[dev] = snap["Total"]
+            tracker._peak_mem_snap[dev] = dict(snap)
+
+
 def _step_tracker():
     """A MemTracker that accepts several forward calls of the root module in one measurement.
 
@@ -74,9 +84,8 @@ def _step_tracker():
     because its *per-module* statistics would mix iterations. Only the global peak is used here,
     which per-module resets do not touch, so the per-module stats are reset and the call retried.
     It also hooks every parameter's gradient, which raises on frozen parameters (a LoRA base):
-    those are marked as already hooked. And it keeps no per-module peaks: MemTracker updates
-    them by walking every module at every allocation (most of its time on a 1 B model), and only
-    the global peak is read here.
+    those are marked as already hooked. And it keeps no per-module peaks
+    (:func:`_update_global_peak`).
     """
     from torch.distributed._tools.mem_tracker import MemTracker
 
@@ -91,11 +100,7 @@ def _step_tracker():
                     self._param_to_grad_hook_handles[p] = (_NoHook(), _NoHook())
             return super()._track_module_params_and_buffers(module, install_grad_hooks)
 
-        def _update_peak_stats(self, peak_state) -> None:
-            for dev, snap in self._curr_mem_snap.items():
-                if self._peak_mem.get(dev, 0) < snap["Total"]:
-                    self._peak_mem[dev] = snap["Total"]
-                    self._peak_mem_snap[dev] = dict(snap)
+        _update_peak_stats = _update_global_peak
 
         def _pre_fw_hook(self, module, inputs):
             try:
@@ -149,7 +154,10 @@ def measure_memory(
     if isinstance(model, FSDPModule):
         from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
-        tracker = FSDPMemTracker(model, optimizer)
+        class GlobalPeakFSDPTracker(FSDPMemTracker):
+            _update_peak_stats = _update_global_peak
+
+        tracker = GlobalPeakFSDPTracker(model, optimizer)
     else:
         tracker = _step_tracker()
         externals = [x for x in (model, optimizer) if x is not None]

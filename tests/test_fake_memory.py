@@ -448,8 +448,8 @@ def test_the_op_count_of_qlora_on_qwen2_counts_its_biases():
                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                       max_position_embeddings=4096)
     stack = Stack(method="qlora", precision="bf16-mixed")
-    measured = fake_memory.activation_anatomy(cfg, stack, 512, 2, small_vocab=1024)
-    assert measured["per_layer_bytes"] == fake_memory.counted_layer_bytes(cfg, stack, 512, 2)
+    (measured,) = fake_memory.per_layer_activation_bytes(cfg, stack, (512,), 2).values()
+    assert measured == fake_memory.counted_layer_bytes(cfg, stack, 512, 2)
 
 
 @pytest.mark.parametrize("stack", [
@@ -463,7 +463,7 @@ def test_the_op_count_of_qwen3_counts_its_query_and_key_norms(stack):
     cfg = Qwen3Config(vocab_size=2048, hidden_size=128, intermediate_size=352,
                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                       head_dim=48, max_position_embeddings=4096)  # queries wider than h
-    measured = fake_memory.activation_anatomy(cfg, stack, 512, 2)["per_layer_bytes"]
+    (measured,) = fake_memory.per_layer_activation_bytes(cfg, stack, (512,), 2).values()
     assert measured == fake_memory.counted_layer_bytes(cfg, stack, 512, 2)
 
 
@@ -489,7 +489,7 @@ def test_the_op_count_of_phi3_counts_its_fused_projections(phi3_config, stack, u
     cache the value's view keeping the whole fused output (``fused_projections``)."""
     config = copy.deepcopy(phi3_config)
     config.use_cache = use_cache
-    measured = fake_memory.activation_anatomy(config, stack, 512, 2)["per_layer_bytes"]
+    (measured,) = fake_memory.per_layer_activation_bytes(config, stack, (512,), 2).values()
     assert measured == fake_memory.counted_layer_bytes(config, stack, 512, 2)
 
 
@@ -529,8 +529,8 @@ def test_the_op_count_of_gemma2_counts_its_norms_and_eager_soft_capped_scores(st
                           num_hidden_layers=2, num_attention_heads=4,
                           num_key_value_heads=kv_heads, head_dim=48, query_pre_attn_scalar=48,
                           max_position_embeddings=4096, sliding_window=4096, pad_token_id=0)
-    for seq_len in (256, 512):
-        measured = fake_memory.activation_anatomy(config, stack, seq_len, 2)["per_layer_bytes"]
+    for seq_len, measured in fake_memory.per_layer_activation_bytes(config, stack, (256, 512),
+                                                                    2).items():
         assert measured == fake_memory.counted_layer_bytes(config, stack, seq_len, 2), seq_len
 
 
@@ -559,8 +559,8 @@ def test_the_op_count_of_sliding_window_layers_and_gemma3(arch, stack, kv_heads)
     (copied with two key heads; with one, a view that only autocast's cast copies). Exact one
     token short of the window (no mask) and beyond it (the mean over both kinds of layer)."""
     config = _sliding_config(arch, kv_heads)
-    for seq_len in (255, 512):
-        measured = fake_memory.activation_anatomy(config, stack, seq_len, 2)["per_layer_bytes"]
+    for seq_len, measured in fake_memory.per_layer_activation_bytes(config, stack, (255, 512),
+                                                                    2).items():
         assert measured == fake_memory.counted_layer_bytes(config, stack, seq_len, 2), seq_len
     assert fake_memory.counted_layer_bytes(config, stack, 512, 2) > \
         fake_memory.counted_layer_bytes(config, stack, 255, 2) * 512 / 255
@@ -622,8 +622,8 @@ def test_the_op_count_of_adapter_dropout(gpu_dropout):
                       max_position_embeddings=4096)
     stack = Stack(method="qlora", precision="bf16-mixed", lora_dropout=0.05,
                   gpu_dropout=gpu_dropout)
-    measured = fake_memory.activation_anatomy(cfg, stack, 2048, 2, small_vocab=1024)
-    assert measured["per_layer_bytes"] == fake_memory.counted_layer_bytes(cfg, stack, 2048, 2)
+    (measured,) = fake_memory.per_layer_activation_bytes(cfg, stack, (2048,), 2).values()
+    assert measured == fake_memory.counted_layer_bytes(cfg, stack, 2048, 2)
     assert fake_memory.counted_layer_bytes(cfg, Stack(method="lora", offload_activations=True,
                                                       checkpointing=True)) is None
 
@@ -639,8 +639,8 @@ def test_the_op_count_of_litgpts_2023_stack():
     stack = Stack(method="qlora", precision="bf16", lora_rank=8,
                   lora_targets=("q_proj", "v_proj"), lora_dropout=0.05,
                   autocast_adapter_dtype=False, gpu_dropout=True, nf4_keeps_input=True)
-    measured = fake_memory.activation_anatomy(cfg, stack, 2048, 2, small_vocab=512)
-    assert measured["per_layer_bytes"] == fake_memory.counted_layer_bytes(cfg, stack, 2048, 2)
+    (measured,) = fake_memory.per_layer_activation_bytes(cfg, stack, (2048,), 2).values()
+    assert measured == fake_memory.counted_layer_bytes(cfg, stack, 2048, 2)
 
 
 def test_a_gpus_dropout_keeps_a_one_byte_mask_and_drops_what_dropout_drops():
@@ -699,6 +699,21 @@ def test_the_activation_anatomy_refuses_what_it_cannot_split(config):
     # 8 tokens: the peak falls at the end of backward, where the layers' activations are gone
     with pytest.raises(ValueError, match="seq_len=8: the step's peak"):
         fake_memory.activation_anatomy(config, Stack(), 8, small_vocab=64)
+    with pytest.raises(ValueError, match="num_hidden_layers=1"):
+        fake_memory.per_layer_activation_bytes(one_layer)
+    with pytest.raises(ValueError, match="seq_len=8: the step's peak"):
+        fake_memory.per_layer_activation_bytes(config, Stack(), (8,))
+
+
+def test_the_layers_alone_measure_the_anatomys_per_layer_bytes(anatomy_config):
+    """``per_layer_activation_bytes``, two builds for every length, equals
+    ``activation_anatomy``'s three fresh steps per length, to the byte (QLoRA: the stack whose
+    build does most, bitsandbytes' layers and peft's k-bit preparation)."""
+    stack = Stack(method="qlora", precision="bf16-mixed")
+    by_length = fake_memory.per_layer_activation_bytes(anatomy_config, stack, (256, 512), 2)
+    assert by_length == {s: fake_memory.activation_anatomy(anatomy_config, stack, s,
+                                                           2)["per_layer_bytes"]
+                         for s in (256, 512)}
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_5_text", "lfm2", "falcon_h1"])

@@ -1190,7 +1190,7 @@ def activation_anatomy(model: Any, stack: Stack = Stack(), seq_len: int = 2048,
             vocabulary, or what ``measure_step`` refuses.
 
     Example:
-        >>> a = activation_anatomy("Llama-3.2-1B", Stack(), 512)  # doctest: +SKIP
+        >>> a = activation_anatomy("Llama-3.2-1B", Stack(), 2048)  # doctest: +SKIP
         >>> round(a["layer_coefficient"])  # doctest: +SKIP
         53
     """
@@ -1198,8 +1198,7 @@ def activation_anatomy(model: Any, stack: Stack = Stack(), seq_len: int = 2048,
     layers, vocab = config.num_hidden_layers, config.vocab_size
     if small_vocab is None:
         small_vocab = min(1024, vocab // 2)
-    if layers < 2:
-        raise ValueError(f"model: num_hidden_layers={layers}; halving the layers needs >= 2")
+    _check_halvable(config)
     if not isinstance(small_vocab, int) or not 0 < small_vocab < vocab:
         raise ValueError(f"small_vocab={small_vocab!r}: must be an integer in 1..{vocab - 1} "
                          "(below the model's vocabulary)")
@@ -1207,16 +1206,14 @@ def activation_anatomy(model: Any, stack: Stack = Stack(), seq_len: int = 2048,
     small.vocab_size = small_vocab
     if (getattr(small, "pad_token_id", None) or 0) >= small_vocab:  # Phi-3's 32000: the
         small.pad_token_id = None  # embedding's padding row, which changes no byte
-    act = {name: measure_step(c, stack, seq_len, batch_size).by_category["activations"]
-           for name, c in (("full", config), ("half", _half_the_layers(config)),
-                           ("small", small))}
+    ((full, per_layer),) = _by_layer_difference(config, stack, (seq_len,), batch_size).values()
     tokens = batch_size * seq_len // stack.fsdp_ranks
-    per_layer = (act["full"] - act["half"]) / (layers - layers // 2)
-    per_logit = (act["full"] - act["small"]) / (tokens * (vocab - small_vocab))
-    rest = act["full"] - layers * per_layer - tokens * vocab * per_logit
-    if per_layer <= 0 or per_logit <= 0 or rest < 0:
+    per_logit = (full - measure_step(small, stack, seq_len, batch_size).by_category[
+        "activations"]) / (tokens * (vocab - small_vocab))
+    rest = full - layers * per_layer - tokens * vocab * per_logit
+    if per_logit <= 0 or rest < 0:
         raise ValueError(f"seq_len={seq_len}: {_PEAK_ELSEWHERE}")
-    return {"activation_bytes": act["full"], "per_layer_bytes": per_layer,
+    return {"activation_bytes": full, "per_layer_bytes": per_layer,
             "layer_coefficient": per_layer / (tokens * config.hidden_size),
             "per_logit_bytes": per_logit, "rest_bytes": rest}
 
@@ -1259,16 +1256,32 @@ def per_layer_activation_bytes(model: Any, stack: Stack = Stack(),
         222576640.0
     """
     config = model_config(model)
+    _check_halvable(config)
+    return {s: per_layer for s, (_, per_layer)
+            in _by_layer_difference(config, stack, seq_lens, batch_size).items()}
+
+
+def _check_halvable(config: Any) -> None:
+    if config.num_hidden_layers < 2:
+        raise ValueError(f"model: num_hidden_layers={config.num_hidden_layers}; halving the "
+                         "layers needs >= 2")
+
+
+def _by_layer_difference(config: Any, stack: Stack, seq_lens: tuple[int, ...],
+                         batch_size: int) -> dict[int, tuple[float, float]]:
+    """``{seq_len: (the step's activation bytes, a layer's)}``: the model as given and with half
+    its layers, each built once for every length (:func:`step_meter`), a layer's bytes their
+    difference over the layers removed; a length refused where the difference cannot be a
+    layer's (not positive, or more than the whole step's over the layers)."""
     layers = config.num_hidden_layers
-    if layers < 2:
-        raise ValueError(f"model: num_hidden_layers={layers}; halving the layers needs >= 2")
     full, half = (step_meter(c, stack, batch_size) for c in (config, _half_the_layers(config)))
     out = {}
     for s in seq_lens:
         act = full(s).by_category["activations"]
-        out[s] = (act - half(s).by_category["activations"]) / (layers - layers // 2)
-        if out[s] <= 0 or act < layers * out[s]:  # as activation_anatomy refuses
+        per_layer = (act - half(s).by_category["activations"]) / (layers - layers // 2)
+        if per_layer <= 0 or act < layers * per_layer:
             raise ValueError(f"seq_len={s}: {_PEAK_ELSEWHERE}")
+        out[s] = (act, per_layer)
     return out
 
 

@@ -481,9 +481,11 @@ def launch(
         rc = proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         _kill_group(proc)
+        started = any((work / "logs").glob("*/attempt_*/*/stderr.log"))
+        where = (f"every rank's output: {work / 'logs'}" if started else
+                 "torchrun had started no rank yet: its own start-up took longer than timeout_s")
         raise DistributedRunError(f"distributed run exceeded timeout_s={timeout_s:.0f}s; all "
-                                  f"{world_size} ranks were killed\n  (every rank's output: "
-                                  f"{work / 'logs'})") from None
+                                  f"{world_size} ranks were killed\n  ({where})") from None
     finally:
         if proc.poll() is None:  # interrupted (KeyboardInterrupt): leave no rank behind
             _kill_group(proc)

@@ -120,13 +120,23 @@ def test_a_hung_rank_becomes_a_timeout_not_a_hang(launch_tag):
 
 
 def test_launcher_wall_clock_timeout_kills_every_rank(launch_tag):
-    with pytest.raises(distributed.DistributedRunError, match="timeout_s=4") as err:
+    # 15 s: torchrun and its ranks start within it on a CI machine busy with the rest of the suite
+    # (at 4 s, once, torchrun had not started a rank and there were no logs to name)
+    with pytest.raises(distributed.DistributedRunError, match="timeout_s=15") as err:
         distributed.launch([("recipes_lib.distributed:fail_on_rank",
-                             {"rank": 1, "mode": "hang"})], timeout_s=4, pg_timeout_s=600,
+                             {"rank": 1, "mode": "hang"})], timeout_s=15, pg_timeout_s=600,
                            verbose=False)
     assert _rank_processes(launch_tag) == []
     logs = Path(str(err.value).rsplit("every rank's output: ", 1)[1].rstrip(")"))
-    assert logs.is_dir()  # kept, and named: which rank hung is in there
+    assert list(logs.glob("*/attempt_*/1/stderr.log"))  # kept, and named: the hung rank's output
+
+
+def test_a_timeout_before_any_rank_started_says_so_instead_of_naming_empty_logs(launch_tag):
+    # 0.2 s: less than torchrun needs to import torch, on any machine
+    with pytest.raises(distributed.DistributedRunError, match="started no rank yet"):
+        distributed.launch([("recipes_lib.distributed:fail_on_rank",
+                             {"rank": 1, "mode": "hang"})], timeout_s=0.2, verbose=False)
+    assert _rank_processes(launch_tag) == []
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU error")

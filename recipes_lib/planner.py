@@ -265,6 +265,14 @@ def _counted_config(model: str) -> Any:
         return None
 
 
+def _sdpa_window_mask(shape: calc.ModelShape, seq_len: int) -> bool:
+    """Whether transformers hands SDPA an explicit sliding-window mask at ``seq_len``: from the
+    window's own length on (``kv_length >= window``, not beyond it); eager attention (Gemma-2)
+    has its masks counted with its scores."""
+    return bool(shape.sliding_layers and not shape.score_bytes
+                and seq_len >= shape.sliding_window)
+
+
 def _count_layers(rows: list[dict[str, Any]], config: Any, shape: calc.ModelShape,
                   seq_len: int, batch_size: int, grad_accum_steps: int) -> bool:
     """Predict again, in place, each row whose stack ``calc.llama_layer_bytes`` counts op by op
@@ -312,6 +320,10 @@ def _count_layers(rows: list[dict[str, Any]], config: Any, shape: calc.ModelShap
                 kinds = len(set(getattr(config, "layer_types", None) or ["full"]))
                 act += kinds * micro * seq_len**2 * (2 if stack.precision in ("bf16", "fp16")
                                                      else 4)
+            elif _sdpa_window_mask(shape, seq_len):  # SDPA's sliding-window mask, 1-byte
+                # booleans the checkpointed layers keep as an input: one for a batch without
+                # padding (transformers broadcasts it over the sequences)
+                act += seq_len**2
         else:  # or the forward's end, the KV cache and the model's output logits still there
             cached = fake_memory.counted_layer_bytes(config, stack, seq_len, batch_size, shape,
                                                      with_cache=True)
@@ -374,15 +386,16 @@ def _predicted(model: str, name: str, shape: calc.ModelShape, seq_len: int, batc
     out = {"model": name, "params_B": calc.param_count(shape)["total"] / 1e9,
            "gpu_bytes": budget, "rows": rows, "cheapest": cheapest, "layers_counted": counted,
            "notes": [COUNTED_NOTE if counted else KORTHIKANTI_NOTE]}
-    if counted and shape.sliding_layers and not shape.score_bytes and (
-            seq_len >= shape.sliding_window):  # eager attention has its masks counted
-        out["notes"].append(  # transformers' mask from kv_length >= the window, not beyond it
+    if counted and _sdpa_window_mask(shape, seq_len):
+        out["notes"].append(
             f"from its sliding window's length ({shape.sliding_window} tokens) on, transformers "
             "hands SDPA an explicit mask: its sliding-window layers are counted with SDPA's copy "
             "of it (s x s in the matmuls' dtype, a layer) and, with grouped queries, the keys "
-            "and values repeat_kv widens to every head; with checkpointing, the step keeps more "
-            "than the count, not traced (the 1-byte mask the checkpointed layers keep as an "
-            "input, and more: a Mistral-7B at 8192 tokens 0.3 GiB): --measure measures it")
+            "and values repeat_kv widens to every head; with checkpointing, the 1-byte mask the "
+            "checkpointed layers keep as an input too. A checkpointed step can keep more, not "
+            "counted: where the layer recomputed last outweighs the loss with its transients "
+            "(the MLP's casts for the adapters), its masked attention adds to that peak (a "
+            "Mistral-7B at 8192 tokens: 0.23 GiB): --measure measures it")
     if _multimodal(model):
         out["notes"].append(
             f"{name} is a multimodal checkpoint: planned and measured is its language model "

@@ -50,6 +50,34 @@ def test_a_sliding_window_model_from_its_window_on_says_how_its_mask_is_counted(
                    for n in notes[n])
 
 
+@pytest.mark.parametrize("arch", ["mistral", "gemma3_text"])
+def test_checkpointed_layers_keep_the_sliding_window_mask_as_counted(tmp_path, arch):
+    """Past its window a checkpointed step keeps SDPA's 1-byte mask as the layers' input, one
+    for the batch (s^2 bytes at 2 x 512 tokens): what the window adds to the checkpointed
+    rows, predicted and fake-measured, to the byte (here the loss is the peak, not the layer
+    recomputed last)."""
+    from transformers import Gemma3TextConfig, MistralConfig
+
+    from recipes_lib import fake_memory
+
+    sizes = {"vocab_size": 8192, "hidden_size": 512, "intermediate_size": 1536,
+             "num_attention_heads": 8, "num_key_value_heads": 2, "max_position_embeddings": 4096}
+    added = {}
+    for window in (128, 1024):
+        config = MistralConfig(num_hidden_layers=2, sliding_window=window, **sizes) \
+            if arch == "mistral" else Gemma3TextConfig(
+                num_hidden_layers=4, head_dim=64, sliding_window=window, **sizes,
+                layer_types=["sliding_attention"] * 3 + ["full_attention"])
+        config.save_pretrained(tmp_path / str(window))
+        rows = planner.plan(str(tmp_path / str(window)), "8GB", 512, 2, grad_accum_steps=1)["rows"]
+        row = next(r for r in rows if r["step"] == "+ activation checkpointing")
+        stack = planner._measured_stack(row["step"], 1)
+        added[window] = (row["total_GiB"] * 2**30,
+                         fake_memory.measure_step(config, stack, 512, 2).peak_bytes)
+    predicted, measured = (added[128][i] - added[1024][i] for i in (0, 1))
+    assert predicted == measured == 512**2
+
+
 def test_gemma3_is_counted_op_by_op():
     """Gemma-3-1B (six norms a layer, five sliding layers in six): its layers counted, where
     Korthikanti's count put the full fine-tune with 8-bit AdamW on a 24 GB card (fake-measured:

@@ -282,7 +282,9 @@ def _count_layers(rows: list[dict[str, Any]], config: Any, shape: calc.ModelShap
     recomputed, after the loss has been freed: the larger of the two counts), the logits as the
     calculator has them (three fp32 copies), and what the stack keeps that the escalation's
     formulas leave out: QLoRA's k-bit preparation keeps the norms, embeddings and head in fp32,
-    and under bf16 autocast the head's matmul keeps a bf16 copy of its weight. Without
+    under bf16 autocast the head's matmul keeps a bf16 copy of its weight, and with
+    checkpointing the layers keep their attention masks as inputs (Gemma-2's additive ones,
+    SDPA's 1-byte sliding-window mask past the window). Without
     checkpointing the peak may instead be the forward's end, where the KV cache transformers
     builds in a training forward with ``use_cache`` on (the meter's loop; Trainer and TRL turn
     it off) still holds fp32 keys (and QLoRA's fp32 values) beside SDPA's casts, with the

@@ -395,9 +395,10 @@ def _predicted(model: str, name: str, shape: calc.ModelShape, seq_len: int, batc
             "of it (s x s in the matmuls' dtype, a layer) and, with grouped queries, the keys "
             "and values repeat_kv widens to every head; with checkpointing, the 1-byte mask the "
             "checkpointed layers keep as an input too. A checkpointed step can keep more, not "
-            "counted: where the layer recomputed last outweighs the loss with its transients "
-            "(the MLP's casts for the adapters), its masked attention adds to that peak (a "
-            "Mistral-7B at 8192 tokens: 0.23 GiB): --measure measures it")
+            "counted: where the backward of the layer recomputed last outweighs the loss (its "
+            "MLP's fp32 gradients of the intermediate, through the adapters' casts, beside the "
+            "recomputed tensors), its masked attention adds to that peak (a Mistral-7B at 8192 "
+            "tokens: 0.23 GiB): --measure measures it")
     if _multimodal(model):
         out["notes"].append(
             f"{name} is a multimodal checkpoint: planned and measured is its language model "

@@ -179,7 +179,8 @@ def real_scale_benchmark() -> None:
              S(optimizer="adamw-8bit", precision="fp32"), S(precision="fp32", chunked_loss=128),
              S(precision="fp32", loss="transformers-4.46"), S(precision="fp32", loss="litgpt"),
              S(method="lora", precision="fp32", lora_dropout=0.1, gpu_dropout=True),
-             S(method="qlora", precision="fp32", nf4_keeps_input=True)]
+             S(method="qlora", precision="fp32", nf4_keeps_input=True),
+             S(precision="fp32", attention_mask=True)]
     sixteen = [S(), S(precision="fp16"), S(precision="bf16-mixed"),
                S(method="lora", checkpointing=True),
                S(method="qlora", checkpointing=True, autocast_adapter_dtype=False),
@@ -408,6 +409,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="also measure each row that can be on fake tensors")
     pl.add_argument("--max-context", action="store_true",
                     help="the longest sequence that fits under each step, by measurement")
+    pl.add_argument("--attention-mask", action="store_true",
+                    help="rows that need an attention mask: padded to a common length, or "
+                    "packed documents kept apart (TRL's padding_free); default: full rows")
     cb = sub.add_parser("colab", help="stamp Colab badges and install cells into the notebooks")
     cb.add_argument("--repo", required=True, help="the public GitHub repository, owner/name")
     cb.add_argument("--ref", default="main", help="branch or tag the badges open")
@@ -433,12 +437,14 @@ def main(argv: list[str] | None = None) -> int:
 
         try:
             planned = plan(args.model, args.gpu_mem, args.seq, args.batch, args.gpus,
-                           measure=args.measure)
+                           measure=args.measure,
+                           attention_mask=args.attention_mask)
             print(format_plan(planned))
             if args.max_context:  # the same rows: the plan's micro-batches
                 rows = max_context_per_step(args.model, args.gpu_mem, args.batch,
                                             planned["grad_accum_steps"], gpus=args.gpus,
-                                            workers=os.cpu_count() or 1)
+                                            workers=os.cpu_count() or 1,
+                                            attention_mask=args.attention_mask)
                 searched = {id(r["tries"]): len(r["tries"]) for r in rows if "tries" in r}
                 print(f"\nlongest sequence that fits, by measurement (batch {args.batch}; "
                       f"{sum(searched.values())} fake steps):")

@@ -61,7 +61,9 @@ _AUTOCAST = {"bf16-mixed": "bf16"}  # precision -> the training loop's autocast 
 _SWITCHES = {"autocast_adapter_dtype": "True (adapters in fp32, peft's default) or False (the "
                                        "base's dtype)",
              "gpu_dropout": "True (a GPU's 1-byte mask) or False (CPU's noise)",
-             "nf4_keeps_input": "True (bitsandbytes before 0.43.2) or False"}
+             "nf4_keeps_input": "True (bitsandbytes before 0.43.2) or False",
+             "attention_mask": "True (rows that need a mask: padded or packed) or False (full "
+                               "rows)"}
 # How the full causal-LM loss holds the logits: "course", the course's loop and today's
 # transformers; "transformers-4.46", transformers' loss from 4.46 until #35646
 # (``TransformersLoss``: with several sequences, one more fp32 copy of the logits in forward);
@@ -123,6 +125,17 @@ class Stack:
     (bitsandbytes #1270, July 2024), keeping each 4-bit layer's input for backward, which only a
     trainable 4-bit weight would need (``nf4_keeps_input_context``): what a QLoRA step measured
     before then held.
+    ``attention_mask=True`` measures rows that need an attention mask: rows padded to a common
+    length, as a collator that pads hands them (``DataCollatorWithPadding``, TRL's default), or
+    packed documents kept apart by restarting ``position_ids`` (TRL's ``padding_free``, the
+    course's ``packing.collate_padding_free``). Either way transformers gives SDPA (and eager
+    attention) an explicit ``b x 1 x s x s`` mask in every layer instead of ``is_causal``, which
+    SDPA copies into the matmuls' dtype and keeps for backward, and with grouped queries
+    ``repeat_kv`` widens the keys and values to every head (a mask rules out SDPA's
+    ``enable_gqa``). The step pads one token (``padding_context``); packed documents keep the
+    same bytes (to one ``s x s`` 1-byte tensor: ``tests/test_fake_memory.py``).
+    flash-attention-2 runs both without a mask (variable-length calls): not measured here.
+    The default, full rows with no mask, is what pretraining on concatenated text runs.
 
     Attributes:
         method: "full", "lora" or "qlora".
@@ -144,6 +157,7 @@ class Stack:
         autocast_adapter_dtype: peft's fp32 adapters over a 16-bit base (above).
         gpu_dropout: dropout as CUDA's fused kernel keeps it (above).
         nf4_keeps_input: bitsandbytes' 4-bit matmul before 0.43.2 (above).
+        attention_mask: the rows need an attention mask (above).
 
     Raises:
         ValueError: naming the field, for a value out of range or a combination that does not
@@ -172,6 +186,7 @@ class Stack:
     autocast_adapter_dtype: bool = True
     gpu_dropout: bool = False
     nf4_keeps_input: bool = False
+    attention_mask: bool = False
 
     def __post_init__(self) -> None:
         if "qlora" in str(self.method) and "full" in str(self.method):
@@ -260,6 +275,8 @@ class Stack:
                          + (" (a GPU's 1-byte mask)" if self.gpu_dropout else ""))
         if self.nf4_keeps_input:
             parts.append("4-bit layers keep their input (bitsandbytes < 0.43.2)")
+        if self.attention_mask:
+            parts.append("attention mask (padded or packed rows)")
         return ", ".join(parts)
 
 
@@ -328,6 +345,38 @@ class LitGPTLoss:
     def release(self) -> None:
         """Drop the held logits (the step has ended)."""
         self.held = []
+
+
+@contextlib.contextmanager
+def padding_context(model: torch.nn.Module):
+    """Hand the decoder of ``model`` (transformers or peft) an attention mask whose first row
+    ends in a pad token wherever its forward gets none: the batch a collator that pads to the
+    longest row makes. transformers then builds the explicit ``b x 1 x s x s`` mask padding
+    needs for every layer (a real mask for its zero; on fake tensors for any mask, whose values
+    it cannot read: ``masking_utils.is_tracing``), so a fake and a real step build the same.
+    The mask is the decoder's input alone: the loss still takes every label.
+
+    Args:
+        model: the model whose ``get_decoder()`` builds the masks.
+
+    Example:
+        >>> with padding_context(model):  # doctest: +SKIP
+        ...     forward_backward(model, batch)
+    """
+    def pad_last_token(module, args, kwargs):
+        if kwargs.get("attention_mask") is None:
+            ids = kwargs.get("input_ids")
+            rows = ids if ids is not None else kwargs["inputs_embeds"][..., 0]
+            mask = torch.ones(rows.shape, dtype=torch.long, device=rows.device)
+            mask[0, -1] = 0
+            kwargs["attention_mask"] = mask
+        return args, kwargs
+
+    handle = model.get_decoder().register_forward_pre_hook(pad_last_token, with_kwargs=True)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 @contextlib.contextmanager
@@ -826,15 +875,24 @@ def _saved_on(host: str):
 
 
 @contextlib.contextmanager
-def step_context(stack: Stack, host: str):
+def step_context(stack: Stack, host: str, model: torch.nn.Module | None = None):
     """What a step of ``stack`` runs under: its activations saved on ``host``, a GPU's dropout,
-    bitsandbytes' 4-bit matmul of before 0.43.2, as the stack asks.
+    bitsandbytes' 4-bit matmul of before 0.43.2, a padded row's mask, as the stack asks.
 
     Args:
         stack: the recipes.
         host: where offloaded activations go.
+        model: the model stepped (with ``stack.attention_mask``: its decoder gets the mask).
+
+    Raises:
+        ValueError: ``stack.attention_mask`` without ``model``.
     """
+    if stack.attention_mask and model is None:
+        raise ValueError("stack.attention_mask=True: step_context needs the model, whose "
+                         "decoder gets the attention mask")
     with contextlib.ExitStack() as contexts:
+        if stack.attention_mask:
+            contexts.enter_context(padding_context(model))
         if stack.offload_activations:
             contexts.enter_context(_saved_on(host))
         if stack.gpu_dropout:
@@ -969,7 +1027,7 @@ class _Prepared:
             batch = {"input_ids": ids, "labels": ids}
 
             def step() -> None:
-                with step_context(stack, self.host):
+                with step_context(stack, self.host, net):
                     forward_backward(net, batch, stack.grad_accum_steps, autocast,
                                      num_target_tokens=targets, loss_fn=self.loss_fn)
                 optimizer_step(net, opt, max_grad_norm=None)
@@ -1309,7 +1367,8 @@ def counted_layer_bytes(model: Any, stack: Stack, seq_len: int = 2048, batch_siz
     op-by-op count (a micro-batch's tokens), or None where the count does not model the stack:
     another architecture, selective checkpointing, offloaded activations, FSDP, LoRA targets
     that are not its linears, dropout in the layer. Where sliding-window layers get SDPA's
-    explicit mask (``seq_len`` from the window's length on), the mean over the layers.
+    explicit mask (``seq_len`` from the window's length on), the mean over the layers; with
+    ``stack.attention_mask`` every layer gets one.
 
     Args:
         model: a preset name, a ``config.json`` (or its folder) or a config.
@@ -1358,16 +1417,23 @@ def counted_layer_bytes(model: Any, stack: Stack, seq_len: int = 2048, batch_siz
             kv_cache=getattr(config, "use_cache", True) and not stack.checkpointing)
         return count["total"] + (count["kv_cache"] if with_cache else 0.0)
 
-    # SDPA's sliding-window layers get an explicit mask from the window's length on (Gemma-2's
-    # eager attention counts its own)
-    sliding = 0 if gemma2 or shape.sliding_window is None or seq_len < shape.sliding_window \
-        else shape.sliding_layers
-    if sliding and recomputed:  # the layer recomputed last: the larger kind, a masked one
+    # SDPA's sliding-window layers get an explicit mask from the window's length on, and every
+    # layer one with padding (Gemma-2's eager attention counts its own)
+    if gemma2:
+        masked_layers = 0
+    elif stack.attention_mask:
+        masked_layers = shape.num_hidden_layers
+    elif shape.sliding_window is not None and seq_len >= shape.sliding_window:
+        masked_layers = shape.sliding_layers
+    else:
+        masked_layers = 0
+    if masked_layers and recomputed:  # the layer recomputed last: the larger kind, a masked one
         counted = layer(True)
-    else:  # the mean over the layers, which the caller multiplies by their number
+    elif masked_layers:  # the mean over the layers, which the caller multiplies by their number
         layers = shape.num_hidden_layers
-        counted = (sliding * layer(True) + (layers - sliding) * layer(False)) / layers \
-            if sliding else layer(False)
+        counted = (masked_layers * layer(True) + (layers - masked_layers) * layer(False)) / layers
+    else:
+        counted = layer(False)
     if config.model_type == "qwen2" and stack.method == "qlora":
         # a 16-bit copy of q, k and v's biases per layer, checkpointed or not (measured): what
         # bitsandbytes' 4-bit layer casts for its matmul

@@ -19,7 +19,8 @@ from recipes_lib.memory import MemoryReport
 
 
 def make_stack(method: str = "qlora", checkpointing: bool = True, adamw_8bit: bool = False,
-               chunked_loss: int = 0, precision: str = "bf16-mixed") -> Stack:
+               chunked_loss: int = 0, precision: str = "bf16-mixed",
+               attention_mask: bool = False) -> Stack:
     """The form's toggles as a ``fake_memory.Stack``.
 
     Args:
@@ -28,15 +29,19 @@ def make_stack(method: str = "qlora", checkpointing: bool = True, adamw_8bit: bo
         adamw_8bit: bitsandbytes' 8-bit AdamW instead of AdamW.
         chunked_loss: tokens per chunk of the chunked cross-entropy (0: the full logits).
         precision: "fp32", "bf16", "fp16" or "bf16-mixed".
+        attention_mask: padded or packed rows, whose mask every layer gets
+            (``fake_memory.Stack.attention_mask``).
 
     Returns:
         The stack.
 
     Raises:
         ValueError: naming the field, as ``fake_memory.Stack`` refuses it.
+        TypeError: naming the field, for a toggle that is not a bool.
     """
     return Stack(method=method, precision=precision, checkpointing=checkpointing,
-                 optimizer="adamw-8bit" if adamw_8bit else "adamw", chunked_loss=chunked_loss)
+                 optimizer="adamw-8bit" if adamw_8bit else "adamw", chunked_loss=chunked_loss,
+                 attention_mask=attention_mask)
 
 
 def verdict(model: str, gpu_mem: str | float, seq_len: int, batch_size: int,
@@ -135,6 +140,8 @@ def form(model: str = "Llama-3.1-8B", gpu_mem: str = "24GB", seq_len: int = 2048
         "checkpointing": w.Checkbox(value=True, description="activation checkpointing"),
         "adamw_8bit": w.Checkbox(value=False, description="8-bit AdamW"),
         "chunked": w.Checkbox(value=False, description="chunked cross-entropy"),
+        # a padding collator's rows, or packed documents kept apart: SDPA gets a mask a layer
+        "attention_mask": w.Checkbox(value=False, description="padded or packed rows"),
     }
     button = w.Button(description="Measure", button_style="primary")
     out = w.Output()
@@ -150,7 +157,7 @@ def form(model: str = "Llama-3.1-8B", gpu_mem: str = "24GB", seq_len: int = 2048
                 stack = make_stack(fields["method"].value, fields["checkpointing"].value,
                                    fields["adamw_8bit"].value,
                                    1024 if fields["chunked"].value else 0,
-                                   fields["precision"].value)
+                                   fields["precision"].value, fields["attention_mask"].value)
                 result = verdict(fields["model"].value, fields["gpu_mem"].value,
                                  fields["seq_len"].value, fields["batch_size"].value, stack)
             except ValueError as err:

@@ -49,9 +49,11 @@ def _fsdp_step(gpus: int) -> str:
     return f"full fine-tune, FSDP over {gpus} GPU{'' if gpus == 1 else 's'} + checkpointing"
 
 
-def _measured_stack(step: str, grad_accum_steps: int, gpus: int = 1) -> Any:
-    """The stack measured on fake tensors for an escalation row (by its name), or why that row
-    is not measured."""
+def _measured_stack(step: str, grad_accum_steps: int, gpus: int = 1,
+                    attention_mask: bool = False) -> Any:
+    """The stack measured on fake tensors for an escalation row (by its name;
+    ``attention_mask``: ``fake_memory.Stack.attention_mask``), or why that row is not
+    measured."""
     from recipes_lib.fake_memory import Stack
 
     qlora = Stack(method="qlora", precision="bf16-mixed")  # the course's QLoRA (k-bit prep.)
@@ -71,7 +73,7 @@ def _measured_stack(step: str, grad_accum_steps: int, gpus: int = 1) -> Any:
                                          fsdp_ranks=gpus)
     reasons = {"FSDP": "FSDP over one GPU is the full fine-tune"}
     if step in stacks:
-        return stacks[step]
+        return replace(stacks[step], attention_mask=attention_mask)
     why = next((v for k, v in reasons.items() if k in step), "no fake-tensor stack for it")
     return f"not measured: {why}"
 
@@ -230,7 +232,7 @@ def _default_grad_accum_steps(batch_size: int) -> int:
 
 
 def _fewest_micro_batches(config: Any, shape: calc.ModelShape, seq_len: int, batch_size: int,
-                          budget: float) -> int:
+                          budget: float, attention_mask: bool = False) -> int:
     """The accumulation row's k: the fewest micro-batches (more than one where the batch
     allows: the row adds accumulation to checkpointing's k=1) whose row fits ``budget`` by the
     formulas plus ``gpu_overhead`` (:func:`_formula_rows`); where none does, one sequence per
@@ -238,7 +240,8 @@ def _fewest_micro_batches(config: Any, shape: calc.ModelShape, seq_len: int, bat
     of a 70 B QLoRA step at 4096 tokens 'nothing fits' on 80 GB, where k=8 fits."""
     divisors = [k for k in range(2, batch_size + 1) if batch_size % k == 0] or [1]
     for k in divisors:
-        rows, _ = _formula_rows(config, shape, seq_len, batch_size, 1, k, budget)
+        rows, _ = _formula_rows(config, shape, seq_len, batch_size, 1, k, budget,
+                                attention_mask)
         if next(r for r in rows if r["step"] == f"+ gradient accumulation (k={k})")["fits"]:
             return k
     return divisors[-1]
@@ -273,8 +276,21 @@ def _sdpa_window_mask(shape: calc.ModelShape, seq_len: int) -> bool:
                 and seq_len >= shape.sliding_window)
 
 
+def _kept_mask_bytes(shape: calc.ModelShape, seq_len: int, micro_batch: int,
+                     attention_mask: bool) -> int:
+    """The 1-byte SDPA masks checkpointed layers keep as inputs: with an attention mask one
+    ``micro_batch x s x s`` mask per kind of layer (full attention, sliding window); without,
+    past the window one ``s x s`` mask for the batch (transformers broadcasts it over the
+    rows); else none."""
+    if attention_mask:
+        layers, sliding = shape.num_hidden_layers, shape.sliding_layers
+        return ((sliding < layers) + bool(sliding)) * micro_batch * seq_len**2
+    return seq_len**2 if _sdpa_window_mask(shape, seq_len) else 0
+
+
 def _count_layers(rows: list[dict[str, Any]], config: Any, shape: calc.ModelShape,
-                  seq_len: int, batch_size: int, grad_accum_steps: int) -> bool:
+                  seq_len: int, batch_size: int, grad_accum_steps: int,
+                  attention_mask: bool = False) -> bool:
     """Predict again, in place, each row whose stack ``calc.llama_layer_bytes`` counts op by op
     (``fake_memory.counted_layer_bytes``: the Llama family's, Phi-3's, Gemma-2's and Gemma-3's
     layers, which the fake-tensor meter matches to the byte; not FSDP): the layers as counted
@@ -284,7 +300,8 @@ def _count_layers(rows: list[dict[str, Any]], config: Any, shape: calc.ModelShap
     formulas leave out: QLoRA's k-bit preparation keeps the norms, embeddings and head in fp32,
     under bf16 autocast the head's matmul keeps a bf16 copy of its weight, and with
     checkpointing the layers keep their attention masks as inputs (Gemma-2's additive ones,
-    SDPA's 1-byte sliding-window mask past the window). Without
+    SDPA's 1-byte masks: :func:`_kept_mask_bytes`). With ``attention_mask`` (padded or packed
+    rows: ``fake_memory.Stack.attention_mask``) every layer's attention is masked. Without
     checkpointing the peak may instead be the forward's end, where the KV cache transformers
     builds in a training forward with ``use_cache`` on (the meter's loop; Trainer and TRL turn
     it off) still holds fp32 keys (and QLoRA's fp32 values) beside SDPA's casts, with the
@@ -299,7 +316,7 @@ def _count_layers(rows: list[dict[str, Any]], config: Any, shape: calc.ModelShap
     counts = calc.param_count(shape)
     counted = False
     for row in rows:
-        stack = _measured_stack(row["step"], grad_accum_steps)
+        stack = _measured_stack(row["step"], grad_accum_steps, attention_mask=attention_mask)
         if isinstance(stack, str):
             continue
         layer = fake_memory.counted_layer_bytes(config, stack, seq_len, batch_size, shape)
@@ -322,10 +339,8 @@ def _count_layers(rows: list[dict[str, Any]], config: Any, shape: calc.ModelShap
                 kinds = len(set(getattr(config, "layer_types", None) or ["full"]))
                 act += kinds * micro * seq_len**2 * (2 if stack.precision in ("bf16", "fp16")
                                                      else 4)
-            elif _sdpa_window_mask(shape, seq_len):  # SDPA's sliding-window mask, 1-byte
-                # booleans the checkpointed layers keep as an input: one for a batch without
-                # padding (transformers broadcasts it over the sequences)
-                act += seq_len**2
+            else:  # SDPA's 1-byte masks, inputs the checkpointed layers keep
+                act += _kept_mask_bytes(shape, seq_len, micro, attention_mask)
         else:  # or the forward's end, the KV cache and the model's output logits still there
             cached = fake_memory.counted_layer_bytes(config, stack, seq_len, batch_size, shape,
                                                      with_cache=True)
@@ -344,8 +359,8 @@ def _count_layers(rows: list[dict[str, Any]], config: Any, shape: calc.ModelShap
 
 
 def _formula_rows(config: Any, shape: calc.ModelShape, seq_len: int, batch_size: int,
-                  gpus: int, grad_accum_steps: int, budget: float
-                  ) -> tuple[list[dict[str, Any]], bool]:
+                  gpus: int, grad_accum_steps: int, budget: float,
+                  attention_mask: bool = False) -> tuple[list[dict[str, Any]], bool]:
     """The escalation's rows by the formulas (``calc.escalation_table``, the FSDP row from
     ``calc.data_parallel_bytes``), the Llama family's, Phi-3's, Gemma-2's and Gemma-3's counted
     op by op (:func:`_count_layers`; ``config`` None: none), each on the GPU (:func:`_on_gpu`); and
@@ -357,7 +372,7 @@ def _formula_rows(config: Any, shape: calc.ModelShape, seq_len: int, batch_size:
                  "activations_GiB": fs["activations"] / 2**30,
                  "total_GiB": fs["gpu_total"] / 2**30})
     counted = config is not None and _count_layers(rows, config, shape, seq_len, batch_size,
-                                                   grad_accum_steps)
+                                                   grad_accum_steps, attention_mask)
     return _on_gpu(rows, budget), counted
 
 
@@ -370,6 +385,15 @@ COUNTED_NOTE = (
     "fine-tune's total is its state without the gradients plus the larger of its activations and "
     "its gradients, which fill memory as backward frees the activations; the FSDP row keeps "
     "Korthikanti's 34 sbh")
+MASKED_NOTE = (
+    "an attention mask in every layer: rows padded to a common length (DataCollatorWithPadding, "
+    "TRL's default) or packed documents kept apart by their position_ids (TRL's padding_free) "
+    "make transformers hand SDPA an explicit b x s x s mask instead of is_causal; SDPA keeps its "
+    "copy of it in the matmuls' dtype (s x s a row, a layer) and, with grouped queries, the "
+    "keys and values repeat_kv widens to every head (a mask rules out SDPA's enable_gqa); with "
+    "checkpointing, the 1-byte masks the layers keep as inputs, b x s x s for each kind of "
+    "layer: counted in the rows above. flash-attention-2 runs both without a mask (its "
+    "variable-length calls), and full rows of concatenated text need none")
 KORTHIKANTI_NOTE = (
     "activations: Korthikanti's 34 sbh bytes per layer (a GPT layer with a flash kernel), the "
     "logits as three fp32 copies; this architecture's layers are not counted op by op, and a "
@@ -379,16 +403,22 @@ KORTHIKANTI_NOTE = (
 
 
 def _predicted(model: str, name: str, shape: calc.ModelShape, seq_len: int, batch_size: int,
-               gpus: int, grad_accum_steps: int, budget: float, config: Any = None
-               ) -> dict[str, Any]:
-    """:func:`plan`'s result from the formulas alone (``config``: :func:`_formula_rows`')."""
+               gpus: int, grad_accum_steps: int, budget: float, config: Any = None,
+               attention_mask: bool = False) -> dict[str, Any]:
+    """:func:`plan`'s result from the formulas alone (``config``, ``attention_mask``:
+    :func:`_formula_rows`')."""
     rows, counted = _formula_rows(config, shape, seq_len, batch_size, gpus, grad_accum_steps,
-                                  budget)
+                                  budget, attention_mask)
     cheapest = next((r["step"] for r in rows if r["fits"]), "nothing fits")
     out = {"model": name, "params_B": calc.param_count(shape)["total"] / 1e9,
            "gpu_bytes": budget, "rows": rows, "cheapest": cheapest, "layers_counted": counted,
            "notes": [COUNTED_NOTE if counted else KORTHIKANTI_NOTE]}
-    if counted and _sdpa_window_mask(shape, seq_len):
+    if attention_mask:
+        out["notes"].append(MASKED_NOTE if counted else
+                            "an attention mask in every layer (padded or packed rows): this "
+                            "architecture's layers are not counted op by op, so what the masks "
+                            "add is not in the rows above: --measure measures it")
+    if counted and _sdpa_window_mask(shape, seq_len) and not attention_mask:
         out["notes"].append(
             f"from its sliding window's length ({shape.sliding_window} tokens) on, transformers "
             "hands SDPA an explicit mask: its sliding-window layers are counted with SDPA's copy "
@@ -427,8 +457,8 @@ def _unpredicted(err: calc.NotDescribedError, steps: list[str]) -> dict[str, Any
 
 
 def plan(model: str, gpu_mem: str | float, seq_len: int = 2048, batch_size: int = 8,
-         gpus: int = 1, grad_accum_steps: int | None = None, measure: bool = False
-         ) -> dict[str, Any]:
+         gpus: int = 1, grad_accum_steps: int | None = None, measure: bool = False,
+         attention_mask: bool = False) -> dict[str, Any]:
     """Predicted per-GPU memory of each escalation step and the cheapest one that fits.
 
     Args:
@@ -448,6 +478,9 @@ def plan(model: str, gpu_mem: str | float, seq_len: int = 2048, batch_size: int 
             ``measured_fits``; a row that cannot be measured says why. The first row (the full
             fine-tune) also gets ``adamw_GiB``: its trace with AdamW stepped as measured (a
             CPU's for-loop), as ``foreach`` and as ``fused`` (``fake_memory.Stack.optimizer``).
+        attention_mask: the rows need an attention mask: padded to a common length, or packed
+            documents kept apart (``fake_memory.Stack.attention_mask``); default: full rows, as
+            the formulas have them.
 
     Returns:
         ``{"model", "params_B", "gpu_bytes", "rows", "cheapest", "notes", "trainer",
@@ -471,12 +504,16 @@ def plan(model: str, gpu_mem: str | float, seq_len: int = 2048, batch_size: int 
             count below 1, a sequence beyond the model's positions (saying how RoPE scaling
             extends them; a config.json with them raised is planned as it says), or an
             architecture the formulas do not describe without ``measure``.
+        TypeError: for an ``attention_mask`` that is not a bool.
 
     Example:
         >>> plan("Llama-2-7B", "16GB", seq_len=512, batch_size=1, grad_accum_steps=1)["cheapest"]
         'QLoRA (NF4 base)'
     """
     _check_counts(seq_len=seq_len, batch_size=batch_size, gpus=gpus)
+    if not isinstance(attention_mask, bool):
+        raise TypeError(f"attention_mask={attention_mask!r}: True (padded or packed rows, "
+                         "which need a mask) or False (full rows)")
     try:
         name, shape = resolve_shape(model)
     except calc.NotDescribedError as err:
@@ -485,21 +522,25 @@ def plan(model: str, gpu_mem: str | float, seq_len: int = 2048, batch_size: int 
         if grad_accum_steps is None:
             grad_accum_steps = _default_grad_accum_steps(batch_size)
         out = _unpredicted(err, calc.escalation_steps(grad_accum_steps) + [_fsdp_step(gpus)])
+        if attention_mask:
+            out["notes"].append("an attention mask in every layer (padded or packed rows): "
+                                "measured with it")
         out["gpu_bytes"] = budget = parse_bytes(gpu_mem)
     else:
         check_positions(shape, seq_len)
         budget = parse_bytes(gpu_mem)
         config = _counted_config(model)
         if grad_accum_steps is None:
-            grad_accum_steps = _fewest_micro_batches(config, shape, seq_len, batch_size, budget)
+            grad_accum_steps = _fewest_micro_batches(config, shape, seq_len, batch_size, budget,
+                                                     attention_mask)
         out = _predicted(model, name, shape, seq_len, batch_size, gpus, grad_accum_steps, budget,
-                         config)
+                         config, attention_mask)
     rows = out["rows"]
     if measure:
         from recipes_lib import fake_memory
 
         for row in rows:
-            stack = _measured_stack(row["step"], grad_accum_steps, gpus)
+            stack = _measured_stack(row["step"], grad_accum_steps, gpus, attention_mask)
             if isinstance(stack, str):
                 row["measured_stack"] = stack
                 continue
@@ -527,19 +568,19 @@ def plan(model: str, gpu_mem: str | float, seq_len: int = 2048, batch_size: int 
         out["cheapest_measured"] = next((r["step"] for r in rows if r.get("measured_fits")),
                                         "nothing measured fits")
     out["trainer"] = _trainer_settings(model, out.get("cheapest_measured", out["cheapest"]),
-                                       batch_size, grad_accum_steps, gpus)
+                                       batch_size, grad_accum_steps, gpus, attention_mask)
     out["grad_accum_steps"] = grad_accum_steps
     return out
 
 
 def _trainer_settings(model: str, step: str, batch_size: int, grad_accum_steps: int,
-                      gpus: int) -> dict[str, Any] | None:
+                      gpus: int, attention_mask: bool = False) -> dict[str, Any] | None:
     """The cheapest step that fits as Trainer / peft / bitsandbytes settings
     (``trainers.stack_settings`` of the stack the row measures), with the line that loads the
     model; None where nothing fits."""
     from recipes_lib import trainers
 
-    stack = _measured_stack(step, grad_accum_steps, gpus)
+    stack = _measured_stack(step, grad_accum_steps, gpus, attention_mask)
     if isinstance(stack, str):  # nothing fits
         return None
     try:
@@ -662,7 +703,7 @@ def max_context(model: str, gpu_mem: str | float | list, stack: Any = None, batc
 
 def max_context_per_step(model: str, gpu_mem: str | float, batch_size: int = 1,
                          grad_accum_steps: int | None = None, gpus: int = 1, step: int = 256,
-                         workers: int = 1) -> list[dict[str, Any]]:
+                         workers: int = 1, attention_mask: bool = False) -> list[dict[str, Any]]:
     """The longest sequence that fits ``gpu_mem`` under each escalation step's measured stack
     (``max_context`` per stack; rows with the same stack share one search).
 
@@ -680,6 +721,7 @@ def max_context_per_step(model: str, gpu_mem: str | float, batch_size: int = 1,
         step: the search's length granularity, in tokens.
         workers: processes searching at once (1: this one; more: spawned, one stack each at a
             time, the results the same).
+        attention_mask: the rows need an attention mask (``fake_memory.Stack.attention_mask``).
 
     Returns:
         One dict per escalation row: ``step``, ``stack`` and ``max_seq_len`` / ``gpu_GiB`` /
@@ -692,7 +734,8 @@ def max_context_per_step(model: str, gpu_mem: str | float, batch_size: int = 1,
     if grad_accum_steps is None:
         grad_accum_steps = _default_grad_accum_steps(batch_size)
     steps = calc.escalation_steps(grad_accum_steps) + [_fsdp_step(gpus)]  # each measured
-    stacks = {name: _measured_stack(name, grad_accum_steps, gpus) for name in steps}
+    stacks = {name: _measured_stack(name, grad_accum_steps, gpus, attention_mask)
+              for name in steps}
     distinct = list(dict.fromkeys(s for s in stacks.values() if not isinstance(s, str)))
     search = functools.partial(_search_stack, model=model, gpu_mem=gpu_mem,
                                batch_size=batch_size, step=step)

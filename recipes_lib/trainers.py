@@ -635,6 +635,11 @@ def stack_settings(stack: Any, batch_size: int,
                             "selective=True) before Trainer(model=...), the args' left off")
     elif stack.checkpointing:
         args |= checkpointing_settings()
+    if stack.attention_mask:
+        out["notes"].append("an attention mask in every layer: padded rows (the collator's "
+                            "padding, SFTConfig's default) or packed documents kept apart "
+                            "(SFTConfig(padding_free=True)) under SDPA; "
+                            "attn_implementation='flash_attention_2' builds none for either")
     if stack.fsdp_ranks > 1:
         args |= fsdp_settings(model) if model is not None else _fsdp_args("<decoder block>")
         out["notes"].append(f"launch on {stack.fsdp_ranks} GPUs: torchrun --nproc-per-node "

@@ -566,6 +566,94 @@ def test_the_op_count_of_sliding_window_layers_and_gemma3(arch, stack, kv_heads)
         fake_memory.counted_layer_bytes(config, stack, 255, 2) * 512 / 255
 
 
+def _masked_config(arch: str, phi3: object) -> object:
+    """A small model of each kind of attention an attention mask reaches: a Llama's grouped
+    queries, Gemma-3's sliding and full layers short of the window, Phi-3's fused projections,
+    Gemma-2's eager attention."""
+    from transformers import Gemma2Config, LlamaConfig
+
+    if arch == "llama":
+        return LlamaConfig(vocab_size=2048, hidden_size=128, intermediate_size=352,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                           max_position_embeddings=4096)
+    if arch == "gemma2":
+        return Gemma2Config(vocab_size=2048, hidden_size=128, intermediate_size=352,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                            head_dim=48, query_pre_attn_scalar=48, max_position_embeddings=4096,
+                            sliding_window=4096, pad_token_id=0)
+    return phi3 if arch == "phi3" else _sliding_config("gemma3", 1)
+
+
+@pytest.mark.parametrize("arch, stack", [
+    ("llama", Stack(method="qlora", precision="bf16-mixed", attention_mask=True)),
+    ("gemma3", Stack(method="lora", attention_mask=True)),
+    ("phi3", Stack(precision="bf16-mixed", attention_mask=True)),
+    ("gemma2", Stack(precision="fp32", attention_mask=True))],
+    ids=["llama-qlora", "gemma3-lora", "phi3-full", "gemma2-full"])
+def test_an_attention_mask_in_every_layer_is_counted_op_by_op(phi3_config, arch, stack):
+    """Padded or packed rows (``Stack.attention_mask``): every SDPA layer gets an explicit mask
+    (the count's ``masked``: SDPA's copy in the matmuls' dtype, the keys and values repeat_kv
+    widens), short of any window too; Gemma-2's eager attention counts its masks already. Exact
+    at 2 x 128 tokens."""
+    config = _masked_config(arch, phi3_config)
+    ((seq_len, measured),) = fake_memory.per_layer_activation_bytes(config, stack, (128,),
+                                                                    2).items()
+    assert measured == fake_memory.counted_layer_bytes(config, stack, seq_len, 2)
+    unmasked = fake_memory.counted_layer_bytes(config, replace(stack, attention_mask=False),
+                                               seq_len, 2)
+    assert measured == unmasked if arch == "gemma2" else measured > unmasked
+
+
+def test_a_masked_step_on_fake_tensors_is_the_real_one():
+    """``padding_context`` pads the first row's last token: transformers reads that real mask,
+    and builds the same masks for a fake one whose values it cannot read (every category to
+    the byte, checkpointed LoRA at 2 x 256 tokens)."""
+    config = _masked_config("llama", None)
+    stack = Stack(method="lora", checkpointing=True, attention_mask=True)
+    result = fake_memory.fake_vs_real(config, stack, 256, 2)
+    assert result["peak_ratio"] == 1.0 and set(result["ratios"].values()) == {1.0}
+    with pytest.raises(ValueError, match="needs the model"), \
+            fake_memory.step_context(stack, "cpu"):
+        pass
+    with pytest.raises(TypeError, match="attention_mask=1"):
+        Stack(attention_mask=1)
+
+
+def test_packed_documents_keep_what_a_padded_row_does():
+    """What ``Stack.attention_mask`` says of packed rows, on a real fp32 step: documents kept
+    apart by restarting position_ids (the course's ``collate_padding_free``, TRL's
+    ``padding_free``) make transformers build SDPA the same b x s x s mask as a padded row
+    (the activations within one s x s 1-byte tensor of each other), both more than full rows
+    by what the count's ``masked`` adds."""
+    from transformers import LlamaForCausalLM
+
+    from recipes_lib.grad_accumulation import forward_backward
+    from recipes_lib.memory import measure_memory
+
+    config = _masked_config("llama", None)
+    config.use_cache = False  # as Trainer runs, and as packed rows need
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    b, s = 2, 256
+    ids = torch.randint(0, config.vocab_size, (b, s))
+    padding = torch.ones(b, s, dtype=torch.long)
+    padding[0, -1] = 0
+    restarts = torch.cat([torch.arange(s // 2), torch.arange(s - s // 2)]).repeat(b, 1)
+    batches = {"full": {}, "padded": {"attention_mask": padding},
+               "packed": {"position_ids": restarts}}
+    act = {name: measure_memory(lambda extra=extra: forward_backward(
+        model, {"input_ids": ids, "labels": ids, **extra}), model, opt, torch.device("cpu")
+    ).by_category["activations"] for name, extra in batches.items()}
+    counted = {m: fake_memory.counted_layer_bytes(config, Stack(precision="fp32",
+                                                                 attention_mask=m), s, b)
+               for m in (False, True)}
+    # the padded batch carries its 2-D mask (8 bytes a token) beside the layers' masks
+    assert act["padded"] - act["full"] == config.num_hidden_layers * (
+        counted[True] - counted[False]) + 8 * b * s
+    assert abs(act["packed"] - act["padded"]) <= s * s
+
+
 def test_a_masked_layer_is_counted_apart_from_gemma2s_own_masks():
     """Gemma-2's eager attention counts its masks itself: ``masked`` with it is refused."""
     shape = calc.PRESETS["Llama-3.2-1B"]

@@ -39,6 +39,8 @@ def test_the_form_measures_on_click_and_shows_bad_input_as_an_error(config_dir):
     assert ": fits\nin your trainer" in box.run()
     box.children[5].value = "bf16"  # precision
     assert ", bf16, adamw, checkpointing: " in box.run()
+    box.children[9].value = True  # padded or packed rows
+    assert ", checkpointing, attention mask (padded or packed rows): " in box.run()
     box.children[1].value = "lots"  # GPU memory
     assert box.run().startswith("error: gpu_mem='lots'")
     button = box.children[-2]  # disabled while it measures, clickable again after an error too

@@ -78,6 +78,53 @@ def test_checkpointed_layers_keep_the_sliding_window_mask_as_counted(tmp_path, a
     assert predicted == measured == 512**2
 
 
+def test_checkpointed_layers_keep_each_kind_of_layers_attention_mask_as_counted(tmp_path):
+    """Padded or packed rows (``attention_mask``): a checkpointed step keeps one 1-byte mask a
+    row for each kind of layer (Gemma-3: full and sliding, 2 x 2 x 512^2 at 2 x 512 tokens),
+    where the window's broadcast mask alone was s^2: what the mask adds to the checkpointed row,
+    predicted and fake-measured, to the byte."""
+    from transformers import Gemma3TextConfig
+
+    from recipes_lib import fake_memory
+
+    config = Gemma3TextConfig(vocab_size=8192, hidden_size=512, intermediate_size=1536,
+                              num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+                              max_position_embeddings=4096, num_hidden_layers=4,
+                              sliding_window=128,
+                              layer_types=["sliding_attention"] * 3 + ["full_attention"])
+    config.save_pretrained(tmp_path)
+    step = "+ activation checkpointing"
+    added = {}
+    for mask in (False, True):
+        rows = planner.plan(str(tmp_path), "8GB", 512, 2, grad_accum_steps=1,
+                            attention_mask=mask)["rows"]
+        row = next(r for r in rows if r["step"] == step)
+        stack = planner._measured_stack(step, 1, attention_mask=mask)
+        assert stack.attention_mask is mask
+        added[mask] = (row["total_GiB"] * 2**30,
+                       fake_memory.measure_step(config, stack, 512, 2).peak_bytes)
+    predicted, measured = (added[True][i] - added[False][i] for i in (0, 1))
+    assert predicted == measured == (2 * 2 - 1) * 512**2
+
+
+def test_the_cli_plans_masked_rows_and_says_what_the_masks_cost(capsys):
+    """``--attention-mask``: every layer's masked attention counted (Llama-3.1-8B QLoRA, 4 x
+    4096 tokens without checkpointing: 10 GiB more, its 32 layers' 16-bit mask copies and keys
+    and values widened to every head), the note said, the trainer's lines naming it."""
+    rows = {m: {r["step"]: r["total_GiB"] for r in planner.plan(
+        "Llama-3.1-8B", "24GB", 4096, 4, attention_mask=m)["rows"]} for m in (False, True)}
+    layers, tokens, q, kv = 32, 4 * 4096, 4096, 1024
+    per_layer = 2 * 4096 * tokens + 2 * 2 * (q - kv) * tokens  # mask copy, repeated k and v
+    assert rows[True]["QLoRA (NF4 base)"] - rows[False]["QLoRA (NF4 base)"] == pytest.approx(
+        layers * per_layer / 2**30)
+    assert main(["plan", "--model", "Llama-3.1-8B", "--gpu-mem", "24GB", "--seq", "4096",
+                 "--batch", "4", "--attention-mask"]) == 0
+    out = capsys.readouterr().out
+    assert planner.MASKED_NOTE in out and "padding_free" in out.split("cheapest that fits:")[-1]
+    with pytest.raises(TypeError, match="attention_mask='yes'"):
+        planner.plan("Llama-3.1-8B", "24GB", 4096, 4, attention_mask="yes")
+
+
 def test_gemma3_is_counted_op_by_op():
     """Gemma-3-1B (six norms a layer, five sliding layers in six): its layers counted, where
     Korthikanti's count put the full fine-tune with 8-bit AdamW on a 24 GB card (fake-measured:

@@ -260,10 +260,17 @@ def real_scale_benchmark() -> None:
     published.update_readme(rows)
 
 
+def _measured_devices() -> list[str]:
+    """The devices a run's ceilings are measured on: the CPU, and the GPU where one is."""
+    import torch
+
+    return ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
 def _run(args, parser) -> int:
     """Execute the notebooks, validate the calculator, refresh the README table and the report;
     return the exit code (1 if a notebook failed)."""
-    from recipes_lib import calc_validation, notebooks, results
+    from recipes_lib import calc_validation, notebooks, results, sweep
     from recipes_lib.report import write_html_report
 
     paths = [Path(p) for p in args.notebooks] or notebooks.course_notebooks()
@@ -277,6 +284,7 @@ def _run(args, parser) -> int:
     for name, state in status.items():
         print(f"{name}: {state}")
     print(f"calculator validation: {calc_validation.run()}")
+    print(f"this machine's ceilings: {sweep.record_machine_peaks(_measured_devices())}")
     results.update_readme()
     report = results.write_report(status)
     page = write_html_report(status, notebooks.EXECUTED)

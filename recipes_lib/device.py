@@ -205,6 +205,65 @@ def cpu_name() -> str:
     return platform.processor()
 
 
+# AMD's core generations by CPUID family and model ranges, as Linux's arch/x86/kernel/cpu/amd.c
+# sets its X86_FEATURE_ZEN1..5 (its Zen 1 includes Zen+). A cloud VM often names only "AMD EPYC",
+# yet the generations differ in what a speed figure depends on: Zen 1 runs each 256-bit AVX2
+# instruction on 128-bit units (half Zen 2's FMA width per cycle), Zen 4 adds AVX512.
+_AMD_CORES = {0x17: {"Zen 1": ((0x00, 0x2F), (0x50, 0x5F)),
+                     "Zen 2": ((0x30, 0x4F), (0x60, 0x7F), (0x90, 0x91), (0xA0, 0xAF))},
+              0x19: {"Zen 3": ((0x00, 0x0F), (0x20, 0x5F)),
+                     "Zen 4": ((0x10, 0x1F), (0x60, 0xAF))},
+              0x1A: {"Zen 5": ((0x00, 0x2F), (0x40, 0x4F), (0x70, 0x7F))}}
+
+
+def microarchitecture(vendor: str, family: int, model: int) -> str:
+    """Name a CPU's core generation from its CPUID vendor, family and model.
+
+    Args:
+        vendor: CPUID's vendor string, e.g. "AuthenticAMD" or "GenuineIntel".
+        family: the (extended) family, as ``/proc/cpuinfo``'s "cpu family" gives it.
+        model: the (extended) model, as its "model" gives it.
+
+    Returns:
+        "family F model M", with AMD's Zen generation in front where known.
+
+    Example:
+        >>> microarchitecture("AuthenticAMD", 23, 1)
+        'Zen 1, family 23 model 1'
+    """
+    ids = f"family {family} model {model}"
+    if vendor == "AuthenticAMD":
+        for name, ranges in _AMD_CORES.get(family, {}).items():
+            if any(low <= model <= high for low, high in ranges):
+                return f"{name}, {ids}"
+    return ids
+
+
+def cpu_microarchitecture() -> str:
+    """This CPU's core generation (:func:`microarchitecture`, read from ``/proc/cpuinfo`` on an
+    x86 Linux): what tells apart two hosts a hypervisor names alike, e.g. "AMD EPYC".
+
+    Returns:
+        E.g. 'Zen 1, family 23 model 1', or '' where ``/proc/cpuinfo`` gives no family.
+    """
+    fields: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key in ("vendor_id", "cpu family", "model") and key not in fields:
+                    fields[key] = value.strip()
+                if not line.strip():  # the first processor's block is enough
+                    break
+    except OSError:
+        return ""
+    if not fields.get("cpu family", "").isdigit() or not fields.get("model", "").isdigit():
+        return ""
+    return microarchitecture(fields.get("vendor_id", ""), int(fields["cpu family"]),
+                             int(fields["model"]))
+
+
 def native_cpu_isa() -> str:
     """The vector ISA this CPU's hardware offers, named as torch names its kernel levels
     (``AVX512``, ``AVX2``, ``DEFAULT``), whatever :data:`ISA_CAPS`' variables say: read from
@@ -276,10 +335,11 @@ def isa_cap() -> str:
 
 
 def describe_device(device: torch.device) -> str:
-    """A human-readable device name, e.g. 'cpu: AMD EPYC 9R14 (x86_64 AVX512, 2 threads)' or
-    'cuda: Tesla T4'. A CPU's speed figures depend on its vector ISA (torch's kernel level:
-    AVX2, AVX512, ...) as much as on its cores, so both are named, and a cap on it
-    (:func:`cap_cpu_isa`) with the hardware's own: 'x86_64 AVX2 capped, hardware AVX512'.
+    """A human-readable device name, e.g. 'cpu: AMD EPYC (Zen 1, family 23 model 1; x86_64 AVX2,
+    2 threads)' or 'cuda: Tesla T4'. A CPU's speed figures depend on its core generation
+    (:func:`cpu_microarchitecture`) and vector ISA (torch's kernel level: AVX2, AVX512, ...) as
+    much as on its cores, so all are named, and a cap on the ISA (:func:`cap_cpu_isa`) with the
+    hardware's own: 'x86_64 AVX2 capped, hardware AVX512'.
 
     Args:
         device: the device to describe.
@@ -293,7 +353,8 @@ def describe_device(device: torch.device) -> str:
         return "mps: Apple GPU"
     name = cpu_name()
     capped = f" capped, hardware {native_cpu_isa()}" if isa_cap() else ""
-    return (f"cpu{': ' + name if name else ''} ({platform.machine()} "
+    core = cpu_microarchitecture()
+    return (f"cpu{': ' + name if name else ''} ({core + '; ' if core else ''}{platform.machine()} "
             f"{torch.backends.cpu.get_cpu_capability()}{capped}, "
             f"{torch.get_num_threads()} threads)")
 

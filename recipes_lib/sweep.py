@@ -21,11 +21,14 @@ import math
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
 
 from recipes_lib.checks import spread_of
+from recipes_lib.device import describe_device
+from recipes_lib.results import Results
 from recipes_lib.timing import Timing, time_fn, time_interleaved
 
 # Below this fraction of both peaks a workload is bound by launches and Python, not the hardware.
@@ -149,6 +152,36 @@ def machine_peaks(device: torch.device | str = "cpu", dtype: torch.dtype = torch
         cp = time_fn(lambda: dst.copy_(src), warmup=2, repeats=5, device=device).median_s
         _PEAKS[key] = Peaks(2 * n**3 / mm, 2 * src.nbytes / cp, str(dtype), str(device))
     return _PEAKS[key]
+
+
+def record_machine_peaks(devices: Sequence[torch.device | str] = ("cpu",),
+                         results_dir: Path | str | None = None) -> Path:
+    """Write ``machine.json``: each device's ceilings (:func:`machine_peaks`) beside its
+    description, so that a run's speed figures can be read against the host they came from.
+    Two hosts a cloud names alike ("AMD EPYC", 2 threads, AVX2) can differ twofold in FLOP/s,
+    and a kernel bound by compute gains or loses against one bound by memory with them.
+
+    Args:
+        devices: the devices measured.
+        results_dir: where the file goes (default: ``results.output_dir()``).
+
+    Returns:
+        The file's path.
+
+    Example:
+        >>> record_machine_peaks(["cpu"])  # doctest: +SKIP
+        PosixPath('results/machine.json')
+    """
+    devices = [torch.device(d) for d in devices]
+    r = Results("machine", "; ".join(describe_device(d) for d in devices), results_dir)
+    for d in devices:
+        p = machine_peaks(d)
+        n = 4096 if d.type == "cuda" else 1024
+        r.add("peaks", f"{d.type}: fp32 matmul", p.flops_per_s / 1e9,
+              unit=f"GFLOP/s, one {n} x {n} matmul, median of 5")
+        r.add("peaks", f"{d.type}: copy", p.bytes_per_s / 1e9,
+              unit="GB/s read + written, one fp32 tensor copied, median of 5")
+    return r.save()
 
 
 @dataclass

@@ -51,6 +51,32 @@ def test_cpu_description_names_the_model_isa_and_threads():
     assert (name in described) if name else described.startswith("cpu (")
 
 
+@pytest.mark.parametrize("vendor, family, model, named", [
+    ("AuthenticAMD", 23, 1, "Zen 1"),  # EPYC 7001 (Naples): AVX2 on 128-bit units
+    ("AuthenticAMD", 23, 8, "Zen 1"),  # Zen+ (Pinnacle Ridge), in the kernel's Zen 1 group
+    ("AuthenticAMD", 23, 49, "Zen 2"),  # EPYC 7002 (Rome)
+    ("AuthenticAMD", 25, 1, "Zen 3"),  # EPYC 7003 (Milan)
+    ("AuthenticAMD", 25, 17, "Zen 4"),  # EPYC 9004 (Genoa): AVX512
+    ("AuthenticAMD", 26, 2, "Zen 5"),  # EPYC 9005 (Turin)
+    ("AuthenticAMD", 26, 0x55, None),  # a model the table does not know: the numbers alone
+    ("AuthenticAMD", 31, 0, None),
+    ("GenuineIntel", 6, 143, None),  # Sapphire Rapids: Intel's model names say the generation
+])
+def test_the_core_generation_is_named_from_cpuid_family_and_model(vendor, family, model, named):
+    ids = f"family {family} model {model}"
+    assert device.microarchitecture(vendor, family, model) == (f"{named}, {ids}" if named
+                                                               else ids)
+
+
+def test_the_description_names_this_cpus_core_generation_where_cpuinfo_gives_it():
+    core = device.cpu_microarchitecture()
+    described = device.describe_device(torch.device("cpu"))
+    if core:
+        assert f"({core}; " in described
+    else:  # no /proc/cpuinfo family (macOS, Windows, some ARM kernels): nothing is guessed
+        assert "family" not in described
+
+
 def test_capabilities_name_each_fallback_on_cpu():
     caps = device.capabilities(torch.device("cpu"))
     if not torch.cuda.is_available():

@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from recipes_lib import attention, checkpointing, chunked_loss, sparse_attention
-from recipes_lib.results import Results
+from recipes_lib import attention, checkpointing, chunked_loss, device, sparse_attention, sweep
+from recipes_lib.results import Results, load_results
 from recipes_lib.sweep import OutOfMemory, Peaks, Sweep, check_sizes, run_sweep, until_out_of_memory
 from recipes_lib.timing import Timing
 
@@ -107,6 +107,18 @@ def test_regimes_from_achieved_rates_against_the_peaks():
                bytes=[1e3, 1e8, 1e3], peaks=peaks)
     assert s.regimes() == ["compute", "memory", "overhead"]
     assert _sweep([1] * 3, [1] * 3, sizes=(1, 2, 3)).regimes() == ["unknown"] * 3
+
+
+def test_the_machines_ceilings_are_recorded_beside_its_description(monkeypatch, tmp_path):
+    measured = Peaks(flops_per_s=64e9, bytes_per_s=11e9, dtype="torch.float32", device="cpu")
+    monkeypatch.setattr(sweep, "machine_peaks", lambda d: measured)
+    path = sweep.record_machine_peaks(["cpu"], tmp_path)
+    saved = load_results(tmp_path)["machine"]
+    assert path == tmp_path / "machine.json"
+    assert saved["device"] == device.describe_device(torch.device("cpu"))
+    assert {f["metric"]: f["value"] for f in saved["figures"]} == {
+        "cpu: fp32 matmul": 64.0, "cpu: copy": 11.0}
+    assert [f["unit"].split(",")[0] for f in saved["figures"]] == ["GFLOP/s", "GB/s read + written"]
 
 
 @pytest.mark.parametrize("sizes", [[1, 2], [4, 2, 8], [0, 1, 2], [1, 1, 2]])

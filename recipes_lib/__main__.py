@@ -153,9 +153,14 @@ def real_scale_benchmark() -> None:
     per category on this CPU for a tiny and a ~110 M-parameter config under every recipe flag
     (value = fake / real; FSDP against both ranks of a real 2-rank job), one Llama-3.1-8B
     training step measured on fake tensors, timed (the claim: at most 90 s on the reference
-    machine), and the published GPU figures beside our predictions (``published``)."""
+    machine), and the published GPU figures beside our predictions (``published``).
+
+    Each measurement is kept as it is made (``results.Progress``): an interrupted run (it takes
+    an hour or more on a 2-core CPU) resumes where it stopped when run again with the same code,
+    packages and device."""
     import time
     from dataclasses import asdict, replace
+    from functools import partial
 
     import torch
     from transformers import LlamaConfig
@@ -165,7 +170,6 @@ def real_scale_benchmark() -> None:
         device,
         distributed,
         fake_memory,
-        litgpt_memory,
         published,
         results,
     )
@@ -201,9 +205,13 @@ def real_scale_benchmark() -> None:
                                    num_hidden_layers=12, num_attention_heads=12,
                                    num_key_value_heads=4, max_position_embeddings=512)}
     r = results.Results("real_scale", device.describe_device(torch.device("cpu")))
+    kept = results.Progress("real_scale", r.device)
+    if kept.reused:
+        print(f"  resuming: {kept.reused} measurements kept by an interrupted run ({kept.path})")
     for name, cfg in configs.items():
         for stack in flags + sixteen:
-            out = fake_memory.fake_vs_real(cfg, stack, 256, 2)
+            out = kept.value(f"fake vs real: {name}: {stack!r}",
+                             partial(_fake_vs_real_ratios, cfg, stack, 256, 2))
             worst = max(abs(v - 1) for v in out["ratios"].values() if v != float("inf"))
             print(f"  fake vs real, {name}, {stack.label}: peak {out['peak_ratio']:.4f}, "
                   f"worst category {worst:.2e}")
@@ -212,15 +220,16 @@ def real_scale_benchmark() -> None:
     # FSDP: rank 0 of a fake process group against both ranks of a real 2-rank gloo job (the fake
     # rank holds gloo's copy of each reduce-scatter input: comm_backend="gloo")
     jobs = [(name, cfg.to_dict(), stack) for name, cfg in configs.items() for stack in sharded]
-    reals = distributed.launch([("recipes_lib.fake_memory:real_rank_step", {
-        "model": cfg, "stack": asdict(stack), "seq_len": 256, "batch_size": 2})
-        for _, cfg, stack in jobs], verbose=False)
+    reals = kept.value("fsdp: real gloo ranks' peaks", lambda: distributed.launch([(
+        "recipes_lib.fake_memory:real_rank_step", {
+            "model": cfg, "stack": asdict(stack), "seq_len": 256, "batch_size": 2})
+        for _, cfg, stack in jobs], verbose=False))
     for (name, cfg, stack), ranks in zip(jobs, reals):
-        fake = fake_memory.measure_step(cfg, stack, 256, 2, comm_backend="gloo")
-        ratio = max((sum(fake.by_category.values()) / sum(rank.values()) for rank in ranks),
+        fake, nccl = (kept.value(f"fsdp: fake rank ({backend}): {name}: {stack!r}", partial(
+            _fake_total, cfg, stack, 256, 2, backend)) for backend in ("gloo", "nccl"))
+        ratio = max((fake / sum(rank.values()) for rank in ranks),
                     key=lambda x: abs(x - 1))  # the rank farthest from the fake one
         # the same rank counted as a GPU (NCCL) rank, without gloo's copy: the gap it explains
-        nccl = sum(fake_memory.measure_step(cfg, stack, 256, 2).by_category.values())
         nccl_ratio = min(nccl / sum(rank.values()) for rank in ranks)
         print(f"  fake vs real, {name}, {stack.label}: peak {ratio:.4f} (worst rank); "
               f"without gloo's copy {nccl_ratio:.4f}")
@@ -234,30 +243,62 @@ def real_scale_benchmark() -> None:
             loss="litgpt", autocast_adapter_dtype=False, gpu_dropout=True)
     for stack in (lit, replace(lit, precision="fp32", gpu_dropout=False),
                   replace(lit, method="qlora", nf4_keeps_input=True)):
-        fake, real = (litgpt_memory.measure_step(litgpt_memory.TINY, stack, 256, 2, fake=f)
+        fake, real = (kept.value(f"litgpt's tiny model ({'fake' if f else 'real'}): {stack!r}",
+                                 partial(_litgpt_peak, stack, 256, 2, f))
                       for f in (True, False))
-        ratio = fake.peak_bytes / real.peak_bytes
+        ratio = fake / real
         print(f"  fake vs real, litgpt's tiny model, {stack.label}: peak {ratio:.4f}")
         r.add("fake_vs_real", f"litgpt's tiny model: {stack.label}", ratio, baseline=1.0,
               unit="fake / real peak, 2 x 256 tokens, CPU (litgpt_memory)")
-    t0 = time.perf_counter()
-    big = fake_memory.measure_step("Llama-3.1-8B", S(checkpointing=True), 2048, 1)
-    seconds = time.perf_counter() - t0
-    for cat, value in big.by_category.items():
+
+    def big_step() -> dict:
+        t0 = time.perf_counter()
+        big = fake_memory.measure_step("Llama-3.1-8B", S(checkpointing=True), 2048, 1)
+        return {"seconds": time.perf_counter() - t0, "by_category": big.by_category,
+                "peak_bytes": big.peak_bytes}
+
+    big = kept.value("Llama-3.1-8B step on fake tensors", big_step)
+    seconds = big["seconds"]
+    for cat, value in big["by_category"].items():
         if value:
             r.add("llama_3_1_8b_step", f"{cat} GiB", value / 2**30,
                   unit="bf16 AdamW + checkpointing, 1 x 2048 tokens, fake tensors")
     print(f"  Llama-3.1-8B step on fake tensors: {seconds:.0f} s, peak "
-          f"{big.peak_bytes / 2**30:.2f} GiB")
+          f"{big['peak_bytes'] / 2**30:.2f} GiB")
     checks.check_speed(r, "fake_memory", "Llama-3.1-8B step on fake tensors (s)", seconds, 90.0,
                        at_least=False, unit="s")
     # published GPU figures beside our predictions (misses stay in the table, with the reason
     # in published.py and the README)
-    rows = published.predict()
+    rows = published.predict(memo=kept.value)
     published.record(r, rows)
     print(published.format_table(rows))
     r.save()
+    kept.done()
     published.update_readme(rows)
+
+
+def _fake_vs_real_ratios(config, stack, seq_len: int, batch_size: int) -> dict:
+    """``fake_memory.fake_vs_real``'s ratios (peak and per category), the part a run keeps."""
+    from recipes_lib import fake_memory
+
+    out = fake_memory.fake_vs_real(config, stack, seq_len, batch_size)
+    return {"peak_ratio": out["peak_ratio"], "ratios": out["ratios"]}
+
+
+def _litgpt_peak(stack, seq_len: int, batch_size: int, fake: bool) -> int:
+    """The peak of one training step of litgpt's tiny model, on fake or real tensors."""
+    from recipes_lib import litgpt_memory
+
+    return litgpt_memory.measure_step(litgpt_memory.TINY, stack, seq_len, batch_size,
+                                      fake=fake).peak_bytes
+
+
+def _fake_total(config: dict, stack, seq_len: int, batch_size: int, backend: str) -> int:
+    """One FSDP rank's bytes on fake tensors, counted as a ``backend`` ("gloo" or "nccl") rank."""
+    from recipes_lib import fake_memory
+
+    return sum(fake_memory.measure_step(config, stack, seq_len, batch_size,
+                                        comm_backend=backend).by_category.values())
 
 
 def _measured_devices() -> list[str]:

@@ -188,20 +188,40 @@ def synchronize(device: torch.device) -> None:
         torch.mps.synchronize()
 
 
+def cpuinfo(path: str = "/proc/cpuinfo") -> dict[str, str]:
+    """The first processor's fields in Linux's ``/proc/cpuinfo`` (the others repeat them).
+
+    Args:
+        path: the file.
+
+    Returns:
+        field -> value, e.g. {"model name": "AMD EPYC", "cpu family": "23", ...}; {} where the
+        file does not exist (macOS, Windows).
+    """
+    fields: dict[str, str] = {}
+    try:
+        with open(path) as f:
+            for line in f:
+                if not line.strip():
+                    if fields:  # the end of the first processor's block
+                        break
+                    continue
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        return {}
+    return fields
+
+
 def cpu_name() -> str:
     """The CPU's model name (``/proc/cpuinfo`` on Linux, else ``platform.processor()``).
 
     Returns:
         The name, or '' where none is found.
     """
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):  # "Intel(R) Xeon(R) ..." -> "Intel Xeon ..."
-                    name = line.split(":", 1)[1]
-                    return " ".join(re.sub(r"\((R|TM|tm)\)", "", name).split())
-    except OSError:
-        pass
+    name = cpuinfo().get("model name")
+    if name:  # "Intel(R) Xeon(R) ..." -> "Intel Xeon ..."
+        return " ".join(re.sub(r"\((R|TM|tm)\)", "", name).split())
     return platform.processor()
 
 
@@ -246,18 +266,7 @@ def cpu_microarchitecture() -> str:
     Returns:
         E.g. 'Zen 1, family 23 model 1', or '' where ``/proc/cpuinfo`` gives no family.
     """
-    fields: dict[str, str] = {}
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                key = key.strip()
-                if key in ("vendor_id", "cpu family", "model") and key not in fields:
-                    fields[key] = value.strip()
-                if not line.strip():  # the first processor's block is enough
-                    break
-    except OSError:
-        return ""
+    fields = cpuinfo()
     if not fields.get("cpu family", "").isdigit() or not fields.get("model", "").isdigit():
         return ""
     return microarchitecture(fields.get("vendor_id", ""), int(fields["cpu family"]),
@@ -273,12 +282,7 @@ def native_cpu_isa() -> str:
     Returns:
         "AVX512", "AVX2" or "DEFAULT" (or torch's level name elsewhere).
     """
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((set(line.split(":", 1)[1].split()) for line in f
-                          if line.startswith("flags")), None)
-    except OSError:
-        flags = None
+    flags = set(cpuinfo().get("flags", "").split())
     if not flags or platform.machine() not in ("x86_64", "AMD64"):
         return torch.backends.cpu.get_cpu_capability()
     if {"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma"} <= flags:

@@ -14,7 +14,9 @@ where the source does not say how it capped memory.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -441,7 +443,15 @@ def figure_for(model: str, stack: Stack, gpu_mem: str) -> Figure | None:
                  and planner.parse_bytes(f.gpu_mem) == planner.parse_bytes(gpu_mem)), None)
 
 
-def predict(figures: list[Figure] = FIGURES, step: int = 64) -> list[dict[str, Any]]:
+def _peak_bytes(model: Any, stack: Stack, seq_len: int, batch_size: int) -> int:
+    """One training step's peak on fake tensors, on litgpt's own model where the row ran it."""
+    return (litgpt_memory.measure_step(model.name, stack, seq_len, batch_size)
+            if isinstance(model, LitGPTModel) else
+            fake_memory.measure_step(model, stack, seq_len, batch_size)).peak_bytes
+
+
+def predict(figures: list[Figure] = FIGURES, step: int = 64,
+            memo: Callable[[str, Callable[[], Any]], Any] | None = None) -> list[dict[str, Any]]:
     """Our prediction for each figure (and for the other stacks its source's words fit),
     measured on fake tensors: rows that ask for the longest context of the same model and stack
     share one search (``planner.max_context``).
@@ -449,6 +459,9 @@ def predict(figures: list[Figure] = FIGURES, step: int = 64) -> list[dict[str, A
     Args:
         figures: the figures to predict.
         step: the longest-context search's granularity, in tokens.
+        memo: ``memo(key, measure)`` returns ``measure()`` or the value recorded under ``key``
+            (``results.Progress.value``: an interrupted run resumes where it stopped); None
+            measures everything.
 
     Returns:
         One dict per figure: its fields, ``predicted``, ``error`` (predicted / published - 1;
@@ -466,6 +479,7 @@ def predict(figures: list[Figure] = FIGURES, step: int = 64) -> list[dict[str, A
         for name, stack in f.alternatives] + [
         (i, f, model, stack, name) for i, f in enumerate(figures)
         for name, model, stack in f.model_alternatives]
+    run = memo if memo is not None else (lambda key, measure: measure())
     values: dict[tuple[int, str], float] = {}
     groups: dict[tuple, list[tuple[int, str]]] = {}
     for i, f, model, stack, which in jobs:
@@ -474,15 +488,15 @@ def predict(figures: list[Figure] = FIGURES, step: int = 64) -> list[dict[str, A
                 raise ValueError(f"model: a longest-context figure ({f.row}) names a preset")
             groups.setdefault((model, stack, f.batch_size), []).append((i, which))
             continue
-        peak = (litgpt_memory.measure_step(model.name, stack, f.seq_len, f.batch_size)
-                if isinstance(model, LitGPTModel) else
-                fake_memory.measure_step(model, stack, f.seq_len, f.batch_size)).peak_bytes
+        peak = run(f"peak: {model!r}, {stack!r}, {f.batch_size} x {f.seq_len}",
+                   partial(_peak_bytes, model, stack, f.seq_len, f.batch_size))
         if f.reads == "reserved":
             peak += planner.gpu_overhead(peak)
         values[i, which] = peak / f.unit_bytes
     for (model, stack, batch), keys in groups.items():
-        found = planner.max_context(model, [figures[i].gpu_mem for i, _ in keys], stack, batch,
-                                    step=step)
+        gpu_mems = [figures[i].gpu_mem for i, _ in keys]
+        found = run(f"max context: {model!r}, {stack!r}, batch {batch}, {gpu_mems}, step {step}",
+                    partial(planner.max_context, model, gpu_mems, stack, batch, step=step))
         for key, r in zip(keys, found):
             values[key] = float(r["max_seq_len"])
     out = []

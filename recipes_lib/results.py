@@ -360,3 +360,77 @@ def write_report(status: dict[str, str], results_dir: Path | str | None = None) 
     path = results_dir / "report.md"
     path.write_text("\n".join(lines))
     return path
+
+
+def _source_fingerprint() -> str:
+    """A digest of the package's source: figures kept by an interrupted run are reused only by
+    the same code."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for path in sorted((ROOT / "recipes_lib").glob("*.py")):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
+class Progress:
+    """What a long run has measured so far, kept on disk after each measurement so that an
+    interrupted run loses nothing: the next run with the same device, package versions and
+    source reuses each recorded value instead of measuring it again.
+
+    The file is ``<results dir>/.progress/<stem>.json`` (not tracked); :meth:`done` removes it.
+
+    Args:
+        stem: the results file's stem, e.g. "real_scale".
+        device: the device, in words (``device.describe_device``): values from another device
+            are not reused.
+        results_dir: the results folder (default: :func:`output_dir`).
+
+    Raises:
+        ValueError: for a ``stem`` that is not a file stem, or a folder that cannot be written.
+
+    Example:
+        >>> p = Progress("real_scale", "cpu")
+        >>> ratio = p.value("tiny: fp32", lambda: 1.0)  # measured once, then read back
+    """
+
+    def __init__(self, stem: str, device: str, results_dir: Path | str | None = None):
+        if not stem or "/" in stem:
+            raise ValueError(f"stem={stem!r}: expected a results file stem")
+        folder = check_writable(Path(results_dir if results_dir is not None else output_dir())
+                                / ".progress")
+        self.path = folder / f"{stem}.json"
+        self.fingerprint = {"device": device, "versions": package_versions(),
+                            "source": _source_fingerprint()}
+        self.values: dict = {}
+        if self.path.is_file():
+            try:
+                kept = json.loads(self.path.read_text())
+            except (OSError, ValueError):
+                kept = {}
+            if kept.get("fingerprint") == self.fingerprint:
+                self.values = kept.get("values", {})
+        self.reused = len(self.values)
+
+    def value(self, key: str, measure):
+        """The value recorded under ``key``, or ``measure()``'s, recorded at once.
+
+        Args:
+            key: what was measured, in words (unique within the run).
+            measure: a function of no arguments returning a JSON-serialisable value.
+
+        Returns:
+            The value (read back from the file where it was recorded: tuples come back as
+            lists).
+        """
+        if key not in self.values:
+            self.values[key] = json.loads(json.dumps(measure()))
+            tmp = self.path.with_suffix(".json.tmp")
+            tmp.write_text(json.dumps({"fingerprint": self.fingerprint, "values": self.values},
+                                      indent=1) + "\n")
+            os.replace(tmp, self.path)
+        return self.values[key]
+
+    def done(self) -> None:
+        """Remove the file: the run finished and its results are saved."""
+        self.path.unlink(missing_ok=True)

@@ -114,12 +114,18 @@ class Peaks:
         bytes_per_s: a large copy's bytes read plus written per second.
         dtype: the matmul's dtype.
         device: the device.
+        matmul_size: n of the n x n by n x n matmul timed (0: not said).
+        copy_bytes: the bytes of the tensor copied (0: not said).
+        repeats: the timed runs each figure is the median of (0: not said).
     """
 
     flops_per_s: float
     bytes_per_s: float
     dtype: str
     device: str
+    matmul_size: int = 0
+    copy_bytes: int = 0
+    repeats: int = 0
 
 
 _PEAKS: dict[tuple[str, str], Peaks] = {}
@@ -145,12 +151,14 @@ def machine_peaks(device: torch.device | str = "cpu", dtype: torch.dtype = torch
         n = 4096 if device.type == "cuda" else 1024
         a = torch.randn(n, n, device=device, dtype=dtype)
         b = torch.randn(n, n, device=device, dtype=dtype)
-        mm = time_fn(lambda: a @ b, warmup=2, repeats=5, device=device).median_s
+        repeats = 5
+        mm = time_fn(lambda: a @ b, warmup=2, repeats=repeats, device=device).median_s
         numel = (256 if device.type == "cuda" else 32) * 2**20
         src = torch.randn(numel, device=device, dtype=torch.float32)
         dst = torch.empty_like(src)
-        cp = time_fn(lambda: dst.copy_(src), warmup=2, repeats=5, device=device).median_s
-        _PEAKS[key] = Peaks(2 * n**3 / mm, 2 * src.nbytes / cp, str(dtype), str(device))
+        cp = time_fn(lambda: dst.copy_(src), warmup=2, repeats=repeats, device=device).median_s
+        _PEAKS[key] = Peaks(2 * n**3 / mm, 2 * src.nbytes / cp, str(dtype), str(device),
+                            matmul_size=n, copy_bytes=src.nbytes, repeats=repeats)
     return _PEAKS[key]
 
 
@@ -176,11 +184,12 @@ def record_machine_peaks(devices: Sequence[torch.device | str] = ("cpu",),
     r = Results("machine", "; ".join(describe_device(d) for d in devices), results_dir)
     for d in devices:
         p = machine_peaks(d)
-        n = 4096 if d.type == "cuda" else 1024
+        n = p.matmul_size
         r.add("peaks", f"{d.type}: fp32 matmul", p.flops_per_s / 1e9,
-              unit=f"GFLOP/s, one {n} x {n} matmul, median of 5")
+              unit=f"GFLOP/s, one {n} x {n} matmul, median of {p.repeats}")
         r.add("peaks", f"{d.type}: copy", p.bytes_per_s / 1e9,
-              unit="GB/s read + written, one fp32 tensor copied, median of 5")
+              unit=f"GB/s read + written, one {p.copy_bytes / 2**20:.0f} MiB tensor copied, "
+                   f"median of {p.repeats}")
     return r.save()
 
 

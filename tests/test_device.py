@@ -77,6 +77,17 @@ def test_the_description_names_this_cpus_core_generation_where_cpuinfo_gives_it(
         assert "family" not in described
 
 
+def test_cpuinfo_reads_the_first_processors_block_only(tmp_path):
+    path = tmp_path / "cpuinfo"
+    path.write_text("\nprocessor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 23\n"
+                    "model\t\t: 1\nmodel name\t: AMD EPYC\nflags\t\t: fpu avx2 fma\n\n"
+                    "processor\t: 1\nmodel name\t: another\n\n")
+    assert device.cpuinfo(str(path)) == {
+        "processor": "0", "vendor_id": "AuthenticAMD", "cpu family": "23", "model": "1",
+        "model name": "AMD EPYC", "flags": "fpu avx2 fma"}
+    assert device.cpuinfo(str(tmp_path / "absent")) == {}  # macOS, Windows: nothing guessed
+
+
 def test_capabilities_name_each_fallback_on_cpu():
     caps = device.capabilities(torch.device("cpu"))
     if not torch.cuda.is_available():

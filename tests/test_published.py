@@ -34,6 +34,25 @@ def test_a_published_peak_stays_within_its_band():
     assert r["unit"] == "GB (allocated)"
 
 
+def test_a_prediction_reads_each_measurement_through_its_memo():
+    """make bench keeps each measurement as it is made (results.Progress): a memo that holds a
+    value stands in for the fake-tensor step and the longest-context search, so an interrupted
+    run resumes without measuring again."""
+    peak = next(f for f in published.FIGURES if f.source == published.LITGPT)
+    longest = next(f for f in published.FIGURES if f.kind == "max_context")
+    keys = []
+
+    def kept(key, measure):
+        keys.append(key)
+        return 2 * 10**9 if key.startswith("peak: ") else [{"max_seq_len": 1234}]
+
+    one, two = published.predict([replace(f, alternatives=(), model_alternatives=())
+                                  for f in (peak, longest)], memo=kept)
+    assert one["predicted"] == 2 * 10**9 / peak.unit_bytes and two["predicted"] == 1234.0
+    assert keys[0].startswith(f"peak: {peak.model!r}, {peak.stack!r}")
+    assert keys[1].startswith(f"max context: {longest.model!r}, {longest.stack!r}")
+
+
 def test_litgpts_phi_row_is_litgpts_model_beside_transformers_of_the_same_config():
     """litgpt's phi-1.5 LoRA row (micro-batch 1) is measured on litgpt's own model, which keeps
     more than transformers' model of the same config (litgpt's fused qkv: attention keeps v as

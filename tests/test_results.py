@@ -113,3 +113,32 @@ def test_readme_section_is_written_only_for_the_repositorys_results(tmp_path, mo
     assert "README archs not refreshed" in capsys.readouterr().out
     results.Results("architectures", "cpu", tmp_path).save()
     assert "architectures" not in results.markdown_table(tmp_path)
+
+
+def test_an_interrupted_runs_measurements_are_reused_and_only_by_the_same_run(tmp_path,
+                                                                             monkeypatch):
+    calls = []
+
+    def measure(x):
+        calls.append(x)
+        return {"ratio": x, "inf": float("inf"), "pair": (x, x)}
+
+    first = results.Progress("demo", "cpu: here", tmp_path)
+    assert first.value("a", lambda: measure(1.0)) == {"ratio": 1.0, "inf": float("inf"),
+                                                      "pair": [1.0, 1.0]}
+    assert first.value("a", lambda: measure(2.0))["ratio"] == 1.0  # kept, not measured again
+    # the process dies here; the next run reads what was measured and measures the rest
+    again = results.Progress("demo", "cpu: here", tmp_path)
+    assert again.reused == 1
+    assert again.value("a", lambda: measure(3.0))["ratio"] == 1.0
+    assert again.value("b", lambda: measure(4.0))["ratio"] == 4.0
+    assert calls == [1.0, 4.0]
+    # another device, or other code, measures afresh
+    assert results.Progress("demo", "cpu: elsewhere", tmp_path).reused == 0
+    monkeypatch.setattr(results, "_source_fingerprint", lambda: "edited")
+    assert results.Progress("demo", "cpu: here", tmp_path).reused == 0
+    again.done()
+    assert not again.path.exists() and not list(tmp_path.rglob("*.json"))
+    with pytest.raises(ValueError, match="stem="):
+        results.Progress("a/b", "cpu", tmp_path)
+

@@ -110,7 +110,8 @@ def test_regimes_from_achieved_rates_against_the_peaks():
 
 
 def test_the_machines_ceilings_are_recorded_beside_its_description(monkeypatch, tmp_path):
-    measured = Peaks(flops_per_s=64e9, bytes_per_s=11e9, dtype="torch.float32", device="cpu")
+    measured = Peaks(flops_per_s=64e9, bytes_per_s=11e9, dtype="torch.float32", device="cpu",
+                     matmul_size=1024, copy_bytes=128 * 2**20, repeats=5)
     monkeypatch.setattr(sweep, "machine_peaks", lambda d: measured)
     path = sweep.record_machine_peaks(["cpu"], tmp_path)
     saved = load_results(tmp_path)["machine"]
@@ -118,7 +119,9 @@ def test_the_machines_ceilings_are_recorded_beside_its_description(monkeypatch, 
     assert saved["device"] == device.describe_device(torch.device("cpu"))
     assert {f["metric"]: f["value"] for f in saved["figures"]} == {
         "cpu: fp32 matmul": 64.0, "cpu: copy": 11.0}
-    assert [f["unit"].split(",")[0] for f in saved["figures"]] == ["GFLOP/s", "GB/s read + written"]
+    assert [f["unit"] for f in saved["figures"]] == [
+        "GFLOP/s, one 1024 x 1024 matmul, median of 5",
+        "GB/s read + written, one 128 MiB tensor copied, median of 5"]
 
 
 @pytest.mark.parametrize("sizes", [[1, 2], [4, 2, 8], [0, 1, 2], [1, 1, 2]])

@@ -210,11 +210,11 @@ def real_scale_benchmark() -> None:
         print(f"  resuming: {kept.reused} measurements kept by an interrupted run ({kept.path})")
     for name, cfg in configs.items():
         for stack in flags + sixteen:
-            out = kept.value(f"fake vs real: {name}: {stack!r}",
-                             partial(_fake_vs_real_ratios, cfg, stack, 256, 2))
+            key = f"fake vs real: {name}: {stack!r}"
+            out = kept.value(key, partial(_fake_vs_real_ratios, cfg, stack, 256, 2))
             worst = max(abs(v - 1) for v in out["ratios"].values() if v != float("inf"))
             print(f"  fake vs real, {name}, {stack.label}: peak {out['peak_ratio']:.4f}, "
-                  f"worst category {worst:.2e}")
+                  f"worst category {worst:.2e}{kept.said(key)}")
             r.add("fake_vs_real", f"{name}: {stack.label}", out["peak_ratio"], baseline=1.0,
                   unit="fake / real peak, 2 x 256 tokens, CPU")
     # FSDP: rank 0 of a fake process group against both ranks of a real 2-rank gloo job (the fake
@@ -225,14 +225,16 @@ def real_scale_benchmark() -> None:
             "model": cfg, "stack": asdict(stack), "seq_len": 256, "batch_size": 2})
         for _, cfg, stack in jobs], verbose=False))
     for (name, cfg, stack), ranks in zip(jobs, reals):
-        fake, nccl = (kept.value(f"fsdp: fake rank ({backend}): {name}: {stack!r}", partial(
-            _fake_total, cfg, stack, 256, 2, backend)) for backend in ("gloo", "nccl"))
+        keys = {backend: f"fsdp: fake rank ({backend}): {name}: {stack!r}"
+                for backend in ("gloo", "nccl")}
+        fake, nccl = (kept.value(key, partial(_fake_total, cfg, stack, 256, 2, backend))
+                      for backend, key in keys.items())
         ratio = max((fake / sum(rank.values()) for rank in ranks),
                     key=lambda x: abs(x - 1))  # the rank farthest from the fake one
         # the same rank counted as a GPU (NCCL) rank, without gloo's copy: the gap it explains
         nccl_ratio = min(nccl / sum(rank.values()) for rank in ranks)
         print(f"  fake vs real, {name}, {stack.label}: peak {ratio:.4f} (worst rank); "
-              f"without gloo's copy {nccl_ratio:.4f}")
+              f"without gloo's copy {nccl_ratio:.4f}{kept.said(keys['nccl'])}")
         r.add("fake_vs_real", f"{name}: {stack.label}", ratio, baseline=1.0,
               unit="fake / real peak, worst of 2 gloo ranks, 2 x 256 tokens, CPU")
         r.add("fake_vs_real_nccl", f"{name}: {stack.label}", nccl_ratio, baseline=ratio,
@@ -243,11 +245,12 @@ def real_scale_benchmark() -> None:
             loss="litgpt", autocast_adapter_dtype=False, gpu_dropout=True)
     for stack in (lit, replace(lit, precision="fp32", gpu_dropout=False),
                   replace(lit, method="qlora", nf4_keeps_input=True)):
-        fake, real = (kept.value(f"litgpt's tiny model ({'fake' if f else 'real'}): {stack!r}",
-                                 partial(_litgpt_peak, stack, 256, 2, f))
-                      for f in (True, False))
+        keys = {which: f"litgpt's tiny model ({which}): {stack!r}" for which in ("fake", "real")}
+        fake, real = (kept.value(key, partial(_litgpt_peak, stack, 256, 2, which == "fake"))
+                      for which, key in keys.items())
         ratio = fake / real
-        print(f"  fake vs real, litgpt's tiny model, {stack.label}: peak {ratio:.4f}")
+        print(f"  fake vs real, litgpt's tiny model, {stack.label}: peak {ratio:.4f}"
+              f"{kept.said(keys['real'])}")
         r.add("fake_vs_real", f"litgpt's tiny model: {stack.label}", ratio, baseline=1.0,
               unit="fake / real peak, 2 x 256 tokens, CPU (litgpt_memory)")
 
@@ -257,14 +260,15 @@ def real_scale_benchmark() -> None:
         return {"seconds": time.perf_counter() - t0, "by_category": big.by_category,
                 "peak_bytes": big.peak_bytes}
 
-    big = kept.value("Llama-3.1-8B step on fake tensors", big_step)
+    key = "Llama-3.1-8B step on fake tensors"
+    big = kept.value(key, big_step)
     seconds = big["seconds"]
     for cat, value in big["by_category"].items():
         if value:
             r.add("llama_3_1_8b_step", f"{cat} GiB", value / 2**30,
                   unit="bf16 AdamW + checkpointing, 1 x 2048 tokens, fake tensors")
     print(f"  Llama-3.1-8B step on fake tensors: {seconds:.0f} s, peak "
-          f"{big['peak_bytes'] / 2**30:.2f} GiB")
+          f"{big['peak_bytes'] / 2**30:.2f} GiB{kept.said(key)}")
     checks.check_speed(r, "fake_memory", "Llama-3.1-8B step on fake tensors (s)", seconds, 90.0,
                        at_least=False, unit="s")
     # published GPU figures beside our predictions (misses stay in the table, with the reason

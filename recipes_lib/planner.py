@@ -641,7 +641,9 @@ def script_model_id(model: str) -> str:
 
 
 def max_context(model: str, gpu_mem: str | float | list, stack: Any = None, batch_size: int = 1,
-                step: int = 256, limit: int | None = None) -> dict[str, Any] | list[dict[str, Any]]:
+                step: int = 256, limit: int | None = None,
+                memo: Callable[[str, Callable[[], Any]], Any] | None = None,
+                ) -> dict[str, Any] | list[dict[str, Any]]:
     """The longest sequence whose training step fits ``gpu_mem``, by measurement: a search over
     fake-tensor steps (``fake_memory.measure_step``, each peak plus ``gpu_overhead``).
 
@@ -657,6 +659,9 @@ def max_context(model: str, gpu_mem: str | float | list, stack: Any = None, batc
         batch_size: sequences per step.
         step: the search's granularity in tokens.
         limit: the longest length tried (default: the model's positions).
+        memo: ``memo(key, measure)`` returns ``measure()`` or the value recorded under ``key``,
+            for each length measured (``results.Progress.value``: a search stopped part-way
+            keeps the lengths it measured); None measures every one.
 
     Returns:
         ``{"max_seq_len", "gpu_GiB" (at that length), "tries": [(seq_len, gpu_GiB)], "stack",
@@ -685,10 +690,12 @@ def max_context(model: str, gpu_mem: str | float | list, stack: Any = None, batc
     top = longest // step
     probes: dict[int, float] = {}  # length -> bytes on the GPU, shared by every budget
 
-    meter = fake_memory.step_meter(config, stack, batch_size)  # one build for every length
+    meter = fake_memory.step_meter(config, stack, batch_size)  # one build, when first measured
+    run = memo if memo is not None else (lambda key, measure: measure())
 
     def need(n: int) -> float:
-        peak = meter(n).peak_bytes
+        peak = run(f"fake step: {model!r}, {stack!r}, {batch_size} x {n}",
+                   lambda: meter(n).peak_bytes)
         return peak + gpu_overhead(peak)
 
     out = []

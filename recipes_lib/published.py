@@ -496,7 +496,8 @@ def predict(figures: list[Figure] = FIGURES, step: int = 64,
     for (model, stack, batch), keys in groups.items():
         gpu_mems = [figures[i].gpu_mem for i, _ in keys]
         found = run(f"max context: {model!r}, {stack!r}, batch {batch}, {gpu_mems}, step {step}",
-                    partial(planner.max_context, model, gpu_mems, stack, batch, step=step))
+                    partial(planner.max_context, model, gpu_mems, stack, batch, step=step,
+                            memo=run))
         for key, r in zip(keys, found):
             values[key] = float(r["max_seq_len"])
     out = []

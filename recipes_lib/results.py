@@ -14,9 +14,11 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = ROOT / "results"  # the committed figures; see output_dir() for the setting
@@ -411,8 +413,9 @@ class Progress:
             if kept.get("fingerprint") == self.fingerprint:
                 self.values = kept.get("values", {})
         self.reused = len(self.values)
+        self._read_back = set(self.values)
 
-    def value(self, key: str, measure):
+    def value(self, key: str, measure: Callable[[], Any]) -> Any:
         """The value recorded under ``key``, or ``measure()``'s, recorded at once.
 
         Args:
@@ -430,6 +433,18 @@ class Progress:
                                       indent=1) + "\n")
             os.replace(tmp, self.path)
         return self.values[key]
+
+    def said(self, key: str) -> str:
+        """How a printed line says where its value came from: " (kept from the interrupted run)"
+        for a value read back from the file, "" for one measured by this run.
+
+        Args:
+            key: a key given to :meth:`value`.
+
+        Returns:
+            The words to append to the line.
+        """
+        return " (kept from the interrupted run)" if key in self._read_back else ""
 
     def done(self) -> None:
         """Remove the file: the run finished and its results are saved."""

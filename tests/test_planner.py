@@ -485,6 +485,32 @@ def test_max_context_is_the_longest_measured_length_within_the_budget(tmp_path, 
         planner.max_context(str(tmp_path), "1GiB", stack)
 
 
+def test_a_stopped_longest_context_search_keeps_each_length_it_measured(tmp_path, small_llama,
+                                                                        monkeypatch):
+    """make bench keeps a search's measurements one length at a time (results.Progress), so a
+    search stopped part-way resumes from the lengths it measured."""
+    from recipes_lib import fake_memory
+
+    small_llama.config.save_pretrained(tmp_path)
+    stack = fake_memory.Stack(precision="fp32")
+    kept = {}
+
+    def memo(key, measure):
+        if key not in kept:
+            kept[key] = measure()
+        return kept[key]
+
+    first = planner.max_context(str(tmp_path), "1GiB", stack, step=16, memo=memo)
+    assert len(kept) == len(first["tries"]) >= 2
+    assert all(k.startswith(f"fake step: {str(tmp_path)!r}, {stack!r}, 1 x ") for k in kept)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("measured again")
+
+    monkeypatch.setattr(fake_memory, "step_meter", lambda *a, **k: refuse)
+    assert planner.max_context(str(tmp_path), "1GiB", stack, step=16, memo=memo) == first
+
+
 def test_max_context_per_step_searches_each_measured_stack_once(tmp_path, small_llama,
                                                                  monkeypatch):
     small_llama.config.save_pretrained(tmp_path)

@@ -133,6 +133,8 @@ def test_an_interrupted_runs_measurements_are_reused_and_only_by_the_same_run(tm
     assert again.value("a", lambda: measure(3.0))["ratio"] == 1.0
     assert again.value("b", lambda: measure(4.0))["ratio"] == 4.0
     assert calls == [1.0, 4.0]
+    # a printed line says which values were read back rather than measured
+    assert again.said("a") == " (kept from the interrupted run)" and again.said("b") == ""
     # another device, or other code, measures afresh
     assert results.Progress("demo", "cpu: elsewhere", tmp_path).reused == 0
     monkeypatch.setattr(results, "_source_fingerprint", lambda: "edited")

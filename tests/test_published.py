@@ -78,14 +78,14 @@ def test_litgpts_phi_row_is_litgpts_model_beside_transformers_of_the_same_config
 
 def test_torchtunes_qlora_row_stays_within_its_band():
     """torchtune's README ablation, Llama 3.2 3B QLoRA (A100, peak active GiB): bf16 adapters,
-    rank 64 on q, v, output and the MLP, checkpointing and offloading, chunked CE; beside it,
-    peft's default fp32 adapters, which hold more (~20 s for both)."""
+    rank 64 on q, v, output and the MLP, checkpointing and offloading, chunked CE (~10 s; the
+    row's alternative, peft's default fp32 adapters, is measured beside it by make bench)."""
     row = next(f for f in published.FIGURES if f.source == published.TORCHTUNE
                and f.stack.method == "qlora")
     assert not row.stack.autocast_adapter_dtype and row.stack.offload_activations
-    (r,) = published.predict([row])
+    assert [name for name, _ in row.alternatives] == ["peft's default: fp32 adapters"]
+    (r,) = published.predict([replace(row, alternatives=())])
     assert r["met"] and r["unit"] == "GiB (allocated)", r
-    assert r["alternatives"]["peft's default: fp32 adapters"] > r["predicted"]
 
 
 def test_torchtitans_selective_checkpointing_row_stays_within_its_band():

@@ -28,6 +28,24 @@ def test_no_compiler_is_a_clear_error(monkeypatch):
 def test_sweep_sizes_are_checked_before_anything_compiles():
     with pytest.raises(ValueError, match="hidden_sizes=\\[32, 64\\]: a sweep needs at least three"):
         compiling.width_sweep([32, 64])
+    with pytest.raises(ValueError, match="num_hidden_layers=0: must be >= 1"):
+        compiling.width_sweep([32, 64, 128], num_hidden_layers=0)
+
+
+def test_the_width_sweeps_models_have_the_depth_asked_for(monkeypatch):
+    """Notebook 03 sweeps 1-layer models at the CI size and 2-layer ones in make run."""
+    from recipes_lib.timing import Timing
+
+    depths = []
+
+    def step(make, batch, repeats):
+        depths.append(make().config.num_hidden_layers)
+        return compiling.CompileComparison(Timing(0.01, [0.01]), Timing(0.005, [0.005]), 1.0, 0.0)
+    monkeypatch.setattr(compiling, "training_step", step)
+    monkeypatch.setattr("recipes_lib.sweep.machine_peaks", lambda device: None)  # not timed here
+    compiling.width_sweep([32, 64, 128], seq_len=16, num_hidden_layers=3, repeats=1)
+    compiling.width_sweep([32, 64, 128], seq_len=16, repeats=1)
+    assert depths == [3, 3, 3, 2, 2, 2]
 
 
 @pytest.mark.skipif(not compiling.compile_available("cpu")[0], reason="no C++ compiler")

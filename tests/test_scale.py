@@ -29,6 +29,8 @@ def test_ci_changes_nothing_and_other_scales_set_their_sizes():
     scale.apply(stem, "reference", ns)
     assert ns["ATTN_SEQ_LENS"] == (256, 512, 1024, 2048, 4096) and ns["COMPILE_INT8"] is True
     assert ns["NORM_TOKENS"] == 2048  # not scaled at "reference": keeps the CI value
+    # the results table's compile sweep: 2-layer models, as before the CI size took 1
+    assert ci["COMPILE_LAYERS"] == 1 and ns["COMPILE_LAYERS"] == 2
     ns = dict(ci)
     scale.apply(stem, "gpu", ns)
     assert ns["ATTN_SEQ_LENS"][-1] == 16384 and ns["NORM_TOKENS"] == 16384

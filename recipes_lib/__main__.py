@@ -354,6 +354,40 @@ def matrix_from_figures(figures: list[dict]) -> dict[str, dict[str, str]]:
     return out
 
 
+def machines_by_architecture(line: str, architectures: list[str]) -> dict[str, str]:
+    """Each architecture's machine, read from a recorded device line of ``architectures.json``:
+    ``"a, b: <machine> | c: <machine>"`` (one group per machine, what :func:`record_matrix`
+    writes), the nested ``"a: <machine>; b, c as recorded: <earlier line>"`` it wrote until
+    2026-12-05, or a plain machine for every row.
+
+    Args:
+        line: the device line.
+        architectures: the rows to place.
+
+    Returns:
+        architecture -> machine (the whole line where it names none for that row).
+    """
+    import re
+
+    known = set(architectures)
+
+    def names(text: str) -> list[str]:
+        found = text.split(", ")
+        return found if all(n in known for n in found) else []
+
+    nested = re.match(r"((?:\w+, )*\w+): (.*?); ((?:\w+, )*\w+) as recorded: (.*)$", line)
+    if nested and names(nested[1]) and names(nested[3]):
+        return {**machines_by_architecture(nested[4], architectures),
+                **{a: nested[2] for a in names(nested[1])}}
+    found: dict[str, str] = {}
+    for group in line.split(" | "):
+        head, sep, machine = group.partition(": ")
+        if not sep or not names(head):
+            return {a: line for a in architectures}
+        found.update({a: machine for a in names(head)})
+    return {a: found.get(a, line) for a in architectures}
+
+
 def record_matrix(matrix: dict[str, dict[str, str]], kept: list[str] = (),
                   kept_device: str = "") -> str:
     """Write the matrix as ``architectures.json`` and the README's table.
@@ -361,7 +395,8 @@ def record_matrix(matrix: dict[str, dict[str, str]], kept: list[str] = (),
     Args:
         matrix: architecture -> notebook -> status.
         kept: the architectures whose rows come from an earlier file ...
-        kept_device: ... and that file's device line: the new file's names both machines.
+        kept_device: ... and that file's device line: the new line names each row's machine,
+            grouped (one machine when every row ran on this one).
 
     Returns:
         The table, as Markdown.
@@ -370,10 +405,13 @@ def record_matrix(matrix: dict[str, dict[str, str]], kept: list[str] = (),
 
     from recipes_lib import device, notebooks, results
 
-    where = device.describe_device(torch.device("cpu"))
-    if kept:
-        ran = [a for a in matrix if a not in kept]
-        where = f"{', '.join(ran)}: {where}; {', '.join(kept)} as recorded: {kept_device}"
+    here = device.describe_device(torch.device("cpu"))
+    earlier = machines_by_architecture(kept_device, list(matrix)) if kept else {}
+    groups: dict[str, list[str]] = {}
+    for arch in matrix:
+        groups.setdefault(earlier[arch] if arch in kept else here, []).append(arch)
+    where = (next(iter(groups)) if len(groups) == 1
+             else " | ".join(f"{', '.join(archs)}: {machine}" for machine, archs in groups.items()))
     r = results.Results("architectures", where)
     for arch, row in matrix.items():
         for stem, state in row.items():

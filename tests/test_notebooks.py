@@ -195,11 +195,24 @@ def test_archs_rerun_keeps_the_other_architectures_rows(monkeypatch, tmp_path):
     assert cli.architectures_matrix(["qwen2"])
     saved = results.load_results(tmp_path)["architectures"]["figures"]
     assert sorted((f["recipe"], f["value"]) for f in saved) == [("phi3", 1.0), ("qwen2", 1.0)]
-    here = device.describe_device(torch.device("cpu"))  # each row's machine is named
-    assert results.load_results(tmp_path)["architectures"]["device"] == (
-        f"qwen2: {here}; phi3 as recorded: {here}")
+    here = device.describe_device(torch.device("cpu"))  # both rows ran here: one machine
+    assert results.load_results(tmp_path)["architectures"]["device"] == here
     # notebook 03's compiled decode (Gemma-2 recompiles at every token) runs in the matrix
     assert asked == [{"COMPILE_GENERATION": True}] * 2
+
+
+def test_each_rows_machine_is_read_back_and_grouped():
+    from recipes_lib.__main__ import machines_by_architecture
+
+    a = "cpu: AMD EPYC (Zen 4, family 25 model 17; x86_64 AVX512, 2 threads)"
+    b = "cpu: AMD EPYC (x86_64 AVX2, 2 threads)"
+    archs = ["llama", "qwen2", "phi3"]
+    assert machines_by_architecture(b, archs) == dict.fromkeys(archs, b)  # one machine for all
+    # the nested lines partial reruns wrote until 2026-12-05, one inside the other
+    nested = f"phi3: {a}; llama, qwen2 as recorded: qwen2: {a}; llama, phi3 as recorded: {b}"
+    assert machines_by_architecture(nested, archs) == {"llama": b, "qwen2": a, "phi3": a}
+    assert machines_by_architecture(f"llama: {b} | qwen2, phi3: {a}", archs) == {
+        "llama": b, "qwen2": a, "phi3": a}
 
 
 def test_executed_status_reads_papermills_cell_metadata(tmp_path):

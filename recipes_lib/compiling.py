@@ -12,6 +12,7 @@ already one library call. Its cost is the compilation, paid again for every new 
 
 from __future__ import annotations
 
+import functools
 import math
 import shutil
 import tempfile
@@ -98,9 +99,41 @@ def cold_compile():
     return stack
 
 
-def first_call(compiled: Callable[[], Any]) -> tuple[Any, float]:
+def _warm_up_graph(x: torch.Tensor) -> torch.Tensor:
+    return torch.sin(x) * 2
+
+
+@functools.cache
+def warm_up(device_type: str = "cpu") -> float:
+    """Pay, once per process and outside any timing, what only a process's first compilation
+    costs: on a CPU, Inductor's probe of the instruction sets (it compiles and runs a small
+    program per candidate, ATen's vector headers included), and for any device the compiler's
+    modules and its pool of compile workers, started by compiling a two-op function in the
+    default cache. Without it the first width of a sweep carried these: on a 2-core AMD EPYC
+    (Zen 4, one thread) a width-64 training step compiled in 17.5 s as a process's first
+    compilation and in 8.6 s as its second, each in a new cache folder (10.5 s first after the
+    probe alone, 9.9 s after this).
+
+    Args:
+        device_type: "cpu" or "cuda".
+
+    Returns:
+        Its seconds (0 after the first call for that device type).
+    """
+    t0 = time.perf_counter()
+    if device_type == "cpu":
+        from torch._inductor import cpu_vec_isa
+
+        cpu_vec_isa.pick_vec_isa()
+    torch.compile(_warm_up_graph)(torch.ones(8, device=device_type))
+    return time.perf_counter() - t0
+
+
+def first_call(compiled: Callable[[], Any],
+               device: torch.device | str = "cpu") -> tuple[Any, float]:
     """Make the first call of a freshly ``torch.compile``d callable as a first run would, and
-    time it: Dynamo's in-process state reset (``torch._dynamo.reset()``), then the call inside
+    time it: the process's one-time costs paid beforehand (:func:`warm_up`), Dynamo's
+    in-process state reset (``torch._dynamo.reset()``), then the call inside
     :func:`cold_compile`. Dynamo keys what it has seen on the code object, so an earlier
     compilation of the same model class at other shapes (another width, a compiled
     ``generate``) would otherwise make this one a recompile with dynamic shapes, several times
@@ -108,10 +141,12 @@ def first_call(compiled: Callable[[], Any]) -> tuple[Any, float]:
 
     Args:
         compiled: the compiled callable's first call, wrapped (no arguments).
+        device: where it runs (what :func:`warm_up` prepares).
 
     Returns:
         The call's output and its seconds (tracing, code generation and the C++ compiler).
     """
+    warm_up(torch.device(device).type)
     torch._dynamo.reset()
     t0 = time.perf_counter()
     with cold_compile():
@@ -220,7 +255,7 @@ def compare(eager: Callable[[], torch.Tensor], compiled: Callable[[], torch.Tens
         The :class:`CompileComparison`.
     """
     ref = eager()
-    out, compile_s = first_call(compiled)
+    out, compile_s = first_call(compiled, device)
     diff = float((out.detach().float() - ref.detach().float()).abs().max())
     t = time_interleaved({"eager": eager, "compiled": compiled}, warmup=1, repeats=repeats,
                          device=torch.device(device))
@@ -273,10 +308,11 @@ def width_sweep(hidden_sizes: list[int], seq_len: int = 256, batch_size: int = 4
     (``model.small_llama``, 2 layers by default) at each width, eager against compiled forward +
     backward, timed in alternation after compilation.
 
-    Each width compiles from scratch, and that time grows with the depth (each layer's fused
-    kernels are generated and compiled; most of it is the C++ compiler): the width-256 step at
-    128 x 4 tokens compiled in 18 s with 1 layer and 26 s with 2 on a 2-core AMD EPYC (Zen 4),
-    where an eager step takes 40-90 ms.
+    Each width compiles from scratch (most of it the C++ compiler), a little longer with each
+    layer (their kernels are alike, so they are generated again but mostly compiled once): the
+    width-256 step at 128 x 4 tokens compiled in 11.0 s with 1 layer and 13.4 s with 2 on an
+    idle 2-core AMD EPYC (Zen 4), each in a new process after :func:`warm_up` (25 and 51 ms an
+    eager step).
 
     Work per step (for the regime): ``6 N`` FLOPs per token; bytes: the fp32 weights read in
     forward and backward and their gradients written, ``3 * 4 N``.

@@ -88,7 +88,7 @@ SIZES: dict[str, dict[str, dict[str, Any]]] = {
                             "gpu": (16, 64, 256, 1024)},
         "COMPILE_WIDTHS": {"ci": (64, 256, 512), "reference": (64, 256, 512, 1024),
                            "gpu": (256, 1024, 2048)},
-        # each layer adds ~8 s to each width's cold compile on a 2-core CPU (CI: one)
+        # a second layer adds ~2.4 s to each width's cold compile on a 2-core CPU (CI: one)
         "COMPILE_LAYERS": {"ci": 1, "reference": 2, "gpu": 2},
         "GEN_COMPILE_WIDTHS": {"ci": (), "reference": (64, 256, 512, 1024),
                                "gpu": (64, 256, 512, 1024)},

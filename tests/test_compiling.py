@@ -48,6 +48,28 @@ def test_the_width_sweeps_models_have_the_depth_asked_for(monkeypatch):
     assert depths == [3, 3, 3, 2, 2, 2]
 
 
+def test_a_timed_first_compile_leaves_the_process_one_time_costs_out(monkeypatch):
+    """What only a process's first compilation pays (Inductor's instruction-set probe, its
+    worker pool) is paid before the clock starts, once per device type."""
+    import time
+
+    paid = []
+    monkeypatch.setattr(compiling, "warm_up", lambda device_type: paid.append(device_type)
+                        or time.sleep(0.5))
+    out, seconds = compiling.first_call(lambda: 7, "cpu")
+    assert out == 7 and paid == ["cpu"] and seconds < 0.5
+
+
+@pytest.mark.skipif(not compiling.compile_available("cpu")[0], reason="no C++ compiler")
+def test_the_warm_up_runs_once_per_process():
+    from torch._inductor import cpu_vec_isa
+
+    compiling.warm_up("cpu")
+    assert compiling.warm_up("cpu") == compiling.warm_up("cpu")  # cached: not run again
+    assert compiling.warm_up.cache_info().hits >= 2
+    assert cpu_vec_isa.valid_vec_isa_list.cache_info().currsize == 1  # the probe, done
+
+
 @pytest.mark.skipif(not compiling.compile_available("cpu")[0], reason="no C++ compiler")
 def test_compiled_training_step_equals_eager():
     ids = torch.randint(3, 128, (2, 16))

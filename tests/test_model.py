@@ -14,10 +14,32 @@ def test_default_model_is_a_pretrained_llama(tiny_model_path):
     assert models.build_tiny_model() == tiny_model_path  # cached, not rebuilt
 
 
+def test_a_report_measured_on_fewer_held_out_sequences_says_how_many(tmp_path, monkeypatch):
+    """The unit tests' models report losses on 32 held-out sequences; the default (and every
+    spec built before the field existed, whose folder names stay) on the whole split."""
+    from recipes_lib import evaluation
+
+    assert models.TinyModelSpec().cache_name() == "tiny-llama-256h6l-3b0fb492"
+    assert models.TinyModelSpec.smallest().eval_sequences == 32
+    evaluated = []
+    real = evaluation.eval_loss
+    monkeypatch.setattr(evaluation, "eval_loss", lambda m, examples, pad: evaluated.append(
+        len(examples)) or real(m, examples, pad))
+    spec = models.TinyModelSpec(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                num_attention_heads=2, num_key_value_heads=1, pretrain_steps=1,
+                                pretrain_batch_size=2, pretrain_seq_len=32, eval_sequences=3)
+    path = models.build_tiny_model(tmp_path / "m", spec, progress=False)
+    assert evaluated == [3, 3]
+    assert models.pretrain_report(path)["spec"]["eval_sequences"] == 3
+    with pytest.raises(ValueError, match="eval_sequences=-1: must be an integer >= 0"):
+        models.TinyModelSpec(eval_sequences=-1)
+
+
 def test_build_is_deterministic(tmp_path):
     spec = models.TinyModelSpec(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                                 num_attention_heads=2, num_key_value_heads=1, pretrain_steps=2,
-                                pretrain_batch_size=4, pretrain_seq_len=32)
+                                pretrain_batch_size=4, pretrain_seq_len=32,
+                                eval_sequences=8)
     a = models.build_tiny_model(tmp_path / "a", spec, progress=False)
     stale = tmp_path / "b.partial-99999"  # a build that was killed left its folder behind
     stale.mkdir()
@@ -37,7 +59,8 @@ def test_a_build_asked_for_twice_at_once_runs_once(tmp_path, monkeypatch, capsys
 
     spec = models.TinyModelSpec(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                                 num_attention_heads=2, num_key_value_heads=1, pretrain_steps=2,
-                                pretrain_batch_size=4, pretrain_seq_len=32)
+                                pretrain_batch_size=4, pretrain_seq_len=32,
+                                eval_sequences=8)
     started, builds, build = threading.Event(), [], models._build
 
     def slow_build(*args):
@@ -166,7 +189,8 @@ def test_an_explicit_attention_the_architecture_lacks_gives_transformers_reason(
 def test_layernorm_architecture_builds(tmp_path):
     spec = models.TinyModelSpec(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                                 num_attention_heads=2, num_key_value_heads=1, pretrain_steps=2,
-                                pretrain_batch_size=4, pretrain_seq_len=32, architecture="gpt_neox")
+                                pretrain_batch_size=4, pretrain_seq_len=32, architecture="gpt_neox",
+                                eval_sequences=8)
     m = models.load_model(models.build_tiny_model(tmp_path / "neox", spec, progress=False))
     assert m.config.model_type == "gpt_neox"
     assert any(isinstance(x, torch.nn.LayerNorm) for x in m.modules())

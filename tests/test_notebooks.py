@@ -215,6 +215,42 @@ def test_each_rows_machine_is_read_back_and_grouped():
         "llama": b, "qwen2": a, "phi3": a}
 
 
+def test_reruns_on_two_machines_name_each_rows_machine(monkeypatch, tmp_path):
+    """make archs end to end over two machines: every row run on one, then one row rerun on
+    another, then a second row rerun there: the device line groups the rows by the machine each
+    last ran on, and reads back as such."""
+    from recipes_lib import __main__ as cli
+    from recipes_lib import device, results
+
+    monkeypatch.setenv(results.RESULTS_ENV, str(tmp_path))
+    a = "cpu: AMD EPYC (Zen 4, family 25 model 17; x86_64 AVX512, 2 threads)"
+    b = "cpu: Intel Xeon (x86_64 AVX512 AMX, 2 threads)"
+    runs = iter([({"llama": {"01_x": "ok"}, "qwen2": {"01_x": "failed: AssertionError: kd"},
+                   "phi3": {"01_x": "ok"}}, a),
+                 ({"qwen2": {"01_x": "ok"}}, b), ({"phi3": {"01_x": "ok"}}, b)])
+
+    def matrix(names=None, parameters=None):
+        rows, machine = next(runs)
+        assert names is None or tuple(rows) == names
+        monkeypatch.setattr(device, "describe_device", lambda d: machine)
+        return rows
+    monkeypatch.setattr(notebooks, "architecture_matrix", matrix)
+
+    def line():
+        return results.load_results(tmp_path)["architectures"]["device"]
+    assert not cli.architectures_matrix()
+    assert line() == a
+    assert cli.architectures_matrix(["qwen2"])
+    assert line() == f"llama, phi3: {a} | qwen2: {b}"
+    assert cli.architectures_matrix(["phi3"])
+    assert line() == f"llama: {a} | qwen2, phi3: {b}"
+    archs = ["llama", "qwen2", "phi3"]
+    assert cli.machines_by_architecture(line(), archs) == {"llama": a, "qwen2": b, "phi3": b}
+    saved = results.load_results(tmp_path)["architectures"]["figures"]
+    assert sorted((f["recipe"], f["value"]) for f in saved) == [
+        ("llama", 1.0), ("phi3", 1.0), ("qwen2", 1.0)]
+
+
 def test_executed_status_reads_papermills_cell_metadata(tmp_path):
     def run(*states, error=None):
         cells = []

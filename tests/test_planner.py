@@ -277,6 +277,24 @@ def test_the_clis_length_search_accumulates_as_its_plan_does(monkeypatch, capsys
     assert searched["k"] == 8 and "+ gradient accumulation (k=8)" in capsys.readouterr().out
 
 
+def test_the_clis_length_search_takes_the_cores_it_was_given(monkeypatch, capsys):
+    import os
+
+    from recipes_lib.__main__ import search_processes
+
+    workers = []
+    monkeypatch.setattr(planner, "max_context_per_step",
+                        lambda *a, **kw: workers.append(kw["workers"]) or [])
+    argv = ["plan", "--model", "Llama-3.1-8B", "--gpu-mem", "24GB", "--seq", "2048",
+            "--max-context"]
+    for given, expected in (("3", 3), ("1", 1), ("", os.cpu_count() or 1), ("x", os.cpu_count())):
+        monkeypatch.setenv("OMP_NUM_THREADS", given)
+        assert search_processes() == expected and main(argv) == 0
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert main(argv) == 0
+    assert workers == [3, 1, os.cpu_count() or 1, os.cpu_count() or 1, os.cpu_count() or 1]
+
+
 def test_the_plan_ends_with_its_cheapest_step_in_a_trainers_settings(capsys):
     result = planner.plan("Llama-3.1-8B", "80GB", seq_len=4096, batch_size=8)
     trainer = result["trainer"]

@@ -25,36 +25,20 @@ SHARDED_RUNS_FILES = ("test_context_parallel.py", "test_distributed.py", "test_f
                       "test_fsdp_qlora.py", "test_trainers.py")
 
 
-PROBE_INSTRUCTION_SETS = "from torch._inductor import cpu_vec_isa; cpu_vec_isa.pick_vec_isa()"
-PROBES: list = []  # the probe's process, reaped at the end of the session
-
-
-def pytest_sessionfinish(session):
-    for probe in PROBES:
-        probe.wait()
-
-
 @pytest.hookimpl(tryfirst=True)
 def pytest_sessionstart(session):
     """With workers, the default model (the notebooks' and `sharded_runs`') is built here first,
-    on every core, before the workers start (xdist starts them in its own, later hook).
-
-    Beside it, in a process of its own, Inductor probes the CPU's instruction sets into its
-    default cache: a process's first compilation otherwise pays that probe (about 7 s of the C++
-    compiler on an empty cache, 2 s once it is cached there), and the workers and notebook kernels
-    that compile early would each pay it; the build leaves part of the two cores idle for it, and
-    nothing waits for it (on a machine that probed before, it only loads what it finds)."""
+    on every core, before the workers start (xdist starts them in its own, later hook). (Inductor's
+    probe of the CPU's instruction sets, 7 s of the C++ compiler on an empty cache, was tried in a
+    process beside it on 2026-12-06, so that the processes compiling early would find it cached:
+    the build took 89 s instead of 78-79, more than the probe could save the processes after it:
+    5 s each at most, for the few that compile before any other has cached it.)"""
     if session.config.getoption("numprocesses", None) and not hasattr(session.config,
                                                                       "workerinput"):
-        import subprocess
-        import sys
         import time
 
-        from recipes_lib.compiling import compile_available
         from recipes_lib.model import build_tiny_model
 
-        if compile_available("cpu")[0]:  # not waited for: the workers start beside it
-            PROBES.append(subprocess.Popen([sys.executable, "-c", PROBE_INSTRUCTION_SETS]))
         start = time.perf_counter()
         build_tiny_model(progress=False)
         # pytest's own clock starts after this hook: say what it leaves out

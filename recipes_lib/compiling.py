@@ -118,8 +118,11 @@ def warm_up(device_type: str = "cpu") -> float:
         device_type: "cpu" or "cuda".
 
     Returns:
-        Its seconds (0 after the first call for that device type).
+        Its seconds (the same, cached, after the first call for that device type; 0 where
+        ``torch.compile`` cannot run: the compilation then timed raises its own clear error).
     """
+    if not compile_available(device_type)[0]:
+        return 0.0
     t0 = time.perf_counter()
     if device_type == "cpu":
         from torch._inductor import cpu_vec_isa

@@ -19,6 +19,7 @@ def test_no_compiler_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(compiling.shutil, "which", lambda name: None)
     ok, why = compiling.compile_available("cpu")
     assert not ok and "C++ compiler" in why
+    assert compiling.warm_up.__wrapped__("cpu") == 0.0  # nothing to warm: the error comes later
     with pytest.raises(ValueError, match="device='cpu': torch.compile is not available here"):
         compiling.require_compile("cpu")
     with pytest.raises(ValueError, match="torch.compile is not available"):

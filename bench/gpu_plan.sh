@@ -14,7 +14,9 @@
 #           GPU itself, the published table's open misses -> $OUT/raw/gpu_session_memory.json
 #   04 ...  a notebook at SCALE="gpu" (the speed claims at the sizes where they should pay)
 #           -> $OUT/<notebook>.ipynb executed, and its figures in $OUT/results/
-# A part that fails or runs out of time does not stop the next; what a part wrote stays.
+# A part that fails or runs out of time does not stop the next; what a part wrote stays: a
+# notebook stopped before its end leaves the figures it reached as its results file, marked
+# partial (recipes_lib.results.keep_partial), and the executed copy up to its last cell.
 # Then, here (DEVICE: h100, h200, ... as the reply's device says):
 #   mkdir -p results/DEVICE/raw && cp FILES_AT/raw/*.json results/DEVICE/raw/
 #   .venv/bin/python bench/gpu_session.py --record DEVICE
@@ -60,6 +62,12 @@ for part in $parts; do
             python3 -m recipes_lib run "$nb" -p SCALE gpu
         rc=$?
         cp "notebooks/executed/$(basename "$nb")" "$out/" 2>/dev/null
+        if [ "$rc" -ne 0 ]; then
+            sleep 2  # a killed runner's kernel exits within a second (ipykernel's parent poller)
+            python3 -c "import sys; from recipes_lib import results
+print('figures it reached:', results.keep_partial(sys.argv[1], sys.argv[2]))" \
+                "$(basename "$nb" .ipynb)" "$out/results"
+        fi
     fi
     echo "== $part: exit $rc (124: out of time), $(( $(date +%s) - start )) s, $(left) s left"
 done

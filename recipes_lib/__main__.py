@@ -340,7 +340,7 @@ def _run(args, parser) -> int:
     except ValueError as err:
         parser.error(str(err))
     for name, state in status.items():
-        print(f"{name}: {state}")
+        print(f"{name}: {results.run_status(name, state)}")
     print(f"calculator validation: {calc_validation.run()}")
     print(f"this machine's ceilings: {sweep.record_machine_peaks(_measured_devices())}")
     results.update_readme()

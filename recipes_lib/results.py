@@ -7,10 +7,16 @@ Schema: ``{"device": str, "versions": {pkg: version}, "figures": [{"recipe", "me
 The results directory is a setting: ``$RECIPES_RESULTS_DIR``, else the repository's ``results/``.
 The test suite points it at a temporary folder, so only ``make run`` and ``make bench`` write
 ``results/`` and the README's table.
+
+A run that stops before its end loses nothing it measured: every figure is also kept at once in
+``<results dir>/.partial/<stem>.json`` (not tracked), which :meth:`Results.save` removes. After a
+notebook failed or was stopped (a GPU call's deadline), :func:`keep_partial` makes those figures
+its results file, marked ``"partial": true``; the README's table says so on each of its rows.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -25,6 +31,7 @@ RESULTS_DIR = ROOT / "results"  # the committed figures; see output_dir() for th
 RESULTS_ENV = "RECIPES_RESULTS_DIR"
 README = ROOT / "README.md"
 PACKAGES = ("torch", "transformers", "peft", "bitsandbytes", "accelerate", "datasets", "torchao")
+PARTIAL_DIR = ".partial"  # <results dir>/.partial/<stem>.json: a run's figures so far
 README_BEGIN = "<!-- results-table:begin -->"
 README_END = "<!-- results-table:end -->"
 
@@ -160,6 +167,8 @@ class Results:
         self.stem, self.device = stem, device
         self.figures: list[Figure] = []
         self.claims: list[Claim] = []
+        self._versions: dict[str, str] | None = None  # read once: a figure is kept at each add
+        partial_path(stem, self.results_dir).unlink(missing_ok=True)  # an earlier run's
 
     def add(self, recipe: str, metric: str, value: float, baseline: float | None = None,
             predicted: float | None = None, unit: str = "") -> Figure:
@@ -168,12 +177,14 @@ class Results:
                      _number("predicted", predicted), unit)
         self.figures = [f for f in self.figures if (f.recipe, f.metric) != (recipe, metric)]
         self.figures.append(fig)
+        self._keep_so_far()
         return fig
 
     def add_claim(self, claim: Claim) -> Claim:
         """Record a checked speed claim (replacing an earlier one with the same recipe and text)."""
         self.claims = [c for c in self.claims if (c.recipe, c.claim) != (claim.recipe, claim.claim)]
         self.claims.append(claim)
+        self._keep_so_far()
         return claim
 
     def get(self, recipe: str, metric: str) -> Figure:
@@ -183,18 +194,96 @@ class Results:
         raise KeyError(f"no figure {recipe}/{metric}")
 
     def to_dict(self) -> dict:
-        return {"device": self.device, "versions": package_versions(),
+        if self._versions is None:
+            self._versions = package_versions()
+        return {"device": self.device, "versions": self._versions,
                 "figures": [asdict(f) for f in self.figures],
                 "claims": [asdict(c) for c in self.claims]}
 
     def save(self) -> Path:
         """Write ``<results dir>/<stem>.json`` (temporary file + rename: never half-written)."""
         check_writable(self.results_dir)
-        path = self.results_dir / f"{self.stem}.json"
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
-        os.replace(tmp, path)
+        path = _write_json(self.results_dir / f"{self.stem}.json", self.to_dict())
+        partial = partial_path(self.stem, self.results_dir)
+        partial.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # another run's figures are still there
+            partial.parent.rmdir()
         return path
+
+    def _keep_so_far(self) -> None:
+        """Everything recorded so far, in :func:`partial_path` (a run stopped before
+        :meth:`save` keeps what it measured)."""
+        path = partial_path(self.stem, self.results_dir)
+        path.parent.mkdir(exist_ok=True)
+        _write_json(path, {**self.to_dict(), "partial": True})
+
+
+def _write_json(path: Path, content: dict) -> Path:
+    """``content`` as ``path``, through a temporary file and a rename: never half-written."""
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(content, indent=1) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def partial_path(stem: str, results_dir: Path | str | None = None) -> Path:
+    """Where a run keeps the figures of ``stem`` as it records them: ``<results
+    dir>/.partial/<stem>.json``, there only while the run has not saved its results file.
+
+    Args:
+        stem: the results file's stem.
+        results_dir: the results folder (default: :func:`output_dir`).
+
+    Returns:
+        The path (which may not exist).
+    """
+    return Path(results_dir if results_dir is not None else output_dir()) / PARTIAL_DIR / \
+        f"{stem}.json"
+
+
+def run_status(stem: str, state: str, results_dir: Path | str | None = None) -> str:
+    """A notebook run's outcome in words: ``state``, and for a run that did not finish, where
+    the figures it recorded before stopping are (:func:`partial_path`), if it recorded any.
+
+    Args:
+        stem: the notebook's file stem.
+        state: "ok" or the failure (``notebooks.execute``'s status).
+        results_dir: the results folder (default: :func:`output_dir`).
+
+    Returns:
+        The line.
+    """
+    kept = partial_path(stem, results_dir)
+    if state == "ok" or not kept.is_file():
+        return state
+    n = len(json.loads(kept.read_text())["figures"])
+    return f"{state} ({n} figure{'s' * (n != 1)} recorded before it stopped: {kept})"
+
+
+def keep_partial(stem: str, results_dir: Path | str | None = None) -> Path | None:
+    """After a run of ``stem`` stopped before saving (a failed cell, a deadline), make the
+    figures it had recorded its results file, marked ``"partial": true``: what the README's
+    table and the report then show, each row saying the run stopped early.
+
+    Args:
+        stem: the notebook's file stem.
+        results_dir: the results folder (default: :func:`output_dir`).
+
+    Returns:
+        The results file written, or None where the run left no figures (it saved its file,
+        or stopped before its first figure).
+
+    Example:
+        >>> keep_partial("03_optimizing_inference_speed")  # doctest: +SKIP
+    """
+    partial = partial_path(stem, results_dir)
+    if not partial.is_file():
+        return None
+    path = partial.parent.parent / f"{stem}.json"
+    os.replace(partial, path)
+    with contextlib.suppress(OSError):  # another run's figures are still there
+        partial.parent.rmdir()
+    return path
 
 
 def load_results(results_dir: Path | str | None = None) -> dict[str, dict]:
@@ -256,10 +345,12 @@ def markdown_table(results_dir: Path | str | None = None) -> str:
     for stem, res in load_results(results_dir).items():
         if stem in OWN_TABLE:
             continue
+        where = res["device"] + (" (partial: the run stopped before its end)"
+                                 if res.get("partial") else "")
         for f in res["figures"]:
             lines.append(f"| {stem} | {f['recipe']} | {f['metric']} | {_fmt(f['value'])} | "
                          f"{_fmt(f['baseline'])} | {_fmt(f['predicted'])} | {f['unit']} | "
-                         f"{res['device']} |")
+                         f"{where} |")
     return "\n".join(lines)
 
 
@@ -355,7 +446,8 @@ def write_report(status: dict[str, str], results_dir: Path | str | None = None) 
     runs = load_results(results_dir)
     lines = ["# Results report", "", "| notebook | status | device |", "|---|---|---|"]
     for stem, state in status.items():
-        lines.append(f"| {stem} | {state} | {runs.get(stem, {}).get('device', '')} |")
+        lines.append(f"| {stem} | {run_status(stem, state, results_dir)} | "
+                     f"{runs.get(stem, {}).get('device', '')} |")
     versions = next(iter(runs.values()), {}).get("versions", {})
     lines += ["", "Versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()), "",
               markdown_table(results_dir), ""]

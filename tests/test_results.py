@@ -1,4 +1,8 @@
 import json
+import os
+import signal
+import subprocess
+import sys
 
 import pytest
 
@@ -44,9 +48,14 @@ def test_report_lists_status_and_figures(tmp_path):
     r = results.Results("01_x", "cpu", tmp_path)
     r.add("qlora", "task_accuracy", 0.9, baseline=0.0)
     r.save()
-    report = results.write_report({"01_x": "ok", "02_y": "failed: AssertionError"}, tmp_path)
+    results.Results("03_z", "cpu", tmp_path).add("kv_cache", "speedup", 2.0)  # then it failed
+    report = results.write_report({"01_x": "ok", "02_y": "failed: AssertionError",
+                                   "03_z": "failed: DeadKernelError"}, tmp_path)
     text = report.read_text()
     assert "| 02_y | failed: AssertionError |" in text and "task_accuracy" in text
+    kept = results.partial_path("03_z", tmp_path)
+    assert (f"| 03_z | failed: DeadKernelError (1 figure recorded before it stopped: {kept}) |"
+            in text)
 
 
 def test_readme_section_from_a_results_subfolder(tmp_path):
@@ -144,3 +153,42 @@ def test_an_interrupted_runs_measurements_are_reused_and_only_by_the_same_run(tm
     with pytest.raises(ValueError, match="stem="):
         results.Progress("a/b", "cpu", tmp_path)
 
+
+
+def test_a_run_killed_before_saving_keeps_the_figures_it_recorded(tmp_path):
+    """What a GPU call's deadline does to a notebook: the process is killed before its last cell
+    saves. Each figure was kept as it was recorded, so keep_partial turns them into the results
+    file, marked partial, and the README's table says so on each row."""
+    script = ("import os, signal; from recipes_lib import results\n"
+              "r = results.Results('03_x', 'cuda: H100', os.environ['DIR'])\n"
+              "r.add('attention', 'speedup', 2.5, baseline=1.0)\n"
+              "r.add_claim(results.Claim('attention', 'SDPA over eager', 2.5, 1.5, spread=0.1,"
+              " met=True))\n"
+              "os.kill(os.getpid(), signal.SIGKILL)\n")
+    gpu = tmp_path / "h200"
+    run = subprocess.run([sys.executable, "-c", script], check=False,
+                         env={**os.environ, "DIR": str(gpu)})
+    assert run.returncode == -signal.SIGKILL and not (gpu / "03_x.json").exists()
+    assert results.keep_partial("03_x", gpu) == gpu / "03_x.json"
+    kept = json.loads((gpu / "03_x.json").read_text())
+    assert kept["partial"] and kept["figures"][0]["value"] == 2.5 and len(kept["claims"]) == 1
+    assert not results.partial_path("03_x", gpu).exists()
+    assert results.keep_partial("03_x", gpu) is None  # nothing left to keep
+    readme = tmp_path / "README.md"
+    readme.write_text(f"{results.README_BEGIN}\n{results.README_END}\n"
+                      "<!-- results-table:h200:begin -->\n<!-- results-table:h200:end -->\n")
+    results.update_readme(readme, tmp_path)
+    assert ("| 03_x | attention | speedup | 2.5 | 1 |  |  | cuda: H100 (partial: the run "
+            "stopped before its end) |") in readme.read_text()
+
+
+def test_a_saved_run_leaves_no_partial_figures_and_a_new_run_drops_the_old_ones(tmp_path):
+    first = results.Results("01_x", "cpu", tmp_path)
+    first.add("qlora", "ratio", 0.3)
+    partial = results.partial_path("01_x", tmp_path)
+    assert json.loads(partial.read_text())["figures"][0]["value"] == 0.3
+    second = results.Results("01_x", "cpu", tmp_path)  # the first run stopped; this one starts
+    assert not partial.exists()
+    second.add("qlora", "ratio", 0.26)
+    assert "partial" not in json.loads(second.save().read_text())
+    assert not partial.parent.exists() and results.keep_partial("01_x", tmp_path) is None

@@ -402,7 +402,7 @@ def machines_by_architecture(line: str, architectures: list[str]) -> dict[str, s
 
 
 def record_matrix(matrix: dict[str, dict[str, str]], kept: list[str] = (),
-                  kept_device: str = "") -> str:
+                  kept_device: str = "", verbose: bool = True) -> str:
     """Write the matrix as ``architectures.json`` and the README's table.
 
     Args:
@@ -410,6 +410,7 @@ def record_matrix(matrix: dict[str, dict[str, str]], kept: list[str] = (),
         kept: the architectures whose rows come from an earlier file ...
         kept_device: ... and that file's device line: the new line names each row's machine,
             grouped (one machine when every row ran on this one).
+        verbose: print each row's statuses.
 
     Returns:
         The table, as Markdown.
@@ -428,7 +429,8 @@ def record_matrix(matrix: dict[str, dict[str, str]], kept: list[str] = (),
     r = results.Results("architectures", where)
     for arch, row in matrix.items():
         for stem, state in row.items():
-            print(f"  {arch:<9} {stem}: {state}")
+            if verbose:
+                print(f"  {arch:<9} {stem}: {state}")
             r.add(arch, stem, float(state == "ok"),
                   unit="1: ran top to bottom" if state == "ok" else f"0: {state}")
     r.save()
@@ -448,6 +450,10 @@ def architectures_matrix(names: list[str] | None = None) -> bool:
     whether every notebook ran on every architecture run now. With ``names``, only those
     architectures run and the rest of the recorded matrix is kept (a rerun after a fix).
 
+    Each architecture's row is recorded as soon as it has run, beside the recorded rows of the
+    ones still to run, so that a stop (the matrix takes most of an hour) loses only the row that
+    was running; a whole run's last record holds its own rows only.
+
     Args:
         names: the architectures to run (None: every decoder of ``model.ARCHITECTURES``).
 
@@ -456,14 +462,24 @@ def architectures_matrix(names: list[str] | None = None) -> bool:
     """
     from recipes_lib import notebooks, results
 
-    matrix = notebooks.architecture_matrix(tuple(names) if names else None,
-                                           parameters=ARCHS_PARAMETERS)
-    before = results.load_results().get("architectures", {}) if names else {}
-    merged = {a: matrix.get(a, row)
-              for a, row in matrix_from_figures(before.get("figures", [])).items()}
-    kept = [a for a in merged if a not in matrix]
-    print(record_matrix({**merged, **matrix}, kept, before.get("device", "unknown")))
-    return all(s == "ok" for row in matrix.values() for s in row.values())
+    before = results.load_results().get("architectures", {})
+    earlier = matrix_from_figures(before.get("figures", []))
+    done: dict[str, dict[str, str]] = {}
+
+    def record(last: bool = False) -> str:
+        rows = {} if last and not names else dict(earlier)
+        rows.update(done)
+        return record_matrix(rows, [a for a in rows if a not in done],
+                             before.get("device", "unknown"), verbose=last)
+
+    def on_row(arch: str, row: dict[str, str]) -> None:
+        done[arch] = row
+        record()
+
+    done.update(notebooks.architecture_matrix(tuple(names) if names else None,
+                                              parameters=ARCHS_PARAMETERS, on_row=on_row))
+    print(record(last=True))
+    return all(s == "ok" for row in done.values() for s in row.values())
 
 
 def main(argv: list[str] | None = None) -> int:

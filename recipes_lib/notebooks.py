@@ -12,7 +12,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -160,7 +160,9 @@ def strip(paths: list[Path]) -> list[Path]:
 
 
 def architecture_matrix(architectures: tuple[str, ...] | None = None, out_dir: Path = EXECUTED,
-                        parameters: dict[str, Any] | None = None) -> dict[str, dict[str, str]]:
+                        parameters: dict[str, Any] | None = None,
+                        on_row: Callable[[str, dict[str, str]], None] | None = None
+                        ) -> dict[str, dict[str, str]]:
     """Every course notebook at its test size with ``MODEL_ID`` set to a tiny model of each
     architecture, built and pretrained the way the default is (``model.build_tiny_model``).
 
@@ -170,6 +172,8 @@ def architecture_matrix(architectures: tuple[str, ...] | None = None, out_dir: P
         out_dir: the executed copies go to ``out_dir/<architecture>/`` and their figures to
             ``out_dir/<architecture>/results/``, never to the results folder.
         parameters: more papermill parameters for every run.
+        on_row: called with each architecture and its row as soon as its notebooks have run
+            (the whole matrix takes most of an hour: a stop then loses only the row running).
 
     Returns:
         architecture -> notebook stem -> ``"ok"`` or ``"failed: <error>"``.
@@ -191,6 +195,8 @@ def architecture_matrix(architectures: tuple[str, ...] | None = None, out_dir: P
         with results_dir(Path(out_dir) / arch / "results"):
             matrix[arch] = execute(course_notebooks(), Path(out_dir) / arch,
                                    {**(parameters or {}), "MODEL_ID": str(path)})
+        if on_row is not None:
+            on_row(arch, matrix[arch])
     return matrix
 
 

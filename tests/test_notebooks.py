@@ -184,9 +184,9 @@ def test_archs_rerun_keeps_the_other_architectures_rows(monkeypatch, tmp_path):
                  {"qwen2": {"01_x": "ok"}}])
     asked = []
 
-    def matrix(names=None, parameters=None):
+    def matrix(names=None, parameters=None, on_row=None):
         asked.append(parameters)
-        return next(runs)
+        return next(runs)  # rows not handed to on_row: the returned matrix is recorded
     monkeypatch.setattr(notebooks, "architecture_matrix", matrix)
     assert not cli.architectures_matrix()
     saved = results.load_results(tmp_path)["architectures"]["figures"]
@@ -229,10 +229,12 @@ def test_reruns_on_two_machines_name_each_rows_machine(monkeypatch, tmp_path):
                    "phi3": {"01_x": "ok"}}, a),
                  ({"qwen2": {"01_x": "ok"}}, b), ({"phi3": {"01_x": "ok"}}, b)])
 
-    def matrix(names=None, parameters=None):
+    def matrix(names=None, parameters=None, on_row=None):
         rows, machine = next(runs)
         assert names is None or tuple(rows) == names
         monkeypatch.setattr(device, "describe_device", lambda d: machine)
+        for arch, row in rows.items():
+            on_row(arch, row)
         return rows
     monkeypatch.setattr(notebooks, "architecture_matrix", matrix)
 
@@ -249,6 +251,43 @@ def test_reruns_on_two_machines_name_each_rows_machine(monkeypatch, tmp_path):
     saved = results.load_results(tmp_path)["architectures"]["figures"]
     assert sorted((f["recipe"], f["value"]) for f in saved) == [
         ("llama", 1.0), ("phi3", 1.0), ("qwen2", 1.0)]
+
+
+def test_a_stopped_archs_run_keeps_the_rows_it_finished(monkeypatch, tmp_path):
+    """make archs takes most of an hour: each architecture's row is recorded as it finishes,
+    beside the recorded rows of those still to run, so a stop loses only the running one."""
+    from recipes_lib import __main__ as cli
+    from recipes_lib import device, results
+
+    monkeypatch.setenv(results.RESULTS_ENV, str(tmp_path))
+    a = "cpu: AMD EPYC (Zen 4, family 25 model 17; x86_64 AVX512, 2 threads)"
+    b = "cpu: Intel Xeon (x86_64 AVX512 AMX, 2 threads)"
+    monkeypatch.setattr(device, "describe_device", lambda d: a)
+    cli.record_matrix({"llama": {"01_x": "ok"}, "qwen2": {"01_x": "ok"}, "phi3": {"01_x": "ok"}})
+    monkeypatch.setattr(device, "describe_device", lambda d: b)
+
+    def stopped(names=None, parameters=None, on_row=None):
+        on_row("llama", {"01_x": "failed: AssertionError: loss"})
+        raise KeyboardInterrupt  # while qwen2's notebooks run
+    monkeypatch.setattr(notebooks, "architecture_matrix", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        cli.architectures_matrix()
+    saved = results.load_results(tmp_path)["architectures"]
+    assert [(f["recipe"], f["value"]) for f in saved["figures"]] == [
+        ("llama", 0.0), ("qwen2", 1.0), ("phi3", 1.0)]
+    assert saved["device"] == f"llama: {b} | qwen2, phi3: {a}"
+
+    def whole(names=None, parameters=None, on_row=None):
+        rows = {"llama": {"01_x": "ok"}, "qwen2": {"01_x": "ok"}}  # phi3 no longer in the list
+        for arch, row in rows.items():
+            on_row(arch, row)
+        return rows
+    monkeypatch.setattr(notebooks, "architecture_matrix", whole)
+    assert cli.architectures_matrix()
+    saved = results.load_results(tmp_path)["architectures"]  # a whole run: its own rows only
+    assert [(f["recipe"], f["value"]) for f in saved["figures"]] == [("llama", 1.0),
+                                                                     ("qwen2", 1.0)]
+    assert saved["device"] == b
 
 
 def test_executed_status_reads_papermills_cell_metadata(tmp_path):

@@ -557,14 +557,14 @@ def main(argv: list[str] | None = None) -> int:
 
         try:
             planned = plan(args.model, args.gpu_mem, args.seq, args.batch, args.gpus,
-                           measure=args.measure,
-                           attention_mask=args.attention_mask)
+                           measure=args.measure, attention_mask=args.attention_mask,
+                           progress=True)
             print(format_plan(planned))
             if args.max_context:  # the same rows: the plan's micro-batches
                 rows = max_context_per_step(args.model, args.gpu_mem, args.batch,
                                             planned["grad_accum_steps"], gpus=args.gpus,
                                             workers=search_processes(),
-                                            attention_mask=args.attention_mask)
+                                            attention_mask=args.attention_mask, progress=True)
                 searched = {id(r["tries"]): len(r["tries"]) for r in rows if "tries" in r}
                 print(f"\nlongest sequence that fits, by measurement (batch {args.batch}; "
                       f"{sum(searched.values())} fake steps):")

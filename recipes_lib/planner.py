@@ -458,7 +458,7 @@ def _unpredicted(err: calc.NotDescribedError, steps: list[str]) -> dict[str, Any
 
 def plan(model: str, gpu_mem: str | float, seq_len: int = 2048, batch_size: int = 8,
          gpus: int = 1, grad_accum_steps: int | None = None, measure: bool = False,
-         attention_mask: bool = False) -> dict[str, Any]:
+         attention_mask: bool = False, progress: bool = False) -> dict[str, Any]:
     """Predicted per-GPU memory of each escalation step and the cheapest one that fits.
 
     Args:
@@ -481,6 +481,7 @@ def plan(model: str, gpu_mem: str | float, seq_len: int = 2048, batch_size: int 
         attention_mask: the rows need an attention mask: padded to a common length, or packed
             documents kept apart (``fake_memory.Stack.attention_mask``); default: full rows, as
             the formulas have them.
+        progress: with ``measure``, a progress bar over the rows, on stderr.
 
     Returns:
         ``{"model", "params_B", "gpu_bytes", "rows", "cheapest", "notes", "trainer",
@@ -539,7 +540,7 @@ def plan(model: str, gpu_mem: str | float, seq_len: int = 2048, batch_size: int 
     if measure:
         from recipes_lib import fake_memory
 
-        for row in rows:
+        for row in _progress(rows, "fake-tensor steps, one a row", progress):
             stack = _measured_stack(row["step"], grad_accum_steps, gpus, attention_mask)
             if isinstance(stack, str):
                 row["measured_stack"] = stack
@@ -710,7 +711,8 @@ def max_context(model: str, gpu_mem: str | float | list, stack: Any = None, batc
 
 def max_context_per_step(model: str, gpu_mem: str | float, batch_size: int = 1,
                          grad_accum_steps: int | None = None, gpus: int = 1, step: int = 256,
-                         workers: int = 1, attention_mask: bool = False) -> list[dict[str, Any]]:
+                         workers: int = 1, attention_mask: bool = False,
+                         progress: bool = False) -> list[dict[str, Any]]:
     """The longest sequence that fits ``gpu_mem`` under each escalation step's measured stack
     (``max_context`` per stack; rows with the same stack share one search).
 
@@ -729,6 +731,7 @@ def max_context_per_step(model: str, gpu_mem: str | float, batch_size: int = 1,
         workers: processes searching at once (1: this one; more: spawned, one stack each at a
             time, the results the same).
         attention_mask: the rows need an attention mask (``fake_memory.Stack.attention_mask``).
+        progress: a progress bar over the searches, on stderr (an 8 B model's take minutes).
 
     Returns:
         One dict per escalation row: ``step``, ``stack`` and ``max_seq_len`` / ``gpu_GiB`` /
@@ -753,12 +756,23 @@ def max_context_per_step(model: str, gpu_mem: str | float, batch_size: int = 1,
         # spawned, not forked: a fork of a process whose OpenMP threads started can hang
         with ProcessPoolExecutor(min(workers, len(distinct)),
                                  mp_context=multiprocessing.get_context("spawn")) as pool:
-            searched = list(pool.map(search, distinct))
+            searched = list(_progress(pool.map(search, distinct), "longest-context searches",
+                                      progress, len(distinct)))
     else:
-        searched = [search(stack) for stack in distinct]
+        searched = [search(stack) for stack in _progress(distinct, "longest-context searches",
+                                                         progress)]
     found = dict(zip(distinct, searched, strict=True))
     return [{"step": name, "measured_stack": stack} if isinstance(stack, str)
             else {"step": name, **found[stack]} for name, stack in stacks.items()]
+
+
+def _progress(items: Any, desc: str, shown: bool, total: int | None = None) -> Any:
+    """``items``, behind a progress bar on stderr where ``shown``."""
+    if not shown:
+        return items
+    from tqdm.auto import tqdm
+
+    return tqdm(items, desc=desc, total=total, leave=False)
 
 
 def _search_stack(stack: Any, model: str, gpu_mem: str | float, batch_size: int,

@@ -283,8 +283,8 @@ def test_the_clis_length_search_takes_the_cores_it_was_given(monkeypatch, capsys
     from recipes_lib.__main__ import search_processes
 
     workers = []
-    monkeypatch.setattr(planner, "max_context_per_step",
-                        lambda *a, **kw: workers.append(kw["workers"]) or [])
+    monkeypatch.setattr(planner, "max_context_per_step",  # minutes for an 8 B: a progress bar
+                        lambda *a, **kw: workers.append(kw["workers"] * kw["progress"]) or [])
     argv = ["plan", "--model", "Llama-3.1-8B", "--gpu-mem", "24GB", "--seq", "2048",
             "--max-context"]
     for given, expected in (("3", 3), ("1", 1), ("", os.cpu_count() or 1), ("x", os.cpu_count())):
@@ -435,7 +435,7 @@ def test_gemma2_is_counted_with_its_masks_under_checkpointing():
     assert grown > layer[8192] - layer[4096] + 2 * 4 * (8192**2 - 4096**2)
 
 
-def test_measure_puts_a_fake_measurement_or_its_reason_beside_each_row(tmp_path):
+def test_measure_puts_a_fake_measurement_or_its_reason_beside_each_row(tmp_path, capsys):
     """A Llama config wide enough for its layers and logits to outweigh a step's odd bytes:
     each single-GPU row's prediction, its layers counted op by op, within 5 % of the
     measured peak (Korthikanti's 34 sbh left the LoRA rows 0.55-0.7x on Llama-3.1-8B)."""
@@ -445,7 +445,8 @@ def test_measure_puts_a_fake_measurement_or_its_reason_beside_each_row(tmp_path)
                 num_attention_heads=8, num_key_value_heads=2,
                 max_position_embeddings=512).save_pretrained(tmp_path)
     result = planner.plan(str(tmp_path), "1GB", seq_len=256, batch_size=4, grad_accum_steps=2,
-                          measure=True, gpus=2)
+                          measure=True, gpus=2, progress=True)
+    assert "fake-tensor steps, one a row" in capsys.readouterr().err  # what the CLI shows
     assert result["layers_counted"] and result["notes"][0] == planner.COUNTED_NOTE
     for r in result["rows"][:-1]:  # the FSDP row keeps Korthikanti's count
         assert r["total_GiB"] / r["measured_GiB"] == pytest.approx(1, abs=0.05), r
@@ -530,7 +531,7 @@ def test_a_stopped_longest_context_search_keeps_each_length_it_measured(tmp_path
 
 
 def test_max_context_per_step_searches_each_measured_stack_once(tmp_path, small_llama,
-                                                                 monkeypatch):
+                                                                 monkeypatch, capsys):
     small_llama.config.save_pretrained(tmp_path)
     searched = []
     real = planner.max_context
@@ -552,7 +553,8 @@ def test_max_context_per_step_searches_each_measured_stack_once(tmp_path, small_
     assert all(0 <= n <= small_llama.config.max_position_embeddings for n in lengths)
     # the same searches in two spawned processes (the command line's, one per core)
     assert planner.max_context_per_step(str(tmp_path), "0.6GiB", batch_size=1, step=16,
-                                        workers=2) == rows
+                                        workers=2, progress=True) == rows
+    assert "longest-context searches" in capsys.readouterr().err
 
 
 def test_a_gemma2_config_json_is_read_as_transformers_reads_it(tmp_path):

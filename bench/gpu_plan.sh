@@ -65,7 +65,9 @@ for part in $parts; do
         if [ "$rc" -ne 0 ]; then
             sleep 2  # a killed runner's kernel exits within a second (ipykernel's parent poller)
             python3 -c "import sys; from recipes_lib import results
-print('figures it reached:', results.keep_partial(sys.argv[1], sys.argv[2]))" \
+kept = results.keep_partial(sys.argv[1], sys.argv[2])
+print(f'the figures it reached: {kept}' if kept else 'no figures kept apart: its results '
+      'file was saved (the failure came after its last cell), or it recorded none')" \
                 "$(basename "$nb" .ipynb)" "$out/results"
         fi
     fi

@@ -13,7 +13,7 @@ import html
 import json
 from pathlib import Path
 
-from recipes_lib.results import _fmt, load_results, output_dir
+from recipes_lib.results import _fmt, load_results, output_dir, run_status
 
 STYLE = """body{font-family:system-ui,sans-serif;margin:2em auto;max-width:1100px;color:#222}
 table{border-collapse:collapse;margin:1em 0;font-size:.9em}th,td{border:1px solid #ccc;
@@ -70,7 +70,8 @@ def write_html_report(status: dict[str, str], executed_dir: Path | str,
              "<table><tr><th>notebook</th><th>status</th><th>device</th></tr>"]
     for stem, state in status.items():
         cls = "ok" if state == "ok" else "failed"
-        parts.append(f"<tr><td>{esc(stem)}</td><td class='{cls}'>{esc(state)}</td>"
+        parts.append(f"<tr><td>{esc(stem)}</td><td class='{cls}'>"
+                     f"{esc(run_status(stem, state, results_dir))}</td>"
                      f"<td>{esc(runs.get(stem, {}).get('device', ''))}</td></tr>")
     parts.append("</table>")
     versions = next(iter(runs.values()), {}).get("versions", {})

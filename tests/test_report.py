@@ -30,10 +30,13 @@ def test_html_report_has_status_figures_ratios_and_plots(tmp_path):
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("plot()")])
     nb.cells[0].outputs = [nbformat.v4.new_output("display_data", data={"image/png": _png()})]
     nbformat.write(nb, executed / "02_demo.ipynb")
-    page = report.write_html_report({"02_demo": "ok", "03_broken": "failed: CellExecutionError"},
-                                    executed, tmp_path)
+    results.Results("04_stopped", "cpu", tmp_path).add("curriculum", "ratio", 0.6)  # then died
+    page = report.write_html_report({"02_demo": "ok", "03_broken": "failed: CellExecutionError",
+                                     "04_stopped": "failed: DeadKernelError"}, executed, tmp_path)
     text = page.read_text()
     assert "<td class='failed'>failed: CellExecutionError</td>" in text
+    kept = results.partial_path("04_stopped", tmp_path)
+    assert f"failed: DeadKernelError (1 figure recorded before it stopped: {kept})" in text
     assert "state_ratio" in text and "<td>0.25</td>" in text  # value / baseline
     assert text.count("data:image/png;base64,") == 1
     assert not list(tmp_path.glob("*.tmp"))

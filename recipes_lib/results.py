@@ -260,7 +260,8 @@ def run_status(stem: str, state: str, results_dir: Path | str | None = None) -> 
     return f"{state} ({n} figure{'s' * (n != 1)} recorded before it stopped: {kept})"
 
 
-def keep_partial(stem: str, results_dir: Path | str | None = None) -> Path | None:
+def keep_partial(stem: str, results_dir: Path | str | None = None,
+                 replace: bool = False) -> Path | None:
     """After a run of ``stem`` stopped before saving (a failed cell, a deadline), make the
     figures it had recorded its results file, marked ``"partial": true``: what the README's
     table and the report then show, each row saying the run stopped early.
@@ -268,10 +269,16 @@ def keep_partial(stem: str, results_dir: Path | str | None = None) -> Path | Non
     Args:
         stem: the notebook's file stem.
         results_dir: the results folder (default: :func:`output_dir`).
+        replace: also where the folder holds a whole run's results file for ``stem`` (an
+            earlier run's, e.g. the committed one), which the partial figures then replace.
 
     Returns:
         The results file written, or None where the run left no figures (it saved its file,
         or stopped before its first figure).
+
+    Raises:
+        ValueError: naming the file, where a whole run's results would be replaced without
+            ``replace=True``.
 
     Example:
         >>> keep_partial("03_optimizing_inference_speed")  # doctest: +SKIP
@@ -280,6 +287,9 @@ def keep_partial(stem: str, results_dir: Path | str | None = None) -> Path | Non
     if not partial.is_file():
         return None
     path = partial.parent.parent / f"{stem}.json"
+    if not replace and path.is_file() and not json.loads(path.read_text()).get("partial"):
+        raise ValueError(f"stem={stem!r}: {path} holds a whole run's figures, which the partial "
+                         "ones would replace; pass replace=True to replace them")
     os.replace(partial, path)
     with contextlib.suppress(OSError):  # another run's figures are still there
         partial.parent.rmdir()

@@ -192,3 +192,8 @@ def test_a_saved_run_leaves_no_partial_figures_and_a_new_run_drops_the_old_ones(
     second.add("qlora", "ratio", 0.26)
     assert "partial" not in json.loads(second.save().read_text())
     assert not partial.parent.exists() and results.keep_partial("01_x", tmp_path) is None
+    # a later run stops: its figures do not silently replace the whole run's
+    results.Results("01_x", "cpu", tmp_path).add("qlora", "ratio", 0.5)
+    with pytest.raises(ValueError, match="stem='01_x': .*01_x.json holds a whole run's"):
+        results.keep_partial("01_x", tmp_path)
+    assert json.loads(results.keep_partial("01_x", tmp_path, replace=True).read_text())["partial"]

@@ -13,7 +13,7 @@ slower (no overlap of the copy with backward) and exact.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -105,3 +105,31 @@ class CPUOffloadOptimizer:
                 if isinstance(v, torch.Tensor) and v.device.type == device_type:
                     total += v.nbytes
         return total
+
+
+def compare_with_adamw(load_model: Callable[[], torch.nn.Module],
+                       examples: list[dict[str, list[int]]], pad_token_id: int,
+                       config: Any) -> dict[str, dict[str, Any]]:
+    """The same steps from the same weights and batches with the training loop's AdamW and with
+    :class:`CPUOffloadOptimizer` (the one training loop, ``train.train``, for both).
+
+    Args:
+        load_model: returns a fresh copy of the starting model (called once per optimizer).
+        examples, pad_token_id, config: as ``train.train`` takes them (``config`` also gives
+            the offloaded AdamW its learning rate and weight decay).
+
+    Returns:
+        ``{"AdamW": ..., "CPU-offloaded AdamW": ...}``, each ``{"losses", "parameters"}`` (the
+        parameters after the last step, ``numerics.collect_parameters``).
+    """
+    from recipes_lib import numerics, train
+
+    out = {}
+    for name in ("AdamW", "CPU-offloaded AdamW"):
+        model = load_model()
+        opt = (CPUOffloadOptimizer(model.parameters(), lr=config.lr,
+                                   weight_decay=config.weight_decay)
+               if name == "CPU-offloaded AdamW" else None)  # None: the loop's own AdamW
+        run = train.train(model, examples, pad_token_id, config, optimizer=opt)
+        out[name] = {"losses": run.losses, "parameters": numerics.collect_parameters(model)}
+    return out

@@ -43,3 +43,19 @@ def test_offload_frees_device_optimizer_state():
     m(torch.randn(8, 1024, device="cuda")).sum().backward()
     off.step()
     assert off.state_bytes("cuda") == 0 and off.state_bytes("cpu") > 0
+
+
+def test_compare_with_adamw_trains_both_in_the_one_loop_to_the_same_weights(small_llama):
+    import copy
+
+    from recipes_lib import offload, train
+
+    examples = [{"input_ids": list(range(3, 40)), "labels": list(range(3, 40))}] * 8
+    runs = offload.compare_with_adamw(lambda: copy.deepcopy(small_llama), examples, 0,
+                                      train.TrainConfig(steps=3, micro_batch_size=4, lr=1e-3,
+                                                        weight_decay=0.01, progress=False))
+    assert list(runs) == ["AdamW", "CPU-offloaded AdamW"]
+    plain, off = runs["AdamW"], runs["CPU-offloaded AdamW"]
+    assert plain["losses"][0] == off["losses"][0]  # same start
+    assert max_abs_diff(off["parameters"], plain["parameters"]) <= 1e-6
+    assert max_abs_diff(plain["parameters"], collect_parameters(small_llama)) > 0  # it trained

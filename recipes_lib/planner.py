@@ -538,9 +538,12 @@ def plan(model: str, gpu_mem: str | float, seq_len: int = 2048, batch_size: int 
                          config, attention_mask)
     rows = out["rows"]
     if measure:
+        from tqdm.auto import tqdm
+
         from recipes_lib import fake_memory
 
-        for row in _progress(rows, "fake-tensor steps, one a row", progress):
+        for row in tqdm(rows, desc="fake-tensor steps, one a row", disable=not progress,
+                        leave=False):
             stack = _measured_stack(row["step"], grad_accum_steps, gpus, attention_mask)
             if isinstance(stack, str):
                 row["measured_stack"] = stack
@@ -749,6 +752,9 @@ def max_context_per_step(model: str, gpu_mem: str | float, batch_size: int = 1,
     distinct = list(dict.fromkeys(s for s in stacks.values() if not isinstance(s, str)))
     search = functools.partial(_search_stack, model=model, gpu_mem=gpu_mem,
                                batch_size=batch_size, step=step)
+    from tqdm.auto import tqdm
+
+    bar = {"desc": "longest-context searches", "disable": not progress, "leave": False}
     if workers > 1 and len(distinct) > 1:
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor
@@ -756,23 +762,12 @@ def max_context_per_step(model: str, gpu_mem: str | float, batch_size: int = 1,
         # spawned, not forked: a fork of a process whose OpenMP threads started can hang
         with ProcessPoolExecutor(min(workers, len(distinct)),
                                  mp_context=multiprocessing.get_context("spawn")) as pool:
-            searched = list(_progress(pool.map(search, distinct), "longest-context searches",
-                                      progress, len(distinct)))
+            searched = list(tqdm(pool.map(search, distinct), total=len(distinct), **bar))
     else:
-        searched = [search(stack) for stack in _progress(distinct, "longest-context searches",
-                                                         progress)]
+        searched = [search(stack) for stack in tqdm(distinct, **bar)]
     found = dict(zip(distinct, searched, strict=True))
     return [{"step": name, "measured_stack": stack} if isinstance(stack, str)
             else {"step": name, **found[stack]} for name, stack in stacks.items()]
-
-
-def _progress(items: Any, desc: str, shown: bool, total: int | None = None) -> Any:
-    """``items``, behind a progress bar on stderr where ``shown``."""
-    if not shown:
-        return items
-    from tqdm.auto import tqdm
-
-    return tqdm(items, desc=desc, total=total, leave=False)
 
 
 def _search_stack(stack: Any, model: str, gpu_mem: str | float, batch_size: int,

@@ -530,10 +530,7 @@ class Progress:
         """
         if key not in self.values:
             self.values[key] = json.loads(json.dumps(measure()))
-            tmp = self.path.with_suffix(".json.tmp")
-            tmp.write_text(json.dumps({"fingerprint": self.fingerprint, "values": self.values},
-                                      indent=1) + "\n")
-            os.replace(tmp, self.path)
+            _write_json(self.path, {"fingerprint": self.fingerprint, "values": self.values})
         return self.values[key]
 
     def said(self, key: str) -> str:

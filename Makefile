@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run run-avx2 bench archs test lab lint clean
+.PHONY: run run-avx2 bench archs test test-harness lab lint clean
 
 # TORCH_INDEX: where the pinned torch comes from when set, e.g. PyTorch's CPU-only index
 # (make test TORCH_INDEX=https://download.pytorch.org/whl/cpu); unset, pip's own indexes decide,
@@ -46,12 +46,19 @@ archs: $(STAMP)
 # nbval; notebook 04 runs through papermill with MODEL_ID set to a local folder
 # (tests/test_notebooks.py), the path the README documents. TEST_WORKERS parallel workers, one
 # thread each on a 2-core machine (conftest.py; tests/conftest.py splits the work);
-# TEST_WORKERS=0: one process.
+# TEST_WORKERS=0: one process. The tests marked `harness` (the launcher's failing, hung and
+# restarted ranks, the GPU session's smoke run, a notebook run alone: the course's tooling under
+# failure, mostly process start-ups and deliberate waits) are left to `make test-harness`, which
+# CI runs after this one: `make test` is the 10-minute loop, every recipe's test and notebook in it.
 TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -q --durations=10 tests notebooks \
+	$(PY) -m pytest -q --durations=10 tests notebooks -m "not harness" \
 		--nbval-lax --ignore=notebooks/executed \
 		--ignore=notebooks/04_training_long_sequences.ipynb \
+		-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+
+test-harness: $(STAMP)
+	$(PY) -m pytest -q --durations=10 tests -m harness \
 		-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 lab: $(STAMP)

@@ -62,6 +62,7 @@ def test_sharded_checkpoint_round_trips_and_export_loads(sharded_runs, tiny_mode
     assert exported.config.num_hidden_layers == original.config.num_hidden_layers
 
 
+@pytest.mark.harness
 def test_a_rank_that_raises_is_reported_and_nothing_is_left_running(launch_tag):
     with pytest.raises(distributed.DistributedRunError, match="rank 1: RuntimeError: rank 1 "
                        "failed on purpose"):
@@ -70,6 +71,7 @@ def test_a_rank_that_raises_is_reported_and_nothing_is_left_running(launch_tag):
     assert _rank_processes(launch_tag) == []
 
 
+@pytest.mark.harness
 def test_a_rank_killed_by_a_signal_is_named_with_its_last_output(launch_tag):
     """A C++ abort (seen once in CI: a gloo rank, SIGABRT) leaves no Python error: the message
     names the signal and shows what the rank wrote to stderr before it died."""
@@ -99,6 +101,7 @@ def test_every_killed_rank_of_a_wide_job_is_named(tmp_path):
     assert "  rank 3: stopped by torchrun after another rank failed" in message
 
 
+@pytest.mark.harness
 def test_a_rank_that_dies_after_its_result_is_written_leaves_the_results_and_says_so(
         launch_tag, capfd):
     """Every rank finished its work, then one aborted while exiting (a gloo teardown abort,
@@ -112,6 +115,7 @@ def test_a_rank_that_dies_after_its_result_is_written_leaves_the_results_and_say
     assert _rank_processes(launch_tag) == []
 
 
+@pytest.mark.harness
 def test_a_hung_rank_becomes_a_timeout_not_a_hang(launch_tag):
     with pytest.raises(distributed.DistributedRunError, match="Timed out"):
         distributed.launch([("recipes_lib.distributed:fail_on_rank",
@@ -119,6 +123,7 @@ def test_a_hung_rank_becomes_a_timeout_not_a_hang(launch_tag):
     assert _rank_processes(launch_tag) == []
 
 
+@pytest.mark.harness
 def test_launcher_wall_clock_timeout_kills_every_rank(launch_tag):
     # 15 s: torchrun and its ranks start within it on a CI machine busy with the rest of the suite
     # (at 4 s, once, torchrun had not started a rank and there were no logs to name)
@@ -182,7 +187,7 @@ def test_init_outside_torchrun_says_how_to_start(monkeypatch):
         distributed.init_distributed()
 
 
-@pytest.mark.slow
+@pytest.mark.harness
 def test_rank_killed_under_torchrun_resumes_from_sharded_checkpoint(tiny_model_path, sharded_runs,
                                                                     tmp_path, monkeypatch,
                                                                     summary):

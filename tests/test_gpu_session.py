@@ -15,6 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.harness
 def test_smoke_memory_parts_run_and_the_unsloth_lines_are_fitted(tmp_path, bench_script):
     subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_session.py"), str(tmp_path),
                     "--smoke", "--memory-only"], check=True, cwd=ROOT, capture_output=True)

@@ -321,6 +321,24 @@ def test_the_parallel_suite_names_units_that_exist():
     assert all((root / "tests" / name).exists() for name in SHARDED_RUNS_FILES)
 
 
+def test_ci_runs_the_harness_tests_that_make_test_leaves_out():
+    """`make test` (the 10-minute loop) deselects the tests marked harness and `make
+    test-harness` selects exactly them; CI runs both, so no test falls out of CI."""
+    import re
+
+    root = COURSE[0].parent.parent
+    makefile = (root / "Makefile").read_text()
+
+    def recipe(target: str) -> str:
+        return re.search(rf"^{target}:.*\n((?:\t.*\n)+)", makefile, re.MULTILINE).group(1)
+
+    assert '-m "not harness"' in recipe("test") and "-m harness" in recipe("test-harness")
+    ci = [line.split("#")[0].strip() for line in (root / ".ci" / "run").read_text().splitlines()]
+    assert ci.index("make test") < ci.index("make test-harness")
+    assert "harness:" in (root / "pyproject.toml").read_text()  # registered: a typo would warn
+
+
+@pytest.mark.harness
 def test_a_notebook_run_alone_under_pytest_leaves_nothing_behind():
     """`pytest notebooks/<one>.ipynb --nbval-lax`, without tests/ (and its conftest): the
     repository's conftest.py still sends the results to a temporary folder, removed at the end,

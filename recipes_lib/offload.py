@@ -111,7 +111,7 @@ def compare_with_adamw(load_model: Callable[[], torch.nn.Module],
                        examples: list[dict[str, list[int]]], pad_token_id: int,
                        config: Any) -> dict[str, dict[str, Any]]:
     """The same steps from the same weights and batches with the training loop's AdamW and with
-    :class:`CPUOffloadOptimizer` (the one training loop, ``train.train``, for both).
+    :class:`CPUOffloadOptimizer` (``train.compare_optimizers``: the one training loop for both).
 
     Args:
         load_model: returns a fresh copy of the starting model (called once per optimizer).
@@ -124,12 +124,10 @@ def compare_with_adamw(load_model: Callable[[], torch.nn.Module],
     """
     from recipes_lib import numerics, train
 
-    out = {}
-    for name in ("AdamW", "CPU-offloaded AdamW"):
-        model = load_model()
-        opt = (CPUOffloadOptimizer(model.parameters(), lr=config.lr,
-                                   weight_decay=config.weight_decay)
-               if name == "CPU-offloaded AdamW" else None)  # None: the loop's own AdamW
-        run = train.train(model, examples, pad_token_id, config, optimizer=opt)
-        out[name] = {"losses": run.losses, "parameters": numerics.collect_parameters(model)}
-    return out
+    return train.compare_optimizers(
+        load_model, examples, pad_token_id, config,
+        {"AdamW": None,
+         "CPU-offloaded AdamW": lambda m: CPUOffloadOptimizer(
+             m.parameters(), lr=config.lr, weight_decay=config.weight_decay)},
+        lambda model, run, _: {"losses": run.losses,
+                               "parameters": numerics.collect_parameters(model)})

@@ -161,7 +161,7 @@ def compare_with_adamw(load_model: Callable[[], torch.nn.Module],
                        examples: list[dict[str, list[int]]], pad_token_id: int,
                        config: Any) -> dict[str, dict[str, Any]]:
     """The same steps from the same weights and batches with the training loop's AdamW and with
-    8-bit AdamW (the one training loop, ``train.train``, for both).
+    8-bit AdamW (``train.compare_optimizers``: the one training loop for both).
 
     Args:
         load_model: returns a fresh copy of the starting model (called once per optimizer).
@@ -173,12 +173,9 @@ def compare_with_adamw(load_model: Callable[[], torch.nn.Module],
     """
     from recipes_lib import train
 
-    out = {}
-    for name in ("AdamW", "8-bit AdamW"):
-        model = load_model()
-        opt = (make_adamw_8bit(model.parameters(), config.lr, config.weight_decay)
-               if name == "8-bit AdamW" else train.make_optimizer(model, config))
-        run = train.train(model, examples, pad_token_id, config, optimizer=opt)
-        out[name] = {"losses": run.losses, "step_times": run.step_times,
-                     "state_bytes": state_bytes(opt)}
-    return out
+    return train.compare_optimizers(
+        load_model, examples, pad_token_id, config,
+        {"AdamW": None,
+         "8-bit AdamW": lambda m: make_adamw_8bit(m.parameters(), config.lr, config.weight_decay)},
+        lambda _, run, opt: {"losses": run.losses, "step_times": run.step_times,
+                             "state_bytes": state_bytes(opt)})

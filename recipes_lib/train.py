@@ -329,3 +329,36 @@ def train(
         writer.close()
     model.eval()
     return result
+
+
+def compare_optimizers(load_model: Callable[[], torch.nn.Module],
+                       examples: list[dict[str, list[int]]], pad_token_id: int,
+                       config: TrainConfig,
+                       optimizers: dict[str, Callable[[torch.nn.Module], Any] | None],
+                       collect: Callable[[torch.nn.Module, TrainResult, Any], dict[str, Any]]
+                       ) -> dict[str, dict[str, Any]]:
+    """The same steps from the same weights and batches with each optimizer, through
+    :func:`train` (what ``optim8bit`` and ``offload`` compare against AdamW).
+
+    Args:
+        load_model: returns a fresh copy of the starting model (called once per optimizer).
+        examples, pad_token_id, config: as :func:`train` takes them.
+        optimizers: name -> ``make(model)`` returning the optimizer, or None for
+            :func:`make_optimizer`'s AdamW; run in this order.
+        collect: ``collect(model, result, optimizer)`` after each run: what to keep of it.
+
+    Returns:
+        name -> what ``collect`` returned.
+
+    Raises:
+        ValueError: for no optimizers.
+    """
+    if not optimizers:
+        raise ValueError("optimizers: name at least one")
+    out = {}
+    for name, make in optimizers.items():
+        model = load_model()
+        opt = make(model) if make is not None else make_optimizer(model, config)
+        out[name] = collect(model, train(model, examples, pad_token_id, config, optimizer=opt),
+                            opt)
+    return out

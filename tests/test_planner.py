@@ -282,9 +282,10 @@ def test_the_clis_length_search_takes_the_cores_it_was_given(monkeypatch, capsys
 
     from recipes_lib.__main__ import search_processes
 
-    workers = []
+    workers, bars = [], []
     monkeypatch.setattr(planner, "max_context_per_step",  # minutes for an 8 B: a progress bar
-                        lambda *a, **kw: workers.append(kw["workers"] * kw["progress"]) or [])
+                        lambda *a, **kw: workers.append(kw["workers"])
+                        or bars.append(kw["progress"]) or [])
     argv = ["plan", "--model", "Llama-3.1-8B", "--gpu-mem", "24GB", "--seq", "2048",
             "--max-context"]
     for given, expected in (("3", 3), ("1", 1), ("", os.cpu_count() or 1), ("x", os.cpu_count())):
@@ -293,6 +294,7 @@ def test_the_clis_length_search_takes_the_cores_it_was_given(monkeypatch, capsys
     monkeypatch.delenv("OMP_NUM_THREADS")
     assert main(argv) == 0
     assert workers == [3, 1, os.cpu_count() or 1, os.cpu_count() or 1, os.cpu_count() or 1]
+    assert bars == [True] * 5
 
 
 def test_the_plan_ends_with_its_cheapest_step_in_a_trainers_settings(capsys):

@@ -154,7 +154,6 @@ def test_an_interrupted_runs_measurements_are_reused_and_only_by_the_same_run(tm
         results.Progress("a/b", "cpu", tmp_path)
 
 
-
 def test_a_run_killed_before_saving_keeps_the_figures_it_recorded(tmp_path):
     """What a GPU call's deadline does to a notebook: the process is killed before its last cell
     saves. Each figure was kept as it was recorded, so keep_partial turns them into the results

@@ -91,3 +91,19 @@ def test_adamw_is_fused_where_every_parameter_is_on_a_gpu():
         assert make_optimizer(on_gpu, TrainConfig()).param_groups[0]["fused"]
     on_cpu = make_optimizer(torch.nn.Linear(4, 4), TrainConfig())
     assert not on_cpu.param_groups[0]["fused"]  # the CPU keeps torch's default, the for-loop
+
+
+def test_compare_optimizers_runs_each_from_the_same_weights_in_the_one_loop(small_llama):
+    import copy
+
+    from recipes_lib.train import compare_optimizers
+
+    cfg = TrainConfig(steps=2, micro_batch_size=4, lr=1e-3, progress=False)
+    runs = compare_optimizers(
+        lambda: copy.deepcopy(small_llama), _examples(8), 0, cfg,
+        {"default": None, "SGD": lambda m: torch.optim.SGD(m.parameters(), lr=1e-3)},
+        lambda model, run, opt: {"losses": run.losses, "optimizer": type(opt).__name__})
+    assert [r["optimizer"] for r in runs.values()] == ["AdamW", "SGD"]  # None: make_optimizer
+    assert runs["default"]["losses"][0] == runs["SGD"]["losses"][0]  # same start, same batch
+    with pytest.raises(ValueError, match="optimizers"):
+        compare_optimizers(lambda: small_llama, _examples(8), 0, cfg, {}, lambda *a: {})

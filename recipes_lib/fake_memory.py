@@ -36,7 +36,13 @@ import torch
 import torch.nn.functional as F
 
 from recipes_lib import calc
-from recipes_lib.architectures import default_attention, lora_target_modules, meta_model
+from recipes_lib.architectures import (
+    adapter_targets,
+    decoder_layers,
+    default_attention,
+    lora_target_modules,
+    meta_model,
+)
 from recipes_lib.checkpointing import enable_activation_checkpointing
 from recipes_lib.chunked_loss import ChunkedCausalLMLoss
 from recipes_lib.data import IGNORE_INDEX
@@ -553,26 +559,7 @@ def build_model(config, stack: Stack, device: torch.device | str, fake: bool = T
         ``(model, mode)``: ``mode`` is the ``FakeTensorMode`` to run the step in (None if real).
     """
     device = torch.device(device)
-    # a QLoRA base loads in its compute dtype (peft's k-bit preparation then casts what stays
-    # unquantized to fp32 under bf16-mixed); other stacks load in their weights' dtype
-    dtype = _compute_dtype(stack) if stack.method == "qlora" else DTYPES[stack.precision]
-    attn_implementation = attn_implementation or default_attention(config)
-    model = meta_model(config, dtype=dtype, attn_implementation=attn_implementation)
-    if stack.method == "qlora":
-        _to_nf4(model, stack)
-    if stack.method in ("lora", "qlora"):
-        from peft import LoraConfig, get_peft_model
-
-        targets = lora_target_modules(model, stack.lora_targets if isinstance(
-            stack.lora_targets, str) else list(stack.lora_targets), "lora_targets")
-        model = get_peft_model(model, LoraConfig(r=stack.lora_rank, lora_alpha=2 * stack.lora_rank,
-                                                 target_modules=targets,
-                                                 lora_dropout=stack.lora_dropout,
-                                                 task_type="CAUSAL_LM"),
-                               autocast_adapter_dtype=stack.autocast_adapter_dtype)
-    if stack.bf16_embeddings:  # TRL's peft_module_casting_to_bf16, after get_peft_model
-        for module in (model.get_input_embeddings(), model.get_output_embeddings()):
-            module.to(torch.bfloat16)
+    model = _meta_model(config, stack, attn_implementation)
     _check_experts(model, config, stack)
     nf4_shapes = packed_placeholders(model)
     if stack.fsdp_ranks > 1:  # sharded on meta; to_empty then gives each rank its shards only
@@ -595,6 +582,32 @@ def build_model(config, stack: Stack, device: torch.device | str, fake: bool = T
         enable_activation_checkpointing(model, selective=stack.selective_checkpointing)
     model.train()
     return model, mode
+
+
+def _meta_model(config: Any, stack: Stack, attn_implementation: str | None = None
+                ) -> torch.nn.Module:
+    """``config``'s model on the meta device with ``stack``'s NF4 layers and adapters."""
+    # a QLoRA base loads in its compute dtype (peft's k-bit preparation then casts what stays
+    # unquantized to fp32 under bf16-mixed); other stacks load in their weights' dtype
+    dtype = _compute_dtype(stack) if stack.method == "qlora" else DTYPES[stack.precision]
+    attn_implementation = attn_implementation or default_attention(config)
+    model = meta_model(config, dtype=dtype, attn_implementation=attn_implementation)
+    if stack.method == "qlora":
+        _to_nf4(model, stack)
+    if stack.method in ("lora", "qlora"):
+        from peft import LoraConfig, get_peft_model
+
+        targets = lora_target_modules(model, stack.lora_targets if isinstance(
+            stack.lora_targets, str) else list(stack.lora_targets), "lora_targets")
+        model = get_peft_model(model, LoraConfig(r=stack.lora_rank, lora_alpha=2 * stack.lora_rank,
+                                                 target_modules=targets,
+                                                 lora_dropout=stack.lora_dropout,
+                                                 task_type="CAUSAL_LM"),
+                               autocast_adapter_dtype=stack.autocast_adapter_dtype)
+    if stack.bf16_embeddings:  # TRL's peft_module_casting_to_bf16, after get_peft_model
+        for module in (model.get_input_embeddings(), model.get_output_embeddings()):
+            module.to(torch.bfloat16)
+    return model
 
 
 def materialize(model: torch.nn.Module, nf4_shapes: dict[torch.nn.Module, torch.Size],
@@ -686,6 +699,67 @@ def _check_experts(model: torch.nn.Module, config: Any, stack: Stack) -> None:
             "(weights, gradients and AdamW states in bf16, as torchtitan trains its MoE models)",
             f"{names} experts; grouped_mm multiplies bf16 only",
             replace(stack, precision="bf16", bf16_embeddings=False))
+
+
+def expert_adapters(model: Any, stack: Stack = Stack(method="lora", precision="bf16")
+                    ) -> dict[str, Any] | None:
+    """What peft's LoRA does to a mixture-of-experts model's experts: it adapts them whole.
+
+    transformers 5 keeps an MoE's experts as 3-D parameters (every expert's projections stacked),
+    not linear layers. peft maps the names transformers 4 gave them (``gate_proj``, ``up_proj``,
+    ``down_proj``, which "all-linear" takes, and the router's ``gate``) onto those parameters
+    (``target_parameters``) and adapts each through its ``ParamWrapper``, one rank-r adapter per
+    expert. Each forward then builds the adapted parameter, ``W + scaling * B A`` (one ``baddbmm``
+    since peft #3577), the size of the layer's experts, and the grouped GEMM keeps it for
+    backward: without checkpointing every layer's copy stays alive until its backward runs, with
+    it one layer's at a time. Adapters on the attention alone leave the experts as they are.
+
+    Args:
+        model: a built-in name or its hub id, a ``config.json`` path or a config (as
+            :func:`measure_step`).
+        stack: a LoRA or QLoRA stack; its ``lora_targets`` decide what is adapted.
+
+    Returns:
+        None for a dense model, a full fine-tune, or targets that leave the experts alone; else
+        ``parameters`` (the adapted parameters of one decoder layer, named from it),
+        ``adapter_params`` (the adapters' parameters on them, over every layer),
+        ``layer_bytes`` (one layer's adapted copies, each its parameter's size and dtype),
+        ``layers`` (the decoder layers with adapted experts) and ``attention_targets`` (the
+        attention's linear layers, as ``lora_targets`` that leave the experts out; None for a
+        model whose layers have no ``self_attn``).
+
+    Example:
+        >>> info = expert_adapters("qwen3-30b-a3b/config.json")  # doctest: +SKIP
+        >>> info["layers"], round(info["layer_bytes"] / 2**30, 3)  # doctest: +SKIP
+        (48, 1.125)
+    """
+    from peft.tuners.lora.layer import ParamWrapper
+
+    config = model_config(model)
+    if calc.expert_count(config) is None or stack.method not in ("lora", "qlora"):
+        return None
+    built = _meta_model(config, stack)
+    layers = decoder_layers(built)
+    wrapped: dict[int, dict[str, torch.Tensor]] = {}
+    adapter_params = 0
+    for i, layer in enumerate(layers):
+        for name, module in layer.named_modules():
+            if isinstance(module, ParamWrapper):
+                param = module.get_param()
+                owner = name.removesuffix(".base_layer" * name.count(".base_layer"))
+                wrapped.setdefault(i, {})[f"{owner}.{module.parameter_name}"] = param
+                adapter_params += sum(p.numel() for adapters in (module.lora_A, module.lora_B)
+                                      for p in adapters.parameters())
+    if not wrapped:
+        return None
+    first = wrapped[min(wrapped)]
+    attention = getattr(layers[0], "self_attn", None)
+    inside = {n.rsplit(".", 1)[-1] for n, _ in attention.named_modules()} if attention else set()
+    return {"parameters": sorted(first),
+            "adapter_params": adapter_params,
+            "layer_bytes": sum(p.numel() * p.element_size() for p in first.values()),
+            "layers": len(wrapped),
+            "attention_targets": tuple(t for t in adapter_targets(built) if t in inside) or None}
 
 
 def _to_nf4(model: torch.nn.Module, stack: Stack) -> None:

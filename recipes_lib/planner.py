@@ -499,6 +499,9 @@ def plan(model: str, gpu_mem: str | float, seq_len: int = 2048, batch_size: int 
         only (a row whose stack would keep an MoE's experts in fp32 is measured in pure bf16,
         its stack named; one with no stack to measure says why): the formulas' figures are
         None, ``cheapest`` says why, ``params_B`` is transformers' count and a note says why.
+        An MoE whose experts LoRA adapts whole (``fake_memory.expert_adapters``) also gets
+        ``expert_adapters``, with ``attention_only_GiB`` (the first adapter row measured again
+        with adapters on the attention only), and a note.
 
     Raises:
         ValueError: naming the parameter, for an unknown model, a size that does not parse, a
@@ -542,6 +545,7 @@ def plan(model: str, gpu_mem: str | float, seq_len: int = 2048, batch_size: int 
 
         from recipes_lib import fake_memory
 
+        adapted = None  # the first measured row with adapters, and its stack
         for row in tqdm(rows, desc="fake-tensor steps, one a row", disable=not progress,
                         leave=False):
             stack = _measured_stack(row["step"], grad_accum_steps, gpus, attention_mask)
@@ -554,6 +558,8 @@ def plan(model: str, gpu_mem: str | float, seq_len: int = 2048, batch_size: int 
                 row["measured_stack"] = stack
                 continue
             peak = report.peak_bytes
+            if adapted is None and stack.method in ("lora", "qlora"):
+                adapted = row, stack
             row.update(measured_stack=stack.label, measured_GiB=peak / 2**30,
                        host_GiB=report.host_bytes / 2**30,
                        gpu_GiB=(peak + gpu_overhead(peak)) / 2**30,
@@ -569,12 +575,45 @@ def plan(model: str, gpu_mem: str | float, seq_len: int = 2048, batch_size: int 
                 "a mixture-of-experts model: transformers 5 keeps its experts as 3-D parameters, "
                 "not linear layers, so bitsandbytes' 4-bit conversion skips them (bitsandbytes "
                 "#1849) and QLoRA quantizes its attention only")
+            if adapted is not None:
+                _note_expert_adapters(model, *adapted, seq_len, batch_size, out)
         out["cheapest_measured"] = next((r["step"] for r in rows if r.get("measured_fits")),
                                         "nothing measured fits")
     out["trainer"] = _trainer_settings(model, out.get("cheapest_measured", out["cheapest"]),
                                        batch_size, grad_accum_steps, gpus, attention_mask)
     out["grad_accum_steps"] = grad_accum_steps
     return out
+
+
+def _note_expert_adapters(model: Any, row: dict[str, Any], stack: Any, seq_len: int,
+                          batch_size: int, out: dict[str, Any]) -> None:
+    """An MoE whose experts LoRA adapts whole (``fake_memory.expert_adapters``): what that keeps,
+    in a note, and the adapter row measured again with adapters on the attention only
+    (``out["expert_adapters"]``, with ``attention_only_GiB``)."""
+    from recipes_lib import fake_memory
+
+    info = fake_memory.expert_adapters(model, stack)
+    if info is None:
+        return
+    out["expert_adapters"] = info
+    layer = info["layer_bytes"] / 2**30
+    text = (f"LoRA on {stack.lora_targets!r} adapts this model's experts whole, its router "
+            "too: peft maps transformers 4's per-expert names onto the 3-D parameters "
+            f"({', '.join(info['parameters'])}: target_parameters), a rank-{stack.lora_rank} "
+            f"adapter per expert and projection, {info['adapter_params'] / 1e9:.2f} B adapter "
+            "parameters. Each forward builds the adapted copy of a layer's experts, "
+            f"W + scaling x B A, {layer:.2f} GiB a layer, which the grouped GEMM keeps for "
+            f"backward: every layer's without checkpointing ({info['layers']} x {layer:.2f} = "
+            f"{info['layers'] * layer:.1f} GiB), one at a time with it")
+    if info["attention_targets"]:
+        alone = replace(stack, lora_targets=info["attention_targets"])
+        peak = fake_memory.measure_step(model, alone, seq_len,
+                                        _whole_shares(alone, batch_size)).peak_bytes / 2**30
+        info["attention_only_GiB"] = peak
+        text += (f". The {row['step']!r} row with adapters on the attention only "
+                 f"(target_modules={list(info['attention_targets'])}): {peak:.1f} GiB measured, "
+                 f"against {row['measured_GiB']:.1f} GiB")
+    out["notes"].append(text)
 
 
 def _trainer_settings(model: str, step: str, batch_size: int, grad_accum_steps: int,

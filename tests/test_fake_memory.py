@@ -865,6 +865,44 @@ def test_a_mixture_of_experts_step_is_measured_exactly(model_type, fields, stack
     assert kept[0] > kept[1], kept
 
 
+def test_lora_adapts_the_experts_whole_and_each_layer_keeps_its_adapted_copy():
+    """peft maps transformers 4's per-expert names ("all-linear" takes them) onto transformers
+    5's 3-D experts and router (target_parameters). Each forward builds a layer's adapted
+    experts, W + scaling x B A, which the grouped GEMM keeps for backward: without checkpointing
+    every layer's (a layer more keeps at least a copy more), with it one at a time (the depth
+    adds nothing). Adapters on the attention alone adapt no expert. Fake equals real."""
+    def moe(layers):
+        return _tiny_moe("qwen3_moe", hidden_size=128, num_experts=16, moe_intermediate_size=128,
+                         num_hidden_layers=layers)
+
+    lora = Stack(method="lora", precision="bf16", lora_rank=2)  # adapters small beside experts
+    info = fake_memory.expert_adapters(moe(2), lora)
+    assert info["parameters"] == ["mlp.experts.down_proj", "mlp.experts.gate_up_proj",
+                                  "mlp.gate.weight"]
+    assert info["layers"] == 2 and info["layer_bytes"] == 2 * 16 * 128 * (3 * 128 + 1)
+    attention = replace(lora, lora_targets=info["attention_targets"])
+    assert info["attention_targets"] == ("q_proj", "k_proj", "v_proj", "o_proj")
+    assert fake_memory.expert_adapters(moe(2), attention) is None
+    assert fake_memory.expert_adapters(moe(2), Stack()) is None
+
+    def trainable(stack):
+        model, _ = fake_memory.build_model(moe(2), stack, "cpu")  # fake weights
+        return sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert trainable(lora) - trainable(attention) == info["adapter_params"]
+
+    def kept(layers, checkpointing):  # activations kept with the experts adapted, beyond without
+        return [fake_memory.measure_step(moe(layers), replace(s, checkpointing=checkpointing), 32,
+                                         2).by_category["activations"] for s in (lora, attention)]
+    assert fake_memory.measure_step(moe(2), lora, 32, 2).by_category == \
+        fake_memory.measure_step(moe(2), lora, 32, 2, fake=False).by_category
+    layer = info["layer_bytes"]
+    for checkpointing in (False, True):
+        (one, one_alone), (two, two_alone) = kept(1, checkpointing), kept(2, checkpointing)
+        assert one - one_alone >= layer, checkpointing
+        grown = (two - two_alone) - (one - one_alone)
+        assert (abs(grown) < 0.1 * layer) if checkpointing else grown >= layer, grown
+
+
 def test_a_mixture_of_experts_stack_the_grouped_gemm_cannot_run_is_refused_with_why():
     config = _tiny_moe("mixtral", num_local_experts=4)
     with pytest.raises(fake_memory.UnmeasuredStackError,

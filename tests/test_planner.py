@@ -698,6 +698,13 @@ def test_a_mixture_of_experts_is_planned_by_measurement_with_each_substitution_s
     assert out["notes"].count(planner.SUBSTITUTED) == 1
     assert len([n for n in out["notes"] if "grouped_mm experts" in n]) == 2  # once per reason
     assert any("bitsandbytes #1849" in n for n in out["notes"])
+    # LoRA's "all-linear" adapts the experts whole: said, and the LoRA row measured again with
+    # adapters on the attention only (tests/test_fake_memory.py checks what each keeps)
+    adapted = out["expert_adapters"]
+    assert adapted["attention_targets"] == ("q_proj", "k_proj", "v_proj", "o_proj")
+    assert adapted["attention_only_GiB"] < by_step["LoRA on a bf16 base"]["measured_GiB"]
+    [note] = [n for n in out["notes"] if "target_parameters" in n]
+    assert f"{adapted['attention_only_GiB']:.1f} GiB measured" in note
     with torch.device("meta"):
         built = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(moe))
     assert out["params_B"] * 1e9 == sum(p.numel() for p in built.parameters())

@@ -1379,6 +1379,14 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "num_key_value_heads": 32, "max_position_embeddings": 4096,
         "original_max_position_embeddings": 4096, "sliding_window": 2047,
         "rope_theta": 10000.0, "tie_word_embeddings": False},
+    "Qwen3-30B-A3B": {  # Qwen/Qwen3-30B-A3B, read from public copies of its config.json (no hub
+        # access here); a mixture of experts: measured only (plan --measure, fake_memory)
+        "model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048,
+        "intermediate_size": 6144, "moe_intermediate_size": 768, "num_hidden_layers": 48,
+        "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+        "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
+        "decoder_sparse_step": 1, "mlp_only_layers": [], "max_position_embeddings": 40960,
+        "rope_theta": 1000000.0, "tie_word_embeddings": False, "use_sliding_window": False},
     "Phi-4": {  # microsoft/phi-4
         "model_type": "phi3", "vocab_size": 100352, "hidden_size": 5120,
         "intermediate_size": 17920, "num_hidden_layers": 40, "num_attention_heads": 40,
@@ -1398,7 +1406,8 @@ HUB_IDS = {
     "Llama-2-7B": "meta-llama/Llama-2-7b-hf", "Llama-2-13B": "meta-llama/Llama-2-13b-hf",
     "Llama-2-70B": "meta-llama/Llama-2-70b-hf", "Mistral-7B": "mistralai/Mistral-7B-v0.1",
     "Qwen2.5-0.5B": "Qwen/Qwen2.5-0.5B", "Qwen2.5-7B": "Qwen/Qwen2.5-7B",
-    "Qwen3-0.6B": "Qwen/Qwen3-0.6B", "Qwen3-8B": "Qwen/Qwen3-8B", "Gemma-2-2B": "google/gemma-2-2b",
+    "Qwen3-0.6B": "Qwen/Qwen3-0.6B", "Qwen3-8B": "Qwen/Qwen3-8B",
+    "Qwen3-30B-A3B": "Qwen/Qwen3-30B-A3B", "Gemma-2-2B": "google/gemma-2-2b",
     "Gemma-2-9B": "google/gemma-2-9b", "Gemma-3-1B": "google/gemma-3-1b-pt",
     "Mistral-7B-v0.3": "mistralai/Mistral-7B-v0.3",
     "Phi-3-mini-4k-instruct": "microsoft/Phi-3-mini-4k-instruct", "Phi-4": "microsoft/phi-4"}

@@ -240,6 +240,19 @@ def test_a_built_in_config_counts_as_its_model_card_and_transformers_do(name, ca
     assert type(fake_memory.model_config(name)).__name__ == config_class
 
 
+def test_the_built_in_mixture_of_experts_counts_as_its_model_card_and_is_measured_only():
+    """Qwen3-30B-A3B: 30.5 B parameters on its card, its own config class; the formulas refuse
+    it and say to measure (its fake steps: the tiny MoEs' tests in test_fake_memory.py)."""
+    from recipes_lib import fake_memory
+
+    config = fake_memory.model_config("Qwen/Qwen3-30B-A3B")
+    assert type(config).__name__ == "Qwen3MoeConfig"
+    assert round(calc.built_param_count(config) / 1e9, 1) == 30.5
+    with pytest.raises(ValueError, match=r"a mixture-of-experts model \(num_experts=128\).*"
+                                         r"--measure"):
+        planner.plan("Qwen3-30B-A3B", "80GB", 2048, 1)
+
+
 def test_every_built_in_name_has_the_repository_it_was_read_from():
     """The trainer code loads a repository: each built-in name's, which names it back."""
     assert set(calc.HUB_IDS) == set(calc.preset_names())

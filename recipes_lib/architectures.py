@@ -140,6 +140,50 @@ def check_adapter_targets(model: nn.Module, targets: str | list[str] | tuple[str
                          f"{', '.join(adapter_targets(model))} ('all-linear' takes them all)")
 
 
+def unadapted_linears(model: nn.Module, targets: str | list[str] | tuple[str, ...]
+                      ) -> list[str]:
+    """The decoder blocks' linear layers ``targets`` names that peft left without an adapter.
+
+    On transformers 5, peft (0.21) maps the names transformers 4 gave a mixture of experts'
+    experts (``gate_proj``, ``up_proj``, ``down_proj``) onto their 3-D parameters for every model
+    type transformers converts (DeepSeek-V2/V3, GLM-4-MoE, Qwen3-Next, ...), by name alone: the
+    dense layers' and shared experts' linear layers of those names go with them, and get no
+    adapter whatever ``target_modules`` says ("all-linear" included).
+
+    Args:
+        model: a peft-wrapped model.
+        targets: the ``target_modules`` it was wrapped with: "all-linear" names every linear
+            layer of the decoder blocks, a list those whose name is an entry or ends in ``.`` +
+            entry (as peft matches); a regular expression is left to peft (nothing returned).
+
+    Returns:
+        The layers' names in the base model (``model.layers.0.mlp.gate_proj``), in order.
+
+    Example:
+        >>> unadapted_linears(add_lora(deepseek_v3), "all-linear")[:1]  # doctest: +SKIP
+        ['model.layers.0.mlp.gate_proj']
+    """
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    if isinstance(targets, str) and targets != "all-linear":
+        return []
+    base = _base(model)
+    blocks = {id(b) for b in decoder_layers(base)}
+    inside = [n for n, m in base.named_modules() if id(m) in blocks]
+    adapted = [n for n, m in base.named_modules() if isinstance(m, BaseTunerLayer)]
+    left = []
+    for name, module in base.named_modules():
+        if not any(name.startswith(b + ".") for b in inside) or \
+                any(name == a or name.startswith(a + ".") for a in adapted):
+            continue
+        named = targets == "all-linear" or any(name == t or name.endswith("." + t)
+                                               for t in targets)
+        if named and isinstance(getattr(module, "in_features", None), int) and \
+                isinstance(getattr(module, "out_features", None), int):
+            left.append(name)
+    return left
+
+
 # peft (0.21) refuses LoRA on a Mamba mixer's out_proj and conv1d for these model types
 # (peft.tuners.tuners_utils._check_lora_target_modules_mamba), yet its "all-linear" picks out_proj
 PEFT_MAMBA_MODEL_TYPES = ("falcon_h1", "mamba", "mamba2", "falcon_mamba", "nemotron_h")

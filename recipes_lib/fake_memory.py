@@ -42,6 +42,7 @@ from recipes_lib.architectures import (
     default_attention,
     lora_target_modules,
     meta_model,
+    unadapted_linears,
 )
 from recipes_lib.checkpointing import enable_activation_checkpointing
 from recipes_lib.chunked_loss import ChunkedCausalLMLoss
@@ -722,6 +723,8 @@ def expert_adapters(model: Any, stack: Stack = Stack(method="lora", precision="b
     Returns:
         None for a dense model, a full fine-tune, or targets that leave the experts alone; else
         ``parameters`` (the adapted parameters of one decoder layer, named from it),
+        ``unadapted`` (linear layers the targets name that peft's mapping left without adapters,
+        ``architectures.unadapted_linears``: a dense layer's or a shared expert's),
         ``adapter_params`` (the adapters' parameters on them, over every layer),
         ``layer_bytes`` (one layer's adapted copies, each its parameter's size and dtype),
         ``layers`` (the decoder layers with adapted experts) and ``attention_targets`` (the
@@ -746,7 +749,7 @@ def expert_adapters(model: Any, stack: Stack = Stack(method="lora", precision="b
         for name, module in layer.named_modules():
             if isinstance(module, ParamWrapper):
                 param = module.get_param()
-                owner = name.removesuffix(".base_layer" * name.count(".base_layer"))
+                owner = name.split(".base_layer")[0]  # nested wrappers: one a parameter
                 wrapped.setdefault(i, {})[f"{owner}.{module.parameter_name}"] = param
                 adapter_params += sum(p.numel() for adapters in (module.lora_A, module.lora_B)
                                       for p in adapters.parameters())
@@ -756,6 +759,8 @@ def expert_adapters(model: Any, stack: Stack = Stack(method="lora", precision="b
     attention = getattr(layers[0], "self_attn", None)
     inside = {n.rsplit(".", 1)[-1] for n, _ in attention.named_modules()} if attention else set()
     return {"parameters": sorted(first),
+            "unadapted": unadapted_linears(built, stack.lora_targets if isinstance(
+                stack.lora_targets, str) else list(stack.lora_targets)),
             "adapter_params": adapter_params,
             "layer_bytes": sum(p.numel() * p.element_size() for p in first.values()),
             "layers": len(wrapped),

@@ -605,6 +605,11 @@ def _note_expert_adapters(model: Any, row: dict[str, Any], stack: Any, seq_len: 
             f"W + scaling x B A, {layer:.2f} GiB a layer, which the grouped GEMM keeps for "
             f"backward: every layer's without checkpointing ({info['layers']} x {layer:.2f} = "
             f"{info['layers'] * layer:.1f} GiB), one at a time with it")
+    if info["unadapted"]:
+        left = info["unadapted"]
+        text += (f"; peft's mapping takes the dense layers' and shared experts' layers of those "
+                 f"names with it: {len(left)} linear layers get no adapter "
+                 f"({', '.join(left[:3])}{', ...' if len(left) > 3 else ''})")
     if info["attention_targets"]:
         alone = replace(stack, lora_targets=info["attention_targets"])
         peak = fake_memory.measure_step(model, alone, seq_len,

@@ -158,3 +158,52 @@ def test_4bit_layers_keep_their_compute_dtype_on_every_cpu(nf4_model):
     layers = [m for m in nf4_model.modules() if hasattr(m, "support_avx512bf16_for_cpu")]
     assert layers and not any(m.support_avx512bf16_for_cpu for m in layers)
     assert keep_4bit_compute_dtype(nf4_model) == 0  # nothing left to switch
+
+
+def test_lora_says_which_linear_layers_peft_left_without_adapters(small_llama):
+    """On transformers 5, peft maps the names an MoE's experts had in transformers 4 (gate_proj,
+    up_proj, down_proj) onto their 3-D parameters by name alone: DeepSeek-V3's dense first layer
+    and shared experts lose their adapters under "all-linear". add_lora says which, as plain
+    peft leaves them (every other linear layer wrapped); a Llama has none to say."""
+    import warnings
+
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from recipes_lib import fake_memory, planner
+    from recipes_lib.architectures import unadapted_linears
+    from recipes_lib.fake_memory import Stack
+
+    config = AutoConfig.for_model(
+        "deepseek_v3", vocab_size=256, hidden_size=64, intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1, q_lora_rank=32,
+        kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+        first_k_dense_replace=1, n_group=1, topk_group=1)
+    left = [f"model.layers.0.mlp.{p}" for p in ("gate_proj", "up_proj", "down_proj")] + [
+        f"model.layers.1.mlp.shared_experts.{p}" for p in ("gate_proj", "up_proj", "down_proj")]
+    def said(model):  # add_lora's warnings about layers left without adapters
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")  # no other filter: pytest.warns would re-raise peft's
+            wrapped = quantization.add_lora(model, r=4)
+        return wrapped, [str(w.message) for w in caught if "without adapters" in str(w.message)]
+
+    lora, [warning] = said(AutoModelForCausalLM.from_config(config))
+    assert warning.startswith("target_modules='all-linear': peft left 6 linear layers of "
+                              "DeepseekV3ForCausalLM without adapters (model.layers.0.mlp."
+                              "gate_proj, "), warning
+    base = lora.get_base_model()
+    adapted = {n for n, m in base.named_modules() if isinstance(m, BaseTunerLayer)}
+    bare = [n for n, m in base.named_modules() if type(m) is torch.nn.Linear and ".layers." in n
+            and not any(n.startswith(a + ".") for a in adapted) and n not in adapted]
+    assert unadapted_linears(lora, "all-linear") == bare == left
+    assert unadapted_linears(lora, ["gate_proj"]) == left[::3]
+    assert unadapted_linears(lora, "mlp.*") == []  # a regular expression: peft's business
+    info = fake_memory.expert_adapters(config)  # on the meta device, as the planner builds it
+    assert info["unadapted"] == left and info["layers"] == 1
+    out = {"notes": []}
+    planner._note_expert_adapters(config, {"step": "LoRA", "measured_GiB": 1.0},
+                                  Stack(method="lora", precision="bf16"), 32, 1, out)
+    assert "6 linear layers get no adapter (model.layers.0.mlp.gate_proj, " in out["notes"][0]
+    llama, none = said(small_llama)
+    assert none == [] and unadapted_linears(llama, "all-linear") == []

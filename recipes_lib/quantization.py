@@ -134,7 +134,9 @@ def add_lora(
     """Wrap ``model`` with LoRA adapters on every linear layer (QLoRA's setting).
 
     For a 4-bit model, ``prepare_model_for_kbit_training`` first casts norms to fp32 and enables
-    input gradients, as the QLoRA recipe does.
+    input gradients, as the QLoRA recipe does. Linear layers the targets name that peft leaves
+    without an adapter (a mixture of experts' dense layers and shared experts, whose names
+    peft maps onto the experts: ``architectures.unadapted_linears``) are named in a warning.
 
     Args:
         model: a transformers causal LM, quantized or not.

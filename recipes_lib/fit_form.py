@@ -57,8 +57,9 @@ def verdict(model: str, gpu_mem: str | float, seq_len: int, batch_size: int,
 
     Returns:
         ``{"report", "overhead_bytes", "need_bytes", "budget_bytes", "fits", "text",
-        "trainer_code"}``: the text ends with the stack in a trainer's settings where it fits
-        (``trainers.format_settings``).
+        "trainer_code"}``: the text says, for a mixture of experts under LoRA, what the
+        adapters on its experts keep (``planner.note_expert_adapters``), and ends with the
+        stack in a trainer's settings where it fits (``trainers.format_settings``).
 
     Raises:
         ValueError: naming the parameter, for what ``fake_memory`` or ``planner.parse_bytes``
@@ -73,6 +74,11 @@ def verdict(model: str, gpu_mem: str | float, seq_len: int, batch_size: int,
             f"{need / 2**30:.1f} GiB on the GPU ({report.peak_bytes / 2**30:.1f} measured + "
             f"{overhead / 2**30:.1f} modelled overhead) of {budget / 2**30:.1f} GiB: "
             f"{'fits' if fits else 'does NOT fit'}")
+    notes: dict[str, Any] = {"notes": []}  # a mixture of experts' adapters, as the planner says
+    planner.note_expert_adapters(model, {"step": stack.label,
+                                         "measured_GiB": report.peak_bytes / 2**30},
+                                 stack, seq_len, batch_size, notes)
+    text += "".join(f"\nnote: {n}" for n in notes["notes"])
     code = trainers.format_settings(
         trainers.stack_settings(stack, batch_size, planner.settings_model(model, stack)),
         planner.script_model_id(str(model)))

@@ -576,7 +576,7 @@ def plan(model: str, gpu_mem: str | float, seq_len: int = 2048, batch_size: int 
                 "not linear layers, so bitsandbytes' 4-bit conversion skips them (bitsandbytes "
                 "#1849) and QLoRA quantizes its attention only")
             if adapted is not None:
-                _note_expert_adapters(model, *adapted, seq_len, batch_size, out)
+                note_expert_adapters(model, *adapted, seq_len, batch_size, out)
         out["cheapest_measured"] = next((r["step"] for r in rows if r.get("measured_fits")),
                                         "nothing measured fits")
     out["trainer"] = _trainer_settings(model, out.get("cheapest_measured", out["cheapest"]),
@@ -585,11 +585,27 @@ def plan(model: str, gpu_mem: str | float, seq_len: int = 2048, batch_size: int 
     return out
 
 
-def _note_expert_adapters(model: Any, row: dict[str, Any], stack: Any, seq_len: int,
-                          batch_size: int, out: dict[str, Any]) -> None:
-    """An MoE whose experts LoRA adapts whole (``fake_memory.expert_adapters``): what that keeps,
-    in a note, and the adapter row measured again with adapters on the attention only
-    (``out["expert_adapters"]``, with ``attention_only_GiB``)."""
+def note_expert_adapters(model: Any, row: dict[str, Any], stack: Any, seq_len: int,
+                         batch_size: int, out: dict[str, Any]) -> None:
+    """For an MoE whose experts LoRA adapts whole (``fake_memory.expert_adapters``): a note of
+    what that keeps and which linear layers peft left without adapters, and the measured step
+    again with adapters on the attention only. Nothing for any other model or stack.
+
+    Args:
+        model: a built-in name or its hub id, a ``config.json`` path or a config.
+        row: the measured step: ``step`` (its name) and ``measured_GiB`` (its peak).
+        stack: its ``fake_memory.Stack``.
+        seq_len, batch_size: its sizes.
+        out: gets ``expert_adapters`` (``fake_memory.expert_adapters``' dict, with
+            ``attention_only_GiB``) and the note appended to ``out["notes"]``.
+
+    Example:
+        >>> out, lora = {"notes": []}, Stack(method="lora", precision="bf16")  # doctest: +SKIP
+        >>> row = {"step": "LoRA", "measured_GiB": 147.0}  # doctest: +SKIP
+        >>> note_expert_adapters("Qwen3-30B-A3B", row, lora, 2048, 1, out)  # doctest: +SKIP
+        >>> round(out["expert_adapters"]["attention_only_GiB"], 1)  # doctest: +SKIP
+        75.6
+    """
     from recipes_lib import fake_memory
 
     info = fake_memory.expert_adapters(model, stack)

@@ -33,6 +33,22 @@ def test_the_verdict_is_the_measured_step_plus_the_modelled_overhead(config_dir)
     assert fig.axes[0].get_ylabel() == "GiB at peak"
 
 
+def test_the_verdict_on_a_mixture_of_experts_says_what_lora_does_to_its_experts(tmp_path):
+    """The planner's note (planner.note_expert_adapters) under the form's verdict: LoRA adapts
+    the experts whole, with the step measured again with adapters on the attention only."""
+    from transformers import AutoConfig
+
+    AutoConfig.for_model("qwen3_moe", vocab_size=256, hidden_size=64, intermediate_size=128,
+                         moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+                         max_position_embeddings=256).save_pretrained(tmp_path)
+    stack = fit_form.make_stack("lora", checkpointing=False, precision="bf16")
+    text = fit_form.verdict(str(tmp_path), "1GiB", 32, 1, stack)["text"]
+    assert "\nnote: LoRA on 'all-linear' adapts this model's experts whole" in text
+    assert "'LoRA r=16, bf16, adamw' row with adapters on the attention only" in text
+    assert text.index("\nnote: ") < text.index("in your trainer")  # the settings stay last
+
+
 def test_the_form_measures_on_click_and_shows_bad_input_as_an_error(config_dir):
     pytest.importorskip("ipywidgets")
     box = fit_form.form(config_dir, "1GiB", 64, 1)

@@ -202,8 +202,8 @@ def test_lora_says_which_linear_layers_peft_left_without_adapters(small_llama):
     info = fake_memory.expert_adapters(config)  # on the meta device, as the planner builds it
     assert info["unadapted"] == left and info["layers"] == 1
     out = {"notes": []}
-    planner._note_expert_adapters(config, {"step": "LoRA", "measured_GiB": 1.0},
-                                  Stack(method="lora", precision="bf16"), 32, 1, out)
+    planner.note_expert_adapters(config, {"step": "LoRA", "measured_GiB": 1.0},
+                                 Stack(method="lora", precision="bf16"), 32, 1, out)
     assert "6 linear layers get no adapter (model.layers.0.mlp.gate_proj, " in out["notes"][0]
     llama, none = said(small_llama)
     assert none == [] and unadapted_linears(llama, "all-linear") == []

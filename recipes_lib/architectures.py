@@ -140,6 +140,12 @@ def check_adapter_targets(model: nn.Module, targets: str | list[str] | tuple[str
                          f"{', '.join(adapter_targets(model))} ('all-linear' takes them all)")
 
 
+# why unadapted_linears finds layers (said by quantization.add_lora's warning and the planner)
+PEFT_EXPERT_NAMES = ("on transformers 5 peft maps the names transformers 4 gave the experts "
+                     "(gate_proj, up_proj, down_proj) onto their 3-D parameters, and takes the "
+                     "dense layers' and shared experts' layers of those names with them")
+
+
 def unadapted_linears(model: nn.Module, targets: str | list[str] | tuple[str, ...]
                       ) -> list[str]:
     """The decoder blocks' linear layers ``targets`` names that peft left without an adapter.

@@ -759,8 +759,7 @@ def expert_adapters(model: Any, stack: Stack = Stack(method="lora", precision="b
     attention = getattr(layers[0], "self_attn", None)
     inside = {n.rsplit(".", 1)[-1] for n, _ in attention.named_modules()} if attention else set()
     return {"parameters": sorted(first),
-            "unadapted": unadapted_linears(built, stack.lora_targets if isinstance(
-                stack.lora_targets, str) else list(stack.lora_targets)),
+            "unadapted": unadapted_linears(built, stack.lora_targets),
             "adapter_params": adapter_params,
             "layer_bytes": sum(p.numel() * p.element_size() for p in first.values()),
             "layers": len(wrapped),

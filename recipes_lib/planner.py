@@ -20,6 +20,7 @@ from typing import Any
 
 from recipes_lib import calc
 from recipes_lib import model as models
+from recipes_lib.architectures import PEFT_EXPERT_NAMES
 from recipes_lib.max_context import check_positions
 
 # What a fake trace cannot see, modelled as its own row (never folded into the measured figure):
@@ -623,9 +624,8 @@ def note_expert_adapters(model: Any, row: dict[str, Any], stack: Any, seq_len: i
             f"{info['layers'] * layer:.1f} GiB), one at a time with it")
     if info["unadapted"]:
         left = info["unadapted"]
-        text += (f"; peft's mapping takes the dense layers' and shared experts' layers of those "
-                 f"names with it: {len(left)} linear layers get no adapter "
-                 f"({', '.join(left[:3])}{', ...' if len(left) > 3 else ''})")
+        text += (f"; {len(left)} linear layers get no adapter ({', '.join(left[:3])}"
+                 f"{', ...' if len(left) > 3 else ''}): {PEFT_EXPERT_NAMES}")
     if info["attention_targets"]:
         alone = replace(stack, lora_targets=info["attention_targets"])
         peak = fake_memory.measure_step(model, alone, seq_len,

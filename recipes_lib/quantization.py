@@ -12,7 +12,12 @@ from pathlib import Path
 
 import torch
 
-from recipes_lib.architectures import architecture_name, lora_target_modules, unadapted_linears
+from recipes_lib.architectures import (
+    PEFT_EXPERT_NAMES,
+    architecture_name,
+    lora_target_modules,
+    unadapted_linears,
+)
 from recipes_lib.checkpointing import enable_activation_checkpointing
 from recipes_lib.device import has_module
 from recipes_lib.memory import tensor_bytes
@@ -165,13 +170,10 @@ def add_lora(
                         target_modules=target_modules, task_type="CAUSAL_LM")
     wrapped = get_peft_model(model, config)
     left = unadapted_linears(wrapped, target_modules)
-    if left:  # peft's MoE name mapping (architectures.unadapted_linears) took them
+    if left:
         warnings.warn(f"target_modules={target_modules!r}: peft left {len(left)} linear layers "
                       f"of {architecture_name(wrapped)} without adapters ({', '.join(left[:3])}"
-                      f"{', ...' if len(left) > 3 else ''}): on transformers 5 it maps the names "
-                      "transformers 4 gave the experts (gate_proj, up_proj, down_proj) onto "
-                      "their 3-D parameters, and takes the dense layers' and shared experts' "
-                      "layers of those names with them", stacklevel=2)
+                      f"{', ...' if len(left) > 3 else ''}): {PEFT_EXPERT_NAMES}", stacklevel=2)
     return wrapped
 
 

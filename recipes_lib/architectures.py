@@ -13,6 +13,7 @@ config), so a new architecture works if transformers describes it.
 from __future__ import annotations
 
 import contextlib
+import re
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -154,7 +155,8 @@ def unadapted_linears(model: nn.Module, targets: str | list[str] | tuple[str, ..
     experts (``gate_proj``, ``up_proj``, ``down_proj``) onto their 3-D parameters for every model
     type transformers converts (DeepSeek-V2/V3, GLM-4-MoE, Qwen3-Next, ...), by name alone: the
     dense layers' and shared experts' linear layers of those names go with them, and get no
-    adapter whatever ``target_modules`` says ("all-linear" included).
+    adapter whatever ``target_modules`` says ("all-linear" included). Routers that "all-linear"
+    leaves out on purpose (:func:`not_linear_maps`, :func:`lora_target_modules`) are not listed.
 
     Args:
         model: a peft-wrapped model.
@@ -177,10 +179,12 @@ def unadapted_linears(model: nn.Module, targets: str | list[str] | tuple[str, ..
     blocks = {id(b) for b in decoder_layers(base)}
     inside = [n for n, m in base.named_modules() if id(m) in blocks]
     adapted = [n for n, m in base.named_modules() if isinstance(m, BaseTunerLayer)]
+    routers = not_linear_maps(base) if targets == "all-linear" else {}  # left out on purpose
     left = []
     for name, module in base.named_modules():
         if not any(name.startswith(b + ".") for b in inside) or \
-                any(name == a or name.startswith(a + ".") for a in adapted):
+                any(name == a or name.startswith(a + ".") for a in adapted) or \
+                name.rsplit(".", 1)[-1] in routers:
             continue
         named = targets == "all-linear" or any(name == t or name.endswith("." + t)
                                                for t in targets)
@@ -190,19 +194,144 @@ def unadapted_linears(model: nn.Module, targets: str | list[str] | tuple[str, ..
     return left
 
 
+# the names a mixture of experts' MLP projections go by, in transformers 4 (per expert: gate_proj,
+# up_proj, down_proj; Mixtral's w1, w3, w2) and 5 (3-D: gate_up_proj, down_proj)
+EXPERT_MLP_NAMES = ("gate_proj", "up_proj", "down_proj", "w1", "w2", "w3", "gate_up_proj")
+PEFT_FROZEN_EXPERTS = ("target_modules takes linear layers only, and peft (0.21) maps the MLP's "
+                       "names onto the experts' 3-D parameters only for Mixtral and the model "
+                       "types transformers converts as it does Qwen2-MoE (Qwen3-MoE, DeepSeek-V3, "
+                       "OLMoE, ...): not for Qwen2-MoE itself, Phi-3.5-MoE or Jamba, whose "
+                       "experts transformers 4 kept as linear layers, which LoRA adapted, nor for "
+                       "GPT-OSS, Llama 4 or Granite-MoE, whose experts were 3-D already")
+
+
+def frozen_experts(model: nn.Module, targets: str | list[str] | tuple[str, ...]) -> list[str]:
+    """The routed experts' 3-D parameters peft left without an adapter although ``targets`` name
+    the MLP's layers: they stay frozen, and LoRA trains none of the experts.
+
+    transformers 5 stacks every expert's projections into 3-D parameters
+    (``mlp.experts.gate_up_proj``, ``mlp.experts.down_proj``), which peft's ``target_modules``
+    ("all-linear" included) never takes; its ``target_parameters`` does. peft converts the MLP
+    names into ``target_parameters`` for some model types only (``PEFT_FROZEN_EXPERTS``).
+
+    Args:
+        model: a peft-wrapped model.
+        targets: the ``target_modules`` it was wrapped with. "all-linear" or a list naming an MLP
+            projection (``EXPERT_MLP_NAMES``, or ending in ``.`` + one) asks for the experts;
+            other targets (the attention's alone) leave them frozen on purpose: nothing returned.
+
+    Returns:
+        The parameters' names in the base model (``model.layers.0.mlp.experts.gate_up_proj``),
+        every layer's, in order; empty for a dense model or experts that have adapters.
+
+    Example:
+        >>> frozen_experts(add_lora(gpt_oss), "all-linear")[:2]  # doctest: +SKIP
+        ['model.layers.0.mlp.experts.gate_up_proj', 'model.layers.0.mlp.experts.down_proj']
+    """
+    from peft.tuners.lora.layer import ParamWrapper
+
+    if isinstance(targets, str):
+        if targets != "all-linear":
+            return []
+    elif not any(t.rsplit(".", 1)[-1] in EXPERT_MLP_NAMES for t in targets):
+        return []
+    base = _base(model)
+
+    def unwrapped(name: str) -> str:  # peft nests a ParamWrapper per adapted parameter
+        return ".".join(part for part in name.split(".") if part != "base_layer")
+
+    adapted = {f"{unwrapped(n)}.{m.parameter_name}" for n, m in base.named_modules()
+               if isinstance(m, ParamWrapper)}
+    blocks = {id(b) for b in decoder_layers(base)}
+    frozen = []
+    for layer_name, layer in base.named_modules():
+        if id(layer) not in blocks:
+            continue
+        for name, module in layer.named_modules():
+            if isinstance(module, nn.modules.conv._ConvNd):  # a Mamba mixer's conv1d is 3-D too
+                continue
+            for pname, param in module.named_parameters(recurse=False):
+                full = unwrapped(f"{layer_name}.{name}.{pname}")
+                if param.dim() == 3 and full not in adapted:
+                    frozen.append(full)
+    return frozen
+
+
+def frozen_experts_text(architecture: str, targets: str | list[str] | tuple[str, ...],
+                        frozen: list[str]) -> str:
+    """What :func:`frozen_experts` found, said for a user: which parameters, in how many layers,
+    why, and the ``target_parameters`` that adapt them (``quantization.add_lora``'s warning, the
+    planner's note).
+
+    Args:
+        architecture: the model's class name (:func:`architecture_name`).
+        targets: the ``target_modules`` it was wrapped with.
+        frozen: :func:`frozen_experts`' names.
+
+    Returns:
+        The sentence.
+    """
+    split = [re.match(r"(.*?\.\d+)\.(.*)", n) for n in frozen]
+    short = list(dict.fromkeys(m.group(2) if m else n for m, n in zip(split, frozen)))
+    layers = len({m.group(1) for m in split if m})
+    return (f"target_modules={targets!r}: peft adapted none of {architecture}'s "
+            f"routed experts ({', '.join(short)}, in {layers} layer{'s' * (layers != 1)}), "
+            f"3-D parameters: {PEFT_FROZEN_EXPERTS}. They stay frozen and LoRA trains no "
+            f"expert; target_parameters={short!r} adapts them (one adapter per expert)")
+
+
 # peft (0.21) refuses LoRA on a Mamba mixer's out_proj and conv1d for these model types
 # (peft.tuners.tuners_utils._check_lora_target_modules_mamba), yet its "all-linear" picks out_proj
 PEFT_MAMBA_MODEL_TYPES = ("falcon_h1", "mamba", "mamba2", "falcon_mamba", "nemotron_h")
 PEFT_MAMBA_REFUSED = ("out_proj", "conv1d")
 
 
+def not_linear_maps(model: nn.Module) -> dict[str, str]:
+    """The decoder blocks' ``nn.Linear`` layers whose forward returns something other than the
+    linear map's output: transformers' own subclasses that override ``forward``, each called
+    once on one row of zeros (on its weight's device: meta works). Llama 4's and Phi-3.5-MoE's
+    routers are such layers (they return routing weights and the chosen experts). peft's
+    "all-linear" takes them, and its LoRA layer, which adds ``B A x`` to the output, fails at the
+    first forward ("'tuple' object has no attribute 'dtype'").
+
+    Args:
+        model: a transformers model, not yet wrapped by peft.
+
+    Returns:
+        Each such layer's name (the last part of its module name) -> its class name.
+
+    Example:
+        >>> not_linear_maps(llama4_model)  # doctest: +SKIP
+        {'router': 'Llama4Router'}
+    """
+    found: dict[str, str] = {}
+    for block in decoder_layers(model):
+        for name, module in block.named_modules():
+            cls = type(module)
+            short = name.rsplit(".", 1)[-1]
+            if short in found or not isinstance(module, nn.Linear) or \
+                    cls.forward is nn.Linear.forward or \
+                    not cls.__module__.startswith("transformers."):
+                continue
+            x = torch.zeros(1, module.in_features, dtype=module.weight.dtype,
+                            device=module.weight.device)
+            with torch.no_grad():
+                out = module(x)
+            if not isinstance(out, torch.Tensor) or tuple(out.shape) != (1, module.out_features):
+                found[short] = cls.__name__
+    return found
+
+
 def lora_target_modules(model: nn.Module, targets: str | list[str] | tuple[str, ...],
                         name: str = "target_modules") -> str | list[str] | tuple[str, ...]:
     """What to hand peft as ``target_modules``: ``targets`` checked
-    (:func:`check_adapter_targets`) and returned, except ``"all-linear"`` on an architecture
-    with Mamba layers (Falcon-H1): peft's "all-linear" takes their ``out_proj``, which its own
-    check then refuses ("incompatible with Mamba-based models"); there it becomes the decoder
-    blocks' other linear layers, said aloud.
+    (:func:`check_adapter_targets`) and returned, except ``"all-linear"`` where peft's own
+    expansion would fail, which becomes the decoder blocks' other linear layers, said aloud:
+
+    - on an architecture with Mamba layers (Falcon-H1), peft's "all-linear" takes their
+      ``out_proj``, which its own check then refuses ("incompatible with Mamba-based models");
+    - on Llama 4 and Phi-3.5-MoE it takes their routers, ``nn.Linear`` subclasses that return a
+      tuple, on which its LoRA layer fails at the first forward (:func:`not_linear_maps`).
 
     Args:
         model: the model the adapters go on.
@@ -213,17 +342,41 @@ def lora_target_modules(model: nn.Module, targets: str | list[str] | tuple[str, 
         ``targets``, or the names that replace ``"all-linear"``.
 
     Raises:
-        ValueError: as :func:`check_adapter_targets`.
+        ValueError: as :func:`check_adapter_targets`, and for a list naming a layer
+            :func:`not_linear_maps` finds (naming it and its class).
     """
     check_adapter_targets(model, targets, name)
     config = getattr(_base(model), "config", None)
     model_type = getattr(config, "model_type", None)
-    if targets != "all-linear" or model_type not in PEFT_MAMBA_MODEL_TYPES:
+    routers = not_linear_maps(model) if targets == "all-linear" or \
+        not isinstance(targets, str) else {}
+    if not isinstance(targets, str):
+        named = {t.rsplit(".", 1)[-1] for t in targets} & set(routers)
+        if named:
+            raise ValueError(f"{name}: {', '.join(map(repr, sorted(named)))} "
+                             f"name{'s' if len(named) == 1 else ''} "
+                             f"{', '.join(sorted({routers[n] for n in named}))}, an nn.Linear "
+                             "whose forward returns more than the linear map, to which LoRA "
+                             "cannot add its update (peft's layer fails at the first forward)")
         return targets
-    names = [t for t in adapter_targets(model) if t not in PEFT_MAMBA_REFUSED]
-    warnings.warn(f"{name}='all-linear': peft refuses LoRA on {model_type}'s Mamba "
-                  f"{' and '.join(PEFT_MAMBA_REFUSED)} (its 'all-linear' picks out_proj, then its "
-                  f"own check refuses it); adapting {', '.join(names)}", stacklevel=2)
+    if targets != "all-linear" or (model_type not in PEFT_MAMBA_MODEL_TYPES and not routers):
+        return targets
+    names = [t for t in adapter_targets(model) if t not in routers and not (
+        model_type in PEFT_MAMBA_MODEL_TYPES and t in PEFT_MAMBA_REFUSED)]
+    why = []
+    if model_type in PEFT_MAMBA_MODEL_TYPES:
+        why.append(f"peft refuses LoRA on {model_type}'s Mamba "
+                   f"{' and '.join(PEFT_MAMBA_REFUSED)} (its 'all-linear' picks out_proj, then "
+                   "its own check refuses it)")
+    if routers:
+        layers = ", ".join(f"{n} ({c})" for n, c in routers.items())
+        one = len(routers) == 1
+        why.append(f"{architecture_name(model)}'s {layers} {'returns' if one else 'return'} more "
+                   "than a linear map (a router's weights and chosen experts), and peft's LoRA "
+                   f"layer, which 'all-linear' would put on {'it' if one else 'them'}, fails at "
+                   "the first forward")
+    warnings.warn(f"{name}='all-linear': {'; '.join(why)}; adapting {', '.join(names)}",
+                  stacklevel=2)
     return names
 
 

@@ -38,8 +38,10 @@ import torch.nn.functional as F
 from recipes_lib import calc
 from recipes_lib.architectures import (
     adapter_targets,
+    architecture_name,
     decoder_layers,
     default_attention,
+    frozen_experts,
     lora_target_modules,
     meta_model,
     unadapted_linears,
@@ -715,14 +717,21 @@ def expert_adapters(model: Any, stack: Stack = Stack(method="lora", precision="b
     backward: without checkpointing every layer's copy stays alive until its backward runs, with
     it one layer's at a time. Adapters on the attention alone leave the experts as they are.
 
+    For some model types (Qwen2-MoE, Phi-3.5-MoE, GPT-OSS, Llama 4, ...) peft maps no name onto
+    the experts: "all-linear" leaves them frozen (``architectures.frozen_experts``), and the
+    result says so instead.
+
     Args:
         model: a built-in name or its hub id, a ``config.json`` path or a config (as
             :func:`measure_step`).
         stack: a LoRA or QLoRA stack; its ``lora_targets`` decide what is adapted.
 
     Returns:
-        None for a dense model, a full fine-tune, or targets that leave the experts alone; else
-        ``parameters`` (the adapted parameters of one decoder layer, named from it),
+        None for a dense model, a full fine-tune, or targets that leave the experts alone on
+        purpose (the attention's); else ``architecture`` (the model's class name), ``frozen``
+        (the experts' parameters the targets name that peft left frozen, every layer's:
+        ``architectures.frozen_experts``, empty where it adapts them), ``parameters`` (the
+        adapted parameters of one decoder layer, named from it),
         ``unadapted`` (linear layers the targets name that peft's mapping left without adapters,
         ``architectures.unadapted_linears``: a dense layer's or a shared expert's),
         ``adapter_params`` (the adapters' parameters on them, over every layer),
@@ -753,12 +762,14 @@ def expert_adapters(model: Any, stack: Stack = Stack(method="lora", precision="b
                 wrapped.setdefault(i, {})[f"{owner}.{module.parameter_name}"] = param
                 adapter_params += sum(p.numel() for adapters in (module.lora_A, module.lora_B)
                                       for p in adapters.parameters())
-    if not wrapped:
+    frozen = frozen_experts(built, stack.lora_targets)
+    if not wrapped and not frozen:
         return None
-    first = wrapped[min(wrapped)]
+    first = wrapped[min(wrapped)] if wrapped else {}
     attention = getattr(layers[0], "self_attn", None)
     inside = {n.rsplit(".", 1)[-1] for n, _ in attention.named_modules()} if attention else set()
-    return {"parameters": sorted(first),
+    return {"architecture": architecture_name(built), "frozen": frozen,
+            "parameters": sorted(first),
             "unadapted": unadapted_linears(built, stack.lora_targets),
             "adapter_params": adapter_params,
             "layer_bytes": sum(p.numel() * p.element_size() for p in first.values()),

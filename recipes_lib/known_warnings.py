@@ -30,8 +30,10 @@ WARNING_NOISE = (
     # keeps that path (its module docstring), so the notice would only repeat it
     (r"torch\.ao\.nn\.quantized", r"torch\.quantize_per_tensor, torch\.quantize_per_channel",
      UserWarning),
-    # peft's conversion of transformers' fused mixture-of-experts weights names LoRA rank and
-    # alpha patterns for gate_up_proj that its own targets then do not match (no pattern of ours)
+    # peft's conversion of transformers' fused mixture-of-experts weights sets rank and alpha
+    # patterns for gate_up_proj (2r, 2 alpha: gate and up in one), which do apply to that
+    # parameter's adapter (tests/test_architectures.py), but its check of unmatched patterns
+    # looks at module names only, not the target parameters' (no pattern of ours)
     (r"peft\.tuners\.tuners_utils",
      (r"The following (rank|alpha)_pattern keys did not match any targeted module and were "
       r"ignored. \['\.\*\\\\\.gate_up_proj'\]"), RuntimeWarning),

@@ -20,7 +20,7 @@ from typing import Any
 
 from recipes_lib import calc
 from recipes_lib import model as models
-from recipes_lib.architectures import PEFT_EXPERT_NAMES
+from recipes_lib.architectures import PEFT_EXPERT_NAMES, frozen_experts_text
 from recipes_lib.max_context import check_positions
 
 # What a fake trace cannot see, modelled as its own row (never folded into the measured figure):
@@ -613,6 +613,11 @@ def note_expert_adapters(model: Any, row: dict[str, Any], stack: Any, seq_len: i
     if info is None:
         return
     out["expert_adapters"] = info
+    if info["frozen"]:  # peft maps no name onto this model type's experts
+        text = frozen_experts_text(info["architecture"], stack.lora_targets, info["frozen"])
+        out["notes"].append(f"{text}. "
+                            f"The {row['step']!r} row measures them frozen, as peft trains them")
+        return
     layer = info["layer_bytes"] / 2**30
     text = (f"LoRA on {stack.lora_targets!r} adapts this model's experts whole, its router "
             "too: peft maps transformers 4's per-expert names onto the 3-D parameters "

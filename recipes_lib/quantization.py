@@ -15,6 +15,8 @@ import torch
 from recipes_lib.architectures import (
     PEFT_EXPERT_NAMES,
     architecture_name,
+    frozen_experts,
+    frozen_experts_text,
     lora_target_modules,
     unadapted_linears,
 )
@@ -135,13 +137,21 @@ def add_lora(
     dropout: float = 0.0,
     target_modules: str | list[str] = "all-linear",
     gradient_checkpointing: bool = False,
+    target_parameters: list[str] | None = None,
 ):
     """Wrap ``model`` with LoRA adapters on every linear layer (QLoRA's setting).
 
     For a 4-bit model, ``prepare_model_for_kbit_training`` first casts norms to fp32 and enables
-    input gradients, as the QLoRA recipe does. Linear layers the targets name that peft leaves
-    without an adapter (a mixture of experts' dense layers and shared experts, whose names
-    peft maps onto the experts: ``architectures.unadapted_linears``) are named in a warning.
+    input gradients, as the QLoRA recipe does. What peft leaves out of what the targets name is
+    said in a warning:
+
+    - linear layers without an adapter (a mixture of experts' dense layers and shared experts,
+      whose names peft maps onto the experts: ``architectures.unadapted_linears``);
+    - routed experts left frozen (``architectures.frozen_experts``: Qwen2-MoE, Phi-3.5-MoE,
+      GPT-OSS, Llama 4, ...), with the ``target_parameters`` that adapt them.
+
+    Routers that are ``nn.Linear`` layers returning a tuple (Llama 4, Phi-3.5-MoE) are left out
+    of "all-linear", said aloud (``architectures.lora_target_modules``).
 
     Args:
         model: a transformers causal LM, quantized or not.
@@ -150,10 +160,14 @@ def add_lora(
         dropout: dropout on the adapter input.
         target_modules: "all-linear" (every linear but the output head) or explicit names.
         gradient_checkpointing: also enable activation checkpointing (non-reentrant).
+        target_parameters: peft's ``target_parameters``: parameters adapted as they are, a
+            mixture of experts' 3-D experts (``["mlp.experts.gate_up_proj",
+            "mlp.experts.down_proj"]``), one rank-``r`` adapter per expert.
 
     Raises:
-        ValueError: for r < 1, dropout outside [0, 1), or target names that match no module
-            (naming the layers that could be adapted).
+        ValueError: for r < 1, dropout outside [0, 1), target names that match no module
+            (naming the layers that could be adapted) or a router, or ``target_parameters``
+            that is not a list of names.
     """
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 
@@ -161,19 +175,29 @@ def add_lora(
         raise ValueError(f"r={r!r}: LoRA rank must be an integer >= 1")
     if not 0 <= dropout < 1:
         raise ValueError(f"dropout={dropout}: must be in [0, 1)")
-    target_modules = lora_target_modules(model, target_modules)
+    if target_parameters is not None and not (
+            isinstance(target_parameters, (list, tuple))
+            and all(isinstance(t, str) and t for t in target_parameters)):
+        raise ValueError(f"target_parameters={target_parameters!r}: a list of parameter names "
+                         "(e.g. ['mlp.experts.gate_up_proj', 'mlp.experts.down_proj'])")
+    requested, target_modules = target_modules, lora_target_modules(model, target_modules)
     if getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False):
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     if gradient_checkpointing:
         enable_activation_checkpointing(model)
     config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout,
-                        target_modules=target_modules, task_type="CAUSAL_LM")
+                        target_modules=target_modules, task_type="CAUSAL_LM",
+                        target_parameters=list(target_parameters or []) or None)
     wrapped = get_peft_model(model, config)
     left = unadapted_linears(wrapped, target_modules)
     if left:
         warnings.warn(f"target_modules={target_modules!r}: peft left {len(left)} linear layers "
                       f"of {architecture_name(wrapped)} without adapters ({', '.join(left[:3])}"
                       f"{', ...' if len(left) > 3 else ''}): {PEFT_EXPERT_NAMES}", stacklevel=2)
+    frozen = frozen_experts(wrapped, requested)  # "all-linear" asks for them, routers left out
+    if frozen:
+        warnings.warn(frozen_experts_text(architecture_name(wrapped), requested, frozen),
+                      stacklevel=2)
     return wrapped
 
 

@@ -573,7 +573,10 @@ def stack_settings(stack: Any, batch_size: int,
         stack: the recipes.
         batch_size: sequences per optimizer step, over every rank.
         model: the model (built on the meta device is enough) whose decoder block class FSDP
-            wraps (:func:`fsdp_settings`); None writes a placeholder for it. A model whose
+            wraps (:func:`fsdp_settings`); None writes a placeholder for it. On a model where
+            peft's "all-linear" fails (Llama 4's routers, Falcon-H1's Mamba ``out_proj``:
+            ``architectures.lora_target_modules``), the LoRA targets are the layers it can
+            adapt, with a note saying why. A model whose
             config computes GELU as ``gelu_new`` (Phi-1/1.5/2) gets a note on the one-op
             ``gelu_pytorch_tanh``.
 
@@ -626,6 +629,15 @@ def stack_settings(stack: Any, batch_size: int,
                        "target_modules": (stack.lora_targets if isinstance(stack.lora_targets, str)
                                           else list(stack.lora_targets)),
                        "lora_dropout": stack.lora_dropout}
+        if model is not None and stack.lora_targets == "all-linear":
+            from recipes_lib.architectures import lora_target_modules
+
+            with warnings.catch_warnings(record=True) as caught:  # said below, as a note
+                warnings.simplefilter("always")
+                names = lora_target_modules(model, "all-linear", "target_modules")
+            if names != "all-linear":  # Falcon-H1's Mamba out_proj, Llama 4's routers
+                out["lora"]["target_modules"] = names
+                out["notes"] += [str(w.message) for w in caught]
         if not stack.autocast_adapter_dtype:
             out["notes"].append("adapters in the base's dtype: get_peft_model(model, "
                                 "peft_config, autocast_adapter_dtype=False)")

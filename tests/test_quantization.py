@@ -207,3 +207,146 @@ def test_lora_says_which_linear_layers_peft_left_without_adapters(small_llama):
     assert "6 linear layers get no adapter (model.layers.0.mlp.gate_proj, " in out["notes"][0]
     llama, none = said(small_llama)
     assert none == [] and unadapted_linears(llama, "all-linear") == []
+
+
+def _tiny_moe(model_type, **fields):
+    """A 2-layer mixture of experts of ``model_type``, 4 experts (top 2), random weights."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 64,
+              "moe_intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "head_dim": 16, "num_experts_per_tok": 2} | fields
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **fields))
+
+
+def _wrapped_saying(model, **kw):
+    """add_lora's model and the messages it warned with."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # no other filter: pytest.warns would re-raise peft's
+        wrapped = quantization.add_lora(model, r=4, **kw)
+    return wrapped, [str(w.message) for w in caught
+                     if w.filename == __file__ or "recipes_lib" in w.filename]
+
+
+@pytest.mark.parametrize("model_type, fields", [
+    ("qwen2_moe", {"num_experts": 4, "shared_expert_intermediate_size": 32}),
+    ("gpt_oss", {"num_local_experts": 4})])
+def test_lora_says_which_routed_experts_peft_left_frozen_and_target_parameters_trains_them(
+        model_type, fields):
+    """peft maps no MLP name onto Qwen2-MoE's or GPT-OSS's 3-D experts: "all-linear" leaves
+    every expert frozen, as plain peft does. add_lora says so with the target_parameters that
+    adapt them; with those, the adapted model's logits equal the base's (LoRA's B starts at
+    zero) and one backward reaches every expert's adapters."""
+    from peft import LoraConfig, get_peft_model
+
+    from recipes_lib.architectures import frozen_experts
+
+    experts = [f"model.layers.{i}.mlp.experts.{p}" for i in range(2)
+               for p in ("gate_up_proj", "down_proj")]
+    plain = get_peft_model(_tiny_moe(model_type, **fields),
+                           LoraConfig(r=4, target_modules="all-linear"))
+    assert not any(".experts." in n for n, p in plain.named_parameters() if p.requires_grad)
+    assert [n for n, p in plain.get_base_model().named_parameters() if p.dim() == 3] == experts
+    lora, [said] = _wrapped_saying(_tiny_moe(model_type, **fields))
+    assert frozen_experts(lora, "all-linear") == experts
+    assert said.startswith("target_modules='all-linear': peft adapted none of ") and \
+        "routed experts (mlp.experts.gate_up_proj, mlp.experts.down_proj, in 2 layers)" in said
+    targets = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    assert said.endswith(f"target_parameters={targets!r} adapts them (one adapter per expert)")
+    assert frozen_experts(lora, ["q_proj", "v_proj"]) == []  # the attention alone, on purpose
+    base = _tiny_moe(model_type, **fields)
+    ids = torch.randint(0, 128, (2, 16))
+    with torch.no_grad():
+        reference = base(input_ids=ids).logits
+    adapted, none = _wrapped_saying(base, target_parameters=targets)
+    assert none == [] and frozen_experts(adapted, "all-linear") == []
+    out = adapted(input_ids=ids, labels=ids)
+    assert torch.equal(out.logits, reference)
+    out.loss.backward()
+    grads = [n for n, p in adapted.named_parameters() if ".experts." in n and "lora_B" in n
+             and p.grad is not None and p.grad.any()]  # B starts at zero, so A's grads do too
+    assert len(grads) == 4  # both parameters of both layers
+    with pytest.raises(ValueError, match=r"^target_parameters='mlp\.experts': a list"):
+        quantization.add_lora(_tiny_moe(model_type, **fields), target_parameters="mlp.experts")
+
+
+def test_peft_converts_qwen3_moe_and_gives_the_fused_gate_up_twice_the_rank():
+    """Where peft converts (Qwen3-MoE), nothing is frozen: the fused gate_up_proj's adapter gets
+    rank 2r (gate's r and up's r), the rank pattern peft's own check calls unmatched
+    (known_warnings silences that message)."""
+    from peft.tuners.lora.layer import ParamWrapper
+
+    from recipes_lib.architectures import frozen_experts
+
+    lora, said = _wrapped_saying(_tiny_moe("qwen3_moe", num_experts=4))
+    assert said == [] and frozen_experts(lora, "all-linear") == []
+    ranks = {m.parameter_name: m.r["default"] for m in lora.modules()
+             if isinstance(m, ParamWrapper)}
+    assert ranks == {"gate_up_proj": 8, "down_proj": 4, "weight": 4}, ranks  # weight: the router
+
+
+@pytest.mark.parametrize("model_type, fields, router", [
+    ("llama4_text", {"num_local_experts": 4, "interleave_moe_layer_step": 1}, "Llama4Router"),
+    ("phimoe", {"num_local_experts": 4}, "PhimoeTopKRouter")])
+def test_a_router_returning_a_tuple_is_left_out_of_all_linear_and_refused_by_name(
+        model_type, fields, router):
+    """Llama 4's and Phi-3.5-MoE's routers are nn.Linear subclasses returning a tuple: peft's
+    "all-linear" wraps them and its LoRA layer fails at the first forward. add_lora leaves them
+    out, said aloud (and says the experts stay frozen); named, they are refused."""
+    from peft import LoraConfig, get_peft_model
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    from recipes_lib.architectures import adapter_targets, not_linear_maps, unadapted_linears
+
+    ids = torch.randint(0, 128, (2, 16))
+    plain = get_peft_model(_tiny_moe(model_type, **fields),
+                           LoraConfig(r=4, target_modules="all-linear"))
+    with pytest.raises(AttributeError, match="'tuple' object has no attribute 'dtype'"):
+        plain(input_ids=ids)
+    model = _tiny_moe(model_type, **fields)
+    assert not_linear_maps(model) == {"router": router}
+    lora, said = _wrapped_saying(model)
+    assert said[0].startswith(f"target_modules='all-linear': {type(model).__name__}'s router "
+                              f"({router}) returns more than a linear map"), said
+    assert "peft adapted none of" in said[1]  # "all-linear" asked for the experts too
+    wrapped = {n.rsplit(".", 1)[-1] for n, m in lora.get_base_model().named_modules()
+               if isinstance(m, BaseTunerLayer) and ".layers." in n}
+    assert wrapped == set(adapter_targets(model)) - {"router"}
+    assert unadapted_linears(lora, "all-linear") == []  # the router, left out on purpose
+    lora(input_ids=ids, labels=ids).loss.backward()
+    from recipes_lib import trainers  # the Trainer settings the planner hands out
+    from recipes_lib.architectures import meta_model
+    from recipes_lib.fake_memory import Stack
+
+    settings = trainers.stack_settings(Stack(method="lora"), 4,
+                                       meta_model(model.config, quiet=True))
+    assert settings["lora"]["target_modules"] == [t for t in adapter_targets(model)
+                                                  if t != "router"]
+    assert any(f"router ({router}) returns more" in note for note in settings["notes"])
+    with pytest.raises(ValueError, match=rf"^target_modules: 'router' names {router}, an "
+                                         r"nn.Linear whose forward returns more than"):
+        quantization.add_lora(_tiny_moe(model_type, **fields), target_modules=["q_proj", "router"])
+
+
+def test_the_planner_says_when_lora_leaves_a_mixture_of_experts_experts_frozen():
+    """GPT-OSS under "all-linear": expert_adapters reports the frozen experts (no adapted copy to
+    keep), and the planner's note says so, with the target_parameters that adapt them."""
+    from recipes_lib import fake_memory, planner
+    from recipes_lib.fake_memory import Stack
+
+    config = _tiny_moe("gpt_oss", num_local_experts=4).config
+    lora = Stack(method="lora", precision="bf16")
+    info = fake_memory.expert_adapters(config, lora)
+    assert info["architecture"] == "GptOssForCausalLM" and len(info["frozen"]) == 4
+    assert info["layers"] == info["adapter_params"] == info["layer_bytes"] == 0
+    assert fake_memory.expert_adapters(config, Stack(method="lora", lora_targets=("q_proj",))) \
+        is None
+    out = {"notes": []}
+    planner.note_expert_adapters(config, {"step": "LoRA", "measured_GiB": 1.0}, lora, 32, 1, out)
+    [note] = out["notes"]
+    assert note.startswith("target_modules='all-linear': peft adapted none of "
+                           "GptOssForCausalLM's routed experts") and \
+        note.endswith("The 'LoRA' row measures them frozen, as peft trains them"), note

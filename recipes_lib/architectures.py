@@ -257,6 +257,28 @@ def frozen_experts(model: nn.Module, targets: str | list[str] | tuple[str, ...])
     return frozen
 
 
+_LAYER_PREFIX = re.compile(r"(.*?\.\d+)\.(.*)")  # model.layers.3 . mlp.experts.down_proj
+
+
+def layer_parameter_names(names: list[str]) -> list[str]:
+    """Parameter names without their layer's prefix, once each, in order: what peft's
+    ``target_parameters`` takes (it matches the end of a name).
+
+    Args:
+        names: full names (``model.layers.0.mlp.experts.gate_up_proj``).
+
+    Returns:
+        The names inside a layer (``mlp.experts.gate_up_proj``).
+
+    Example:
+        >>> layer_parameter_names(["model.layers.0.mlp.experts.down_proj",
+        ...                        "model.layers.1.mlp.experts.down_proj"])
+        ['mlp.experts.down_proj']
+    """
+    return list(dict.fromkeys(m.group(2) if m else n
+                              for m, n in zip(map(_LAYER_PREFIX.match, names), names)))
+
+
 def frozen_experts_text(architecture: str, targets: str | list[str] | tuple[str, ...],
                         frozen: list[str]) -> str:
     """What :func:`frozen_experts` found, said for a user: which parameters, in how many layers,
@@ -271,9 +293,8 @@ def frozen_experts_text(architecture: str, targets: str | list[str] | tuple[str,
     Returns:
         The sentence.
     """
-    split = [re.match(r"(.*?\.\d+)\.(.*)", n) for n in frozen]
-    short = list(dict.fromkeys(m.group(2) if m else n for m, n in zip(split, frozen)))
-    layers = len({m.group(1) for m in split if m})
+    short = layer_parameter_names(frozen)
+    layers = len({m.group(1) for m in map(_LAYER_PREFIX.match, frozen) if m})
     return (f"target_modules={targets!r}: peft adapted none of {architecture}'s "
             f"routed experts ({', '.join(short)}, in {layers} layer{'s' * (layers != 1)}), "
             f"3-D parameters: {PEFT_FROZEN_EXPERTS}. They stay frozen and LoRA trains no "

@@ -1387,6 +1387,20 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
         "decoder_sparse_step": 1, "mlp_only_layers": [], "max_position_embeddings": 40960,
         "rope_theta": 1000000.0, "tie_word_embeddings": False, "use_sliding_window": False},
+    "gpt-oss-20b": {  # openai/gpt-oss-20b, read from public copies of its config.json (no hub
+        # access here); a mixture of experts: measured only. The hub's experts are MXFP4; this is
+        # the bf16 model fine-tuning loads (transformers' Mxfp4Config(dequantize=True))
+        "model_type": "gpt_oss", "vocab_size": 201088, "hidden_size": 2880,
+        "intermediate_size": 2880, "num_hidden_layers": 24, "num_attention_heads": 64,
+        "num_key_value_heads": 8, "head_dim": 64, "num_local_experts": 32,
+        "num_experts_per_tok": 4, "experts_per_token": 4, "router_aux_loss_coef": 0.9,
+        "sliding_window": 128, "layer_types": ["sliding_attention", "full_attention"] * 12,
+        "max_position_embeddings": 131072, "initial_context_length": 4096,
+        "rope_theta": 150000, "rope_scaling": {
+            "rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+            "truncate": False, "original_max_position_embeddings": 4096},
+        "attention_bias": True, "swiglu_limit": 7.0, "rms_norm_eps": 1e-05, "hidden_act": "silu",
+        "tie_word_embeddings": False},
     "Phi-4": {  # microsoft/phi-4
         "model_type": "phi3", "vocab_size": 100352, "hidden_size": 5120,
         "intermediate_size": 17920, "num_hidden_layers": 40, "num_attention_heads": 40,
@@ -1410,7 +1424,8 @@ HUB_IDS = {
     "Qwen3-30B-A3B": "Qwen/Qwen3-30B-A3B", "Gemma-2-2B": "google/gemma-2-2b",
     "Gemma-2-9B": "google/gemma-2-9b", "Gemma-3-1B": "google/gemma-3-1b-pt",
     "Mistral-7B-v0.3": "mistralai/Mistral-7B-v0.3",
-    "Phi-3-mini-4k-instruct": "microsoft/Phi-3-mini-4k-instruct", "Phi-4": "microsoft/phi-4"}
+    "Phi-3-mini-4k-instruct": "microsoft/Phi-3-mini-4k-instruct", "Phi-4": "microsoft/phi-4",
+    "gpt-oss-20b": "openai/gpt-oss-20b"}
 # Versions a preset stands for under another name: Mistral-7B v0.1 and v0.2 (Instruct-v0.2's
 # config.json: the same sizes and 32000-token vocabulary; v0.3's 32768 tokens are their own entry)
 PRESET_ALIASES = {"Mistral-7B-v0.1": "Mistral-7B", "Mistral-7B-v0.2": "Mistral-7B"}

@@ -157,6 +157,9 @@ class Stack:
         chunked_loss: tokens per chunk of the chunked cross-entropy (0: the full logits).
         fsdp_ranks: ranks the model is sharded over with FSDP2 (1: none).
         lora_targets: peft's ``target_modules`` ("all-linear" or module names).
+        lora_parameters: peft's ``target_parameters``: parameters adapted as they are, a mixture
+            of experts' 3-D experts (``("mlp.experts.gate_up_proj", "mlp.experts.down_proj")``)
+            where "all-linear" leaves them frozen (``architectures.frozen_experts``).
         lora_dropout: the adapters' dropout probability.
         offload_optimizer: optimizer states in host memory (``offload.CPUOffloadOptimizer``).
         offload_activations: saved activations in host memory
@@ -187,6 +190,7 @@ class Stack:
     chunked_loss: int = 0
     fsdp_ranks: int = 1
     lora_targets: str | tuple[str, ...] = "all-linear"
+    lora_parameters: tuple[str, ...] = ()
     lora_dropout: float = 0.0
     offload_optimizer: bool = False
     offload_activations: bool = False
@@ -218,6 +222,13 @@ class Stack:
                 and all(isinstance(t, str) for t in self.lora_targets)):
             raise ValueError(f"lora_targets={self.lora_targets!r}: 'all-linear' or a tuple of "
                              "module names, e.g. ('q_proj', 'v_proj')")
+        if not (isinstance(self.lora_parameters, tuple)
+                and all(isinstance(t, str) and t for t in self.lora_parameters)):
+            raise ValueError(f"lora_parameters={self.lora_parameters!r}: a tuple of parameter "
+                             "names, e.g. ('mlp.experts.gate_up_proj', 'mlp.experts.down_proj')")
+        if self.lora_parameters and self.method == "full":
+            raise ValueError("lora_parameters with method='full': they name what LoRA adapts, "
+                             "and a full fine-tune trains every parameter")
         if self.offload_optimizer and (self.fsdp_ranks > 1
                                        or self.optimizer not in ("adamw", "sgd")):
             raise ValueError("offload_optimizer=True: the course offloads AdamW or SGD states of "
@@ -258,6 +269,8 @@ class Stack:
     def label(self) -> str:
         method = {"full": "full", "lora": "LoRA", "qlora": "QLoRA"}[self.method]
         targets = "" if self.lora_targets == "all-linear" else f" on {'+'.join(self.lora_targets)}"
+        if self.lora_parameters:
+            targets += f" and {'+'.join(self.lora_parameters)}"
         parts = [method if self.method == "full" else f"{method} r={self.lora_rank}{targets}",
                  self.precision, self.optimizer]
         if self.checkpointing:
@@ -604,6 +617,8 @@ def _meta_model(config: Any, stack: Stack, attn_implementation: str | None = Non
             stack.lora_targets, str) else list(stack.lora_targets), "lora_targets")
         model = get_peft_model(model, LoraConfig(r=stack.lora_rank, lora_alpha=2 * stack.lora_rank,
                                                  target_modules=targets,
+                                                 target_parameters=list(stack.lora_parameters)
+                                                 or None,
                                                  lora_dropout=stack.lora_dropout,
                                                  task_type="CAUSAL_LM"),
                                autocast_adapter_dtype=stack.autocast_adapter_dtype)
@@ -1190,7 +1205,9 @@ def real_rank_step(model: dict, stack: dict, seq_len: int, batch_size: int) -> d
     Returns:
         category -> bytes at this rank's peak.
     """
-    return measure_step(model, Stack(**stack), seq_len, batch_size, fake=False).by_category
+    tuples = {k: tuple(v) for k, v in stack.items() if isinstance(v, list)}  # JSON's lists
+    return measure_step(model, Stack(**stack | tuples), seq_len, batch_size,
+                        fake=False).by_category
 
 
 def fake_vs_real(model: Any, stack: Stack, seq_len: int, batch_size: int = 1,

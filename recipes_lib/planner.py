@@ -20,7 +20,11 @@ from typing import Any
 
 from recipes_lib import calc
 from recipes_lib import model as models
-from recipes_lib.architectures import PEFT_EXPERT_NAMES, frozen_experts_text
+from recipes_lib.architectures import (
+    PEFT_EXPERT_NAMES,
+    frozen_experts_text,
+    layer_parameter_names,
+)
 from recipes_lib.max_context import check_positions
 
 # What a fake trace cannot see, modelled as its own row (never folded into the measured figure):
@@ -590,7 +594,9 @@ def note_expert_adapters(model: Any, row: dict[str, Any], stack: Any, seq_len: i
                          batch_size: int, out: dict[str, Any]) -> None:
     """For an MoE whose experts LoRA adapts whole (``fake_memory.expert_adapters``): a note of
     what that keeps and which linear layers peft left without adapters, and the measured step
-    again with adapters on the attention only. Nothing for any other model or stack.
+    again with adapters on the attention only. For one whose experts the targets leave frozen
+    (Qwen2-MoE, GPT-OSS, ...: ``architectures.frozen_experts``): a note saying so, and the step
+    again with them adapted (``target_parameters``). Nothing for any other model or stack.
 
     Args:
         model: a built-in name or its hub id, a ``config.json`` path or a config.
@@ -598,7 +604,9 @@ def note_expert_adapters(model: Any, row: dict[str, Any], stack: Any, seq_len: i
         stack: its ``fake_memory.Stack``.
         seq_len, batch_size: its sizes.
         out: gets ``expert_adapters`` (``fake_memory.expert_adapters``' dict, with
-            ``attention_only_GiB``) and the note appended to ``out["notes"]``.
+            ``attention_only_GiB``, or ``experts_adapted_GiB`` where the targets left the experts
+            frozen: the step again with them in ``target_parameters``) and the note appended to
+            ``out["notes"]``.
 
     Example:
         >>> out, lora = {"notes": []}, Stack(method="lora", precision="bf16")  # doctest: +SKIP
@@ -613,10 +621,16 @@ def note_expert_adapters(model: Any, row: dict[str, Any], stack: Any, seq_len: i
     if info is None:
         return
     out["expert_adapters"] = info
-    if info["frozen"]:  # peft maps no name onto this model type's experts
+    if info["frozen"]:  # peft maps no name onto this model type's experts: measured adapted
         text = frozen_experts_text(info["architecture"], stack.lora_targets, info["frozen"])
-        out["notes"].append(f"{text}. "
-                            f"The {row['step']!r} row measures them frozen, as peft trains them")
+        experts = tuple(layer_parameter_names(info["frozen"]))
+        adapted = replace(stack, lora_parameters=stack.lora_parameters + experts)
+        peak = fake_memory.measure_step(model, adapted, seq_len,
+                                        _whole_shares(adapted, batch_size)).peak_bytes / 2**30
+        info["experts_adapted_GiB"] = peak
+        out["notes"].append(f"{text}. The {row['step']!r} row measures them frozen, as peft "
+                            f"trains them; with target_parameters={list(experts)} too: "
+                            f"{peak:.1f} GiB measured, against {row['measured_GiB']:.1f} GiB")
         return
     layer = info["layer_bytes"] / 2**30
     text = (f"LoRA on {stack.lora_targets!r} adapts this model's experts whole, its router "

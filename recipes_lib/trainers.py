@@ -563,6 +563,12 @@ OPTIM_NAMES = {"adamw": "adamw_torch_fused", "adamw-fused": "adamw_torch_fused",
 _DTYPES = {"bf16-mixed": "float32", "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
+# Hub checkpoints that ship their own quantization, which from_pretrained keeps over a
+# quantization_config passed to it: model type -> (what they ship, what loads the bf16 model the
+# planner measures)
+CHECKPOINT_QUANTIZATION = {"gpt_oss": ("MXFP4 experts", "Mxfp4Config(dequantize=True)")}
+
+
 def stack_settings(stack: Any, batch_size: int,
                    model: torch.nn.Module | None = None) -> dict[str, Any]:
     """A stack of the course's recipes (``fake_memory.Stack``: what the planner measures) as
@@ -576,7 +582,9 @@ def stack_settings(stack: Any, batch_size: int,
             wraps (:func:`fsdp_settings`); None writes a placeholder for it. On a model where
             peft's "all-linear" fails (Llama 4's routers, Falcon-H1's Mamba ``out_proj``:
             ``architectures.lora_target_modules``), the LoRA targets are the layers it can
-            adapt, with a note saying why. A model whose
+            adapt, with a note saying why; one whose hub checkpoints ship their own quantization
+            (GPT-OSS: ``CHECKPOINT_QUANTIZATION``) is loaded as the bf16 model measured, or
+            noted. A model whose
             config computes GELU as ``gelu_new`` (Phi-1/1.5/2) gets a note on the one-op
             ``gelu_pytorch_tanh``.
 
@@ -629,6 +637,8 @@ def stack_settings(stack: Any, batch_size: int,
                        "target_modules": (stack.lora_targets if isinstance(stack.lora_targets, str)
                                           else list(stack.lora_targets)),
                        "lora_dropout": stack.lora_dropout}
+        if stack.lora_parameters:  # a mixture of experts' 3-D experts
+            out["lora"]["target_parameters"] = list(stack.lora_parameters)
         if model is not None and stack.lora_targets == "all-linear":
             from recipes_lib.architectures import lora_target_modules
 
@@ -666,6 +676,20 @@ def stack_settings(stack: Any, batch_size: int,
     if stack.offload_activations:
         out["notes"].append("activations on the CPU: activation_checkpointing_kwargs "
                             "{'offload': True} (transformers >= 5.17)")
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type in CHECKPOINT_QUANTIZATION:
+        what, loader = CHECKPOINT_QUANTIZATION[model_type]
+        if stack.method == "qlora":
+            out["notes"].append(f"the hub's {model_type} checkpoints ship {what}, and "
+                                "from_pretrained keeps a checkpoint's own quantization over the "
+                                "BitsAndBytesConfig passed to it: for this NF4 base, load with "
+                                f"quantization_config={loader}, save_pretrained that bf16 copy "
+                                "and load the copy")
+        else:
+            out["load"]["quantization_config"] = _Source(loader)
+            out["notes"].append(f"the hub's {model_type} checkpoints ship {what}: "
+                                f"quantization_config={loader} loads the bf16 weights this stack "
+                                "trains")
     if getattr(getattr(model, "config", None), "hidden_act", None) == "gelu_new":
         out["notes"].append(GELU_NEW_NOTE)
     out["args"] = args

@@ -240,17 +240,22 @@ def test_a_built_in_config_counts_as_its_model_card_and_transformers_do(name, ca
     assert type(fake_memory.model_config(name)).__name__ == config_class
 
 
-def test_the_built_in_mixture_of_experts_counts_as_its_model_card_and_is_measured_only():
-    """Qwen3-30B-A3B: 30.5 B parameters on its card, its own config class; the formulas refuse
-    it and say to measure (its fake steps: the tiny MoEs' tests in test_fake_memory.py)."""
+@pytest.mark.parametrize("name, hub_id, config_class, billions, experts", [
+    ("Qwen3-30B-A3B", "Qwen/Qwen3-30B-A3B", "Qwen3MoeConfig", 30.5, "num_experts=128"),
+    ("gpt-oss-20b", "openai/gpt-oss-20b", "GptOssConfig", 20.9, "num_local_experts=32")])
+def test_the_built_in_mixtures_of_experts_count_as_their_model_cards_and_are_measured_only(
+        name, hub_id, config_class, billions, experts):
+    """Qwen3-30B-A3B: 30.5 B parameters on its card; gpt-oss-20b: 20.9 B (OpenAI's card, its
+    experts in bf16 as fine-tuning loads them). Each has its own config class; the formulas
+    refuse them and say to measure (their fake steps: the tiny MoEs' tests in
+    test_fake_memory.py)."""
     from recipes_lib import fake_memory
 
-    config = fake_memory.model_config("Qwen/Qwen3-30B-A3B")
-    assert type(config).__name__ == "Qwen3MoeConfig"
-    assert round(calc.built_param_count(config) / 1e9, 1) == 30.5
-    with pytest.raises(ValueError, match=r"a mixture-of-experts model \(num_experts=128\).*"
-                                         r"--measure"):
-        planner.plan("Qwen3-30B-A3B", "80GB", 2048, 1)
+    config = fake_memory.model_config(hub_id)
+    assert type(config).__name__ == config_class
+    assert round(calc.built_param_count(config) / 1e9, 1) == billions
+    with pytest.raises(ValueError, match=rf"a mixture-of-experts model \({experts}\).*--measure"):
+        planner.plan(name, "80GB", 2048, 1)
 
 
 def test_every_built_in_name_has_the_repository_it_was_read_from():

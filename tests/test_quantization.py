@@ -331,10 +331,16 @@ def test_a_router_returning_a_tuple_is_left_out_of_all_linear_and_refused_by_nam
         quantization.add_lora(_tiny_moe(model_type, **fields), target_modules=["q_proj", "router"])
 
 
-def test_the_planner_says_when_lora_leaves_a_mixture_of_experts_experts_frozen():
+def test_the_planner_measures_a_mixture_of_experts_with_its_frozen_experts_adapted():
     """GPT-OSS under "all-linear": expert_adapters reports the frozen experts (no adapted copy to
-    keep), and the planner's note says so, with the target_parameters that adapt them."""
-    from recipes_lib import fake_memory, planner
+    keep), and the planner's note says so and measures the step again with the experts in
+    target_parameters (Stack.lora_parameters), which the Trainer settings carry. That step on
+    fake tensors is the real one, and it trains each expert's adapters on top of the
+    "all-linear" ones."""
+    import json
+    from dataclasses import asdict
+
+    from recipes_lib import fake_memory, planner, trainers
     from recipes_lib.fake_memory import Stack
 
     config = _tiny_moe("gpt_oss", num_local_experts=4).config
@@ -344,9 +350,34 @@ def test_the_planner_says_when_lora_leaves_a_mixture_of_experts_experts_frozen()
     assert info["layers"] == info["adapter_params"] == info["layer_bytes"] == 0
     assert fake_memory.expert_adapters(config, Stack(method="lora", lora_targets=("q_proj",))) \
         is None
+    experts = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+    adapted = Stack(method="lora", precision="bf16", lora_parameters=experts)
+    fake = fake_memory.measure_step(config, adapted, 32, 1)
+    real = fake_memory.measure_step(config, adapted, 32, 1, fake=False)
+    assert fake.by_category == real.by_category and fake.peak_bytes == real.peak_bytes
+    shipped = json.loads(json.dumps(asdict(adapted)))  # as distributed.launch hands it to ranks
+    assert fake_memory.real_rank_step(config.to_dict(), shipped, 32, 1) == real.by_category
+    with_experts = fake_memory.expert_adapters(config, adapted)
+    assert with_experts["frozen"] == [] and with_experts["layers"] == 2
+    # rank 16 on 4 experts of gate_up (64 -> 2 x 64) and down (64 -> 64), per layer
+    assert with_experts["adapter_params"] == 2 * 4 * 16 * ((64 + 128) + (64 + 64))
     out = {"notes": []}
-    planner.note_expert_adapters(config, {"step": "LoRA", "measured_GiB": 1.0}, lora, 32, 1, out)
+    row = fake_memory.measure_step(config, lora, 32, 1).peak_bytes / 2**30
+    planner.note_expert_adapters(config, {"step": "LoRA", "measured_GiB": row}, lora, 32, 1, out)
     [note] = out["notes"]
     assert note.startswith("target_modules='all-linear': peft adapted none of "
-                           "GptOssForCausalLM's routed experts") and \
-        note.endswith("The 'LoRA' row measures them frozen, as peft trains them"), note
+                           "GptOssForCausalLM's routed experts"), note
+    assert out["expert_adapters"]["experts_adapted_GiB"] == fake.peak_bytes / 2**30 > row
+    assert f"with target_parameters={list(experts)} too: " in note
+    assert trainers.stack_settings(adapted, 1)["lora"]["target_parameters"] == list(experts)
+    # the hub's GPT-OSS ships MXFP4 experts, which from_pretrained keeps over a BitsAndBytesConfig
+    meta = planner.settings_model(config, adapted)
+    code = trainers.format_settings(trainers.stack_settings(adapted, 1, meta), "openai/gpt-oss-20b")
+    assert "quantization_config=Mxfp4Config(dequantize=True))" in code.splitlines()[0], code
+    qlora = trainers.stack_settings(Stack(method="qlora", precision="bf16"), 1, meta)
+    assert any(n.startswith("the hub's gpt_oss checkpoints ship MXFP4 experts, and from_pretrained"
+                            " keeps") for n in qlora["notes"]), qlora["notes"]
+    with pytest.raises(ValueError, match=r"^lora_parameters with method='full'"):
+        Stack(lora_parameters=experts)
+    with pytest.raises(ValueError, match=r"^lora_parameters='mlp\.experts': a tuple"):
+        Stack(method="lora", lora_parameters="mlp.experts")

@@ -308,12 +308,13 @@ PEFT_MAMBA_REFUSED = ("out_proj", "conv1d")
 
 
 def not_linear_maps(model: nn.Module) -> dict[str, str]:
-    """The decoder blocks' ``nn.Linear`` layers whose forward returns something other than the
-    linear map's output: transformers' own subclasses that override ``forward``, each called
-    once on one row of zeros (on its weight's device: meta works). Llama 4's and Phi-3.5-MoE's
-    routers are such layers (they return routing weights and the chosen experts). peft's
-    "all-linear" takes them, and its LoRA layer, which adds ``B A x`` to the output, fails at the
-    first forward ("'tuple' object has no attribute 'dtype'").
+    """The decoder blocks' ``nn.Linear`` layers whose forward is not their linear map:
+    transformers' own subclasses that override ``forward``, each called once on one row of zeros
+    (on its weight's device: meta works), that return anything but one ``out_features``-wide row
+    or refuse that input. Llama 4's and Phi-3.5-MoE's routers return their routing weights and
+    chosen experts; DeepSeek-V4's grouped output projection wants its heads split into groups.
+    peft's "all-linear" takes them, and its LoRA layer, which adds ``B A x`` to the output, fails
+    at the first forward ("'tuple' object has no attribute 'dtype'", or shapes that differ).
 
     Args:
         model: a transformers model, not yet wrapped by peft.
@@ -336,8 +337,11 @@ def not_linear_maps(model: nn.Module) -> dict[str, str]:
                 continue
             x = torch.zeros(1, module.in_features, dtype=module.weight.dtype,
                             device=module.weight.device)
-            with torch.no_grad():
-                out = module(x)
+            try:
+                with torch.no_grad():
+                    out = module(x)
+            except Exception:  # noqa: BLE001 (DeepSeek-V4's grouped linear wants its groups)
+                out = None
             if not isinstance(out, torch.Tensor) or tuple(out.shape) != (1, module.out_features):
                 found[short] = cls.__name__
     return found
@@ -352,7 +356,8 @@ def lora_target_modules(model: nn.Module, targets: str | list[str] | tuple[str, 
     - on an architecture with Mamba layers (Falcon-H1), peft's "all-linear" takes their
       ``out_proj``, which its own check then refuses ("incompatible with Mamba-based models");
     - on Llama 4 and Phi-3.5-MoE it takes their routers, ``nn.Linear`` subclasses that return a
-      tuple, on which its LoRA layer fails at the first forward (:func:`not_linear_maps`).
+      tuple (and DeepSeek-V4's grouped projection), on which its LoRA layer fails at the first
+      forward (:func:`not_linear_maps`).
 
     Args:
         model: the model the adapters go on.
@@ -377,8 +382,8 @@ def lora_target_modules(model: nn.Module, targets: str | list[str] | tuple[str, 
             raise ValueError(f"{name}: {', '.join(map(repr, sorted(named)))} "
                              f"name{'s' if len(named) == 1 else ''} "
                              f"{', '.join(sorted({routers[n] for n in named}))}, an nn.Linear "
-                             "whose forward returns more than the linear map, to which LoRA "
-                             "cannot add its update (peft's layer fails at the first forward)")
+                             "whose forward is not its linear map, to which LoRA cannot add its "
+                             "update (peft's layer fails at the first forward)")
         return targets
     if targets != "all-linear" or (model_type not in PEFT_MAMBA_MODEL_TYPES and not routers):
         return targets
@@ -392,10 +397,11 @@ def lora_target_modules(model: nn.Module, targets: str | list[str] | tuple[str, 
     if routers:
         layers = ", ".join(f"{n} ({c})" for n, c in routers.items())
         one = len(routers) == 1
-        why.append(f"{architecture_name(model)}'s {layers} {'returns' if one else 'return'} more "
-                   "than a linear map (a router's weights and chosen experts), and peft's LoRA "
-                   f"layer, which 'all-linear' would put on {'it' if one else 'them'}, fails at "
-                   "the first forward")
+        why.append(f"{architecture_name(model)}'s {layers} "
+                   f"{'is an nn.Linear' if one else 'are nn.Linear layers'} whose forward is not "
+                   f"{'its' if one else 'their'} linear map (a router returns its weights and "
+                   "chosen experts), and peft's LoRA layer, which 'all-linear' would put on "
+                   f"{'it' if one else 'them'}, fails at the first forward")
     warnings.warn(f"{name}='all-linear': {'; '.join(why)}; adapting {', '.join(names)}",
                   stacklevel=2)
     return names

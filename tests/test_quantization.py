@@ -310,7 +310,8 @@ def test_a_router_returning_a_tuple_is_left_out_of_all_linear_and_refused_by_nam
     assert not_linear_maps(model) == {"router": router}
     lora, said = _wrapped_saying(model)
     assert said[0].startswith(f"target_modules='all-linear': {type(model).__name__}'s router "
-                              f"({router}) returns more than a linear map"), said
+                              f"({router}) is an nn.Linear whose forward is not its linear "
+                              "map"), said
     assert "peft adapted none of" in said[1]  # "all-linear" asked for the experts too
     wrapped = {n.rsplit(".", 1)[-1] for n, m in lora.get_base_model().named_modules()
                if isinstance(m, BaseTunerLayer) and ".layers." in n}
@@ -325,9 +326,9 @@ def test_a_router_returning_a_tuple_is_left_out_of_all_linear_and_refused_by_nam
                                        meta_model(model.config, quiet=True))
     assert settings["lora"]["target_modules"] == [t for t in adapter_targets(model)
                                                   if t != "router"]
-    assert any(f"router ({router}) returns more" in note for note in settings["notes"])
+    assert any(f"router ({router}) is an nn.Linear" in note for note in settings["notes"])
     with pytest.raises(ValueError, match=rf"^target_modules: 'router' names {router}, an "
-                                         r"nn.Linear whose forward returns more than"):
+                                         r"nn.Linear whose forward is not its linear map"):
         quantization.add_lora(_tiny_moe(model_type, **fields), target_modules=["q_proj", "router"])
 
 
@@ -381,3 +382,16 @@ def test_the_planner_measures_a_mixture_of_experts_with_its_frozen_experts_adapt
         Stack(lora_parameters=experts)
     with pytest.raises(ValueError, match=r"^lora_parameters='mlp\.experts': a tuple"):
         Stack(method="lora", lora_parameters="mlp.experts")
+
+
+def test_a_linear_layer_whose_forward_refuses_a_plain_row_is_not_a_linear_map(small_llama):
+    """DeepSeek-V4's grouped output projection (an nn.Linear of one group's width) splits its
+    input into groups: a plain row is refused, and LoRA's update would not fit its output. The
+    probe names it; transformers' Linear layers that are linear maps are not named."""
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4GroupedLinear
+
+    from recipes_lib.architectures import not_linear_maps
+
+    assert not_linear_maps(small_llama) == {}
+    small_llama.model.layers[0].self_attn.o_proj = DeepseekV4GroupedLinear(16, 64, n_groups=4)
+    assert not_linear_maps(small_llama) == {"o_proj": "DeepseekV4GroupedLinear"}

@@ -209,10 +209,11 @@ def frozen_experts(model: nn.Module, targets: str | list[str] | tuple[str, ...])
     """The routed experts' 3-D parameters peft left without an adapter although ``targets`` name
     the MLP's layers: they stay frozen, and LoRA trains none of the experts.
 
-    transformers 5 stacks every expert's projections into 3-D parameters
-    (``mlp.experts.gate_up_proj``, ``mlp.experts.down_proj``), which peft's ``target_modules``
-    ("all-linear" included) never takes; its ``target_parameters`` does. peft converts the MLP
-    names into ``target_parameters`` for some model types only (``PEFT_FROZEN_EXPERTS``).
+    transformers 5 stacks every expert's projections into 3-D parameters of a module it names
+    ``experts`` (``mlp.experts.gate_up_proj``, ``mlp.experts.down_proj``), which peft's
+    ``target_modules`` ("all-linear" included) never takes; its ``target_parameters`` does. peft
+    converts the MLP names into ``target_parameters`` for some model types only
+    (``PEFT_FROZEN_EXPERTS``).
 
     Args:
         model: a peft-wrapped model.
@@ -248,7 +249,10 @@ def frozen_experts(model: nn.Module, targets: str | list[str] | tuple[str, ...])
         if id(layer) not in blocks:
             continue
         for name, module in layer.named_modules():
-            if isinstance(module, nn.modules.conv._ConvNd):  # a Mamba mixer's conv1d is 3-D too
+            # transformers 5 names the module that stacks them "experts" (mlp.experts,
+            # feed_forward.experts, block_sparse_moe.experts); other 3-D parameters (a Mamba
+            # mixer's conv1d) are not experts
+            if unwrapped(name).rsplit(".", 1)[-1] != "experts":
                 continue
             for pname, param in module.named_parameters(recurse=False):
                 full = unwrapped(f"{layer_name}.{name}.{pname}")

@@ -286,6 +286,11 @@ def test_peft_converts_qwen3_moe_and_gives_the_fused_gate_up_twice_the_rank():
     ranks = {m.parameter_name: m.r["default"] for m in lora.modules()
              if isinstance(m, ParamWrapper)}
     assert ranks == {"gate_up_proj": 8, "down_proj": 4, "weight": 4}, ranks  # weight: the router
+    # Qwen3-Next's linear attention holds a 3-D conv1d weight: not an expert
+    hybrid, said = _wrapped_saying(_tiny_moe("qwen3_next", num_experts=4))
+    assert frozen_experts(hybrid, "all-linear") == []  # (its shared experts' warning is said)
+    assert not any("peft adapted none of" in m for m in said), said
+    assert any(p.dim() == 3 and "conv1d" in n for n, p in hybrid.named_parameters())
 
 
 @pytest.mark.parametrize("model_type, fields, router", [

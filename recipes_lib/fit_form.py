@@ -14,7 +14,7 @@ import traceback
 from typing import Any
 
 from recipes_lib import calc, planner, trainers
-from recipes_lib.fake_memory import METHODS, PRECISIONS, Stack, measure_step
+from recipes_lib.fake_memory import METHODS, PRECISIONS, Stack, UnmeasuredStackError, measure_step
 from recipes_lib.memory import MemoryReport
 
 
@@ -59,14 +59,26 @@ def verdict(model: str, gpu_mem: str | float, seq_len: int, batch_size: int,
         ``{"report", "overhead_bytes", "need_bytes", "budget_bytes", "fits", "text",
         "trainer_code"}``: the text says, for a mixture of experts under LoRA, what the
         adapters on its experts keep (``planner.note_expert_adapters``), and ends with the
-        stack in a trainer's settings where it fits (``trainers.format_settings``).
+        stack in a trainer's settings where it fits (``trainers.format_settings``). A mixture
+        of experts whose experts the stack would keep in fp32 (the form's default, bf16-mixed),
+        which transformers' grouped GEMM cannot multiply, is measured in pure bf16 instead, as
+        ``plan --measure`` does, and the text says so.
 
     Raises:
         ValueError: naming the parameter, for what ``fake_memory`` or ``planner.parse_bytes``
-            refuse.
+            refuse (``UnmeasuredStackError`` where no stack near it can be measured).
     """
     budget = planner.parse_bytes(gpu_mem)
-    report = measure_step(model, stack, seq_len, batch_size)
+    said = []
+    try:
+        report = measure_step(model, stack, seq_len, batch_size)
+    except UnmeasuredStackError as err:  # an MoE's experts in fp32: its nearest stack, said
+        if err.substitute is None:
+            raise
+        said.append(f"{err.why}; measured {err.substitute.label!r} instead of "
+                    f"{stack.label!r}, the nearest stack transformers' grouped GEMM runs")
+        stack = err.substitute
+        report = measure_step(model, stack, seq_len, batch_size)
     overhead = planner.gpu_overhead(report.peak_bytes)
     need = report.peak_bytes + overhead
     fits = need <= budget
@@ -74,7 +86,7 @@ def verdict(model: str, gpu_mem: str | float, seq_len: int, batch_size: int,
             f"{need / 2**30:.1f} GiB on the GPU ({report.peak_bytes / 2**30:.1f} measured + "
             f"{overhead / 2**30:.1f} modelled overhead) of {budget / 2**30:.1f} GiB: "
             f"{'fits' if fits else 'does NOT fit'}")
-    notes: dict[str, Any] = {"notes": []}  # a mixture of experts' adapters, as the planner says
+    notes: dict[str, Any] = {"notes": said}  # then an MoE's adapters, as the planner says
     planner.note_expert_adapters(model, {"step": stack.label,
                                          "measured_GiB": report.peak_bytes / 2**30},
                                  stack, seq_len, batch_size, notes)

@@ -49,6 +49,29 @@ def test_the_verdict_on_a_mixture_of_experts_says_what_lora_does_to_its_experts(
     assert text.index("\nnote: ") < text.index("in your trainer")  # the settings stay last
 
 
+def test_a_mixture_of_experts_under_the_forms_default_precision_is_measured_in_bf16(tmp_path):
+    """The form's default, bf16-mixed, would keep a mixture of experts' experts in fp32, which
+    transformers' grouped GEMM cannot multiply: the form measures the nearest stack, pure bf16,
+    as plan --measure does, says so, and writes that stack's trainer settings."""
+    from transformers import AutoConfig
+
+    from recipes_lib.fake_memory import measure_step
+
+    AutoConfig.for_model("qwen3_moe", vocab_size=256, hidden_size=64, intermediate_size=128,
+                         moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+                         max_position_embeddings=256).save_pretrained(tmp_path)
+    asked = fit_form.make_stack("lora")  # bf16-mixed, checkpointing
+    result = fit_form.verdict(str(tmp_path), "1GiB", 32, 1, asked)
+    bf16 = fit_form.make_stack("lora", precision="bf16")
+    assert result["text"].startswith(f"{tmp_path}, 32 x 1 tokens, {bf16.label}: ")
+    assert f"; measured {bf16.label!r} instead of {asked.label!r}, the nearest stack" \
+        in result["text"]
+    assert result["report"].peak_bytes == measure_step(str(tmp_path), bf16, 32, 1).peak_bytes
+    assert "dtype=torch.bfloat16" in result["trainer_code"]
+    assert "bf16=True" not in result["trainer_code"]  # pure bf16, no autocast
+
+
 def test_the_form_measures_on_click_and_shows_bad_input_as_an_error(config_dir):
     pytest.importorskip("ipywidgets")
     box = fit_form.form(config_dir, "1GiB", 64, 1)

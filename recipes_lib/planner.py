@@ -582,12 +582,50 @@ def plan(model: str, gpu_mem: str | float, seq_len: int = 2048, batch_size: int 
                 "#1849) and QLoRA quantizes its attention only")
             if adapted is not None:
                 note_expert_adapters(model, *adapted, seq_len, batch_size, out)
+        note_eager_attention(model, seq_len, out["notes"])
         out["cheapest_measured"] = next((r["step"] for r in rows if r.get("measured_fits")),
                                         "nothing measured fits")
     out["trainer"] = _trainer_settings(model, out.get("cheapest_measured", out["cheapest"]),
                                        batch_size, grad_accum_steps, gpus, attention_mask)
     out["grad_accum_steps"] = grad_accum_steps
     return out
+
+
+def note_eager_attention(model: Any, seq_len: int, notes: list[str]) -> None:
+    """Where the measured steps ran eager attention (transformers has no SDPA for the
+    architecture: GPT-OSS's attention sinks) and no note on the formulas' side says so already,
+    a note of what that keeps: each layer's attention probabilities for backward, at least
+    heads x s x s in 16 bits a sequence and layer (tests/test_planner.py measures it), which a
+    fused GPU kernel that supports the architecture keeps none of.
+
+    Args:
+        model: a built-in name or its hub id, a ``config.json`` path or a config.
+        seq_len: tokens per sequence.
+        notes: the plan's notes, appended to.
+
+    Example:
+        >>> notes = []
+        >>> note_eager_attention("gpt-oss-20b", 2048, notes)  # doctest: +SKIP
+        >>> notes[0][:43]  # doctest: +SKIP
+        'attention: the steps were measured with eager'
+    """
+    from recipes_lib import fake_memory
+    from recipes_lib.architectures import default_attention
+
+    config = fake_memory.model_config(model)
+    if default_attention(config) != "eager" or any(
+            n.startswith("attention: transformers has no SDPA") for n in notes):
+        return
+    text = getattr(config, "get_text_config", lambda: config)()
+    heads, layers = text.num_attention_heads, text.num_hidden_layers
+    kept = 2 * heads * seq_len**2 * layers / 2**30
+    notes.append(f"attention: the steps were measured with eager attention, transformers' only "
+                 f"one for {config.model_type!r} (no SDPA), which keeps each layer's attention "
+                 f"probabilities for backward: at least {heads} heads x {seq_len} x {seq_len} "
+                 f"in 16 bits a sequence and layer, {kept:.1f} GiB a sequence over its {layers} "
+                 "layers without checkpointing; a fused GPU kernel that supports the "
+                 "architecture keeps none of it (for GPT-OSS's sinks, flash-attention 3 on a "
+                 "Hopper GPU: attn_implementation='kernels-community/vllm-flash-attn3')")
 
 
 def note_expert_adapters(model: Any, row: dict[str, Any], stack: Any, seq_len: int,

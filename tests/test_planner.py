@@ -692,6 +692,40 @@ def test_an_architecture_the_formulas_miscount_is_planned_by_measurement_only(tm
         planner.max_context_per_step(str(tmp_path), "1GiB", workers=0)
 
 
+def test_a_measured_plan_says_what_eager_attention_keeps_where_the_model_has_no_sdpa(
+        tmp_path, monkeypatch):
+    """GPT-OSS has no SDPA in transformers (its attention sinks): its steps are measured with
+    eager attention, and the plan says what that keeps, at least 2 bytes per score a layer,
+    which the fake steps confirm (doubling s adds at least that much); a model with SDPA gets
+    no such note."""
+    from transformers import AutoConfig
+
+    from recipes_lib import fake_memory
+    from recipes_lib.fake_memory import Stack
+    from recipes_lib.memory import MemoryReport
+
+    AutoConfig.for_model("gpt_oss", vocab_size=256, hidden_size=64, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                         max_position_embeddings=256).save_pretrained(tmp_path)
+    lora = Stack(method="lora", precision="bf16")
+    kept = [fake_memory.measure_step(str(tmp_path), lora, s, 1).by_category["activations"]
+            for s in (64, 128)]
+    assert kept[1] - kept[0] >= 2 * 4 * (128**2 - 64**2) * 2  # heads, scores, bytes, layers
+    with monkeypatch.context() as m:  # the plan's wiring, its rows' steps stood in for
+        m.setattr(fake_memory, "measure_step", lambda *a, **k: MemoryReport(1, {}))
+        out = planner.plan(str(tmp_path), "1GiB", 64, 1, measure=True)
+    [note] = [n for n in out["notes"] if n.startswith("attention: the steps were measured with "
+                                                      "eager attention")]
+    assert "at least 4 heads x 64 x 64 in 16 bits a sequence and layer, 0.0 GiB a sequence " \
+        "over its 2 layers" in note, note
+    notes = ["attention: transformers has no SDPA for X's architecture"]  # the formulas' note
+    planner.note_eager_attention(str(tmp_path), 64, notes)
+    assert len(notes) == 1
+    planner.note_eager_attention("Qwen3-30B-A3B", 2048, notes)  # SDPA
+    assert len(notes) == 1
+
+
 def test_a_mixture_of_experts_is_planned_by_measurement_with_each_substitution_said(tmp_path):
     """No formula figure for an MoE; every row measured on fake tensors (real fake steps: a tiny
     Qwen3-MoE takes well under a second each), those whose stack would keep the experts in fp32,

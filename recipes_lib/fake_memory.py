@@ -268,9 +268,11 @@ class Stack:
     @property
     def label(self) -> str:
         method = {"full": "full", "lora": "LoRA", "qlora": "QLoRA"}[self.method]
-        targets = "" if self.lora_targets == "all-linear" else f" on {'+'.join(self.lora_targets)}"
-        if self.lora_parameters:
-            targets += f" and {'+'.join(self.lora_parameters)}"
+        modules = (self.lora_targets if isinstance(self.lora_targets, str)
+                   else "+".join(self.lora_targets))
+        targets = "" if modules == "all-linear" else f" on {modules}"
+        if self.lora_parameters:  # "LoRA r=16 on all-linear and mlp.experts.down_proj"
+            targets = f" on {modules} and {'+'.join(self.lora_parameters)}"
         parts = [method if self.method == "full" else f"{method} r={self.lora_rank}{targets}",
                  self.precision, self.optimizer]
         if self.checkpointing:

@@ -32,7 +32,7 @@ WARNING_NOISE = (
      UserWarning),
     # peft's conversion of transformers' fused mixture-of-experts weights sets rank and alpha
     # patterns for gate_up_proj (2r, 2 alpha: gate and up in one), which do apply to that
-    # parameter's adapter (tests/test_architectures.py), but its check of unmatched patterns
+    # parameter's adapter (tests/test_quantization.py), but its check of unmatched patterns
     # looks at module names only, not the target parameters' (no pattern of ours)
     (r"peft\.tuners\.tuners_utils",
      (r"The following (rank|alpha)_pattern keys did not match any targeted module and were "

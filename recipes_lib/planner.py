@@ -504,9 +504,12 @@ def plan(model: str, gpu_mem: str | float, seq_len: int = 2048, batch_size: int 
         only (a row whose stack would keep an MoE's experts in fp32 is measured in pure bf16,
         its stack named; one with no stack to measure says why): the formulas' figures are
         None, ``cheapest`` says why, ``params_B`` is transformers' count and a note says why.
-        An MoE whose experts LoRA adapts whole (``fake_memory.expert_adapters``) also gets
-        ``expert_adapters``, with ``attention_only_GiB`` (the first adapter row measured again
-        with adapters on the attention only), and a note.
+        An MoE under LoRA also gets ``expert_adapters`` and a note (:func:`note_expert_adapters`):
+        with ``attention_only_GiB`` where LoRA adapts its experts whole (the first adapter row
+        measured again with adapters on the attention only), ``experts_adapted_GiB`` where the
+        targets leave them frozen (that row again with them in ``target_parameters``). A model
+        measured with eager attention gets a note of what that keeps
+        (:func:`note_eager_attention`).
 
     Raises:
         ValueError: naming the parameter, for an unknown model, a size that does not parse, a

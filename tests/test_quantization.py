@@ -358,6 +358,8 @@ def test_the_planner_measures_a_mixture_of_experts_with_its_frozen_experts_adapt
         is None
     experts = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
     adapted = Stack(method="lora", precision="bf16", lora_parameters=experts)
+    assert adapted.label == ("LoRA r=16 on all-linear and mlp.experts.gate_up_proj+"
+                             "mlp.experts.down_proj, bf16, adamw")
     fake = fake_memory.measure_step(config, adapted, 32, 1)
     real = fake_memory.measure_step(config, adapted, 32, 1, fake=False)
     assert fake.by_category == real.by_category and fake.peak_bytes == real.peak_bytes

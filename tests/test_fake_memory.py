@@ -65,44 +65,74 @@ def test_foreach_adamw_holds_one_more_copy_of_the_second_moments_than_fused(conf
         Stack(optimizer="adamw-fused", offload_optimizer=True)
 
 
-def test_a_fake_fsdp_rank_matches_each_real_rank(sharded_runs):
+def _gloo_copies(monkeypatch) -> list[int]:
+    """The bytes of each working copy a fake gloo rank's reduce-scatters make (appended as the
+    fake steps run): the buffers gloo frees on its own thread."""
+    copies = []
+    make = fake_memory._gloo_reduce_scatter
+
+    def recording():
+        class Recording(type(make())):
+            def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+                copies.append(input_tensor.numel() * input_tensor.element_size())
+                return super().__call__(output_tensor, input_tensor, group, op, async_op)
+        return Recording()
+    monkeypatch.setattr(fake_memory, "_gloo_reduce_scatter", recording)
+    return copies
+
+
+def _within_one_late_copy(real: dict, fake: dict, copies: list[int]) -> bool:
+    """A real gloo rank's peak is the fake one's, or above it by no more than the largest of
+    gloo's working copies: gloo frees that copy on its own thread once the collective has
+    returned, so whether it is still alive at the rank's peak depends on timing (seen at this
+    size: the root group's 262,400-byte copy alive at a later moment, the peak +1.5 % in 7 of
+    32 fp32 ranks run on 2026-12-06, idle and beside a busy CPU, and +6.5 % once in a full-suite
+    run, which a 2 % bound failed). The fake step frees it at once."""
+    extra = sum(real.values()) - sum(fake.values())
+    return 0 <= extra <= max(copies)
+
+
+def test_a_fake_fsdp_rank_matches_each_real_rank(sharded_runs, monkeypatch):
     """The sharded state is equal to the byte on every rank. Standing in for a gloo rank
     (``comm_backend="gloo"``: gloo's reduce-scatter works on a full-size copy of its input,
-    NCCL's in place) the fake peak is equal, or up to 2 % under a rank's at this size: gloo runs
-    collectives on its own threads, so whether a prefetched all-gather buffer is still in flight
-    at a rank's peak depends on timing (seen once, in a full-suite run: one fp32 rank 1.4 %
-    above, by one such buffer). At 110 M parameters every category is equal on both ranks
-    (``make bench``, ``fake_vs_real``); without the copy the fake peak is 0.87-0.91x the real
-    one there (``fake_vs_real_nccl``)."""
+    NCCL's in place) the fake peak is equal, or under a rank's by at most one such copy, which
+    gloo's thread may not have freed yet at the rank's peak (``_within_one_late_copy``). At
+    110 M parameters every category is equal on both ranks (``make bench``, ``fake_vs_real``);
+    without the copy the fake peak is 0.87-0.91x the real one there (``fake_vs_real_nccl``)."""
     from conftest import FSDP_FAKE_CONFIG, FSDP_FAKE_STACKS
 
+    copies = _gloo_copies(monkeypatch)
     for i, stack in enumerate(FSDP_FAKE_STACKS):
+        copies.clear()
         fake = fake_memory.measure_step(FSDP_FAKE_CONFIG, Stack(**stack), 64, 4,
                                         comm_backend="gloo").by_category
         nccl = fake_memory.measure_step(FSDP_FAKE_CONFIG, Stack(**stack), 64, 4).by_category
         for rank in sharded_runs[f"fake_memory_{i}"]:
             assert rank["optimizer"] == fake["optimizer"] > 0, stack
-            assert 0 <= sum(rank.values()) / sum(fake.values()) - 1 <= 0.02, (stack, rank, fake)
+            assert _within_one_late_copy(rank, fake, copies), (stack, rank, fake, copies)
             assert sum(nccl.values()) <= sum(fake.values()), (stack, nccl, fake)
 
 
-def test_a_fake_fsdp_rank_of_a_mixture_of_experts_matches_each_real_rank(sharded_runs):
+def test_a_fake_fsdp_rank_of_a_mixture_of_experts_matches_each_real_rank(sharded_runs,
+                                                                          monkeypatch):
     """Qwen3-MoE's grouped-GEMM experts sharded over 2 gloo ranks (full bf16; LoRA, which peft
     puts on each expert too, with checkpointing; bf16-mixed, whose fp32 experts FSDP's policy
     gathers as bf16 copies, the only dtype the grouped GEMM takes) and DeepSeek-V3 in full
     bf16, whose router transformers keeps in fp32 (FSDP2 refused its layers until shard_model
     gave the router a group of its own): every category of the fake rank equalled each real
-    rank's when run alone; asserted as above, where gloo's timing may leave one prefetched
-    buffer in flight at a rank's peak."""
+    rank's when run alone; asserted as above, where gloo's thread may free one working copy
+    after a rank's peak."""
     from conftest import FSDP_FAKE_MOE_STACKS
 
+    copies = _gloo_copies(monkeypatch)
     for i, (config, stack) in enumerate(FSDP_FAKE_MOE_STACKS):
+        copies.clear()
         fake = fake_memory.measure_step(config, Stack(**stack), 64, 4,
                                         comm_backend="gloo").by_category
         for rank in sharded_runs[f"fake_memory_moe_{i}"]:
             assert rank["optimizer"] == fake["optimizer"] > 0, stack
             assert rank["parameters"] == fake["parameters"], stack
-            assert 0 <= sum(rank.values()) / sum(fake.values()) - 1 <= 0.02, (stack, rank, fake)
+            assert _within_one_late_copy(rank, fake, copies), (stack, rank, fake, copies)
 
 
 def test_fsdp_shards_the_state_over_the_ranks(config):

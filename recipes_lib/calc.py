@@ -1345,6 +1345,9 @@ _GEMMA2 = {"model_type": "gemma2", "vocab_size": 256000, "head_dim": 256,
            "max_position_embeddings": 8192, "query_pre_attn_scalar": 256,
            "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
            "sliding_window": 4096, "rope_theta": 10000.0}
+# What the dense Qwen3 sizes' config.json files hold alike (Qwen/Qwen3-0.6B ... Qwen3-32B)
+_QWEN3 = {"model_type": "qwen3", "vocab_size": 151936, "head_dim": 128,
+          "max_position_embeddings": 40960, "rope_theta": 1000000, "use_sliding_window": False}
 CONFIGS: dict[str, dict[str, Any]] = {
     "Qwen3-0.6B": {  # Qwen/Qwen3-0.6B
         "model_type": "qwen3", "vocab_size": 151936, "hidden_size": 1024,
@@ -1356,12 +1359,27 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32,
         "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 40960,
         "rope_theta": 1000000, "tie_word_embeddings": False, "use_sliding_window": False},
+    # Qwen/Qwen3-4B, -14B, -32B, read from public copies of their config.json (no hub access here)
+    "Qwen3-4B": {**_QWEN3, "hidden_size": 2560, "intermediate_size": 9728,
+                 "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
+                 "tie_word_embeddings": True},
+    "Qwen3-14B": {**_QWEN3, "hidden_size": 5120, "intermediate_size": 17408,
+                  "num_hidden_layers": 40, "num_attention_heads": 40, "num_key_value_heads": 8,
+                  "tie_word_embeddings": False},
+    "Qwen3-32B": {**_QWEN3, "hidden_size": 5120, "intermediate_size": 25600,
+                  "num_hidden_layers": 64, "num_attention_heads": 64, "num_key_value_heads": 8,
+                  "tie_word_embeddings": False},
     "Gemma-2-2B": {  # google/gemma-2-2b
         **_GEMMA2, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
         "num_attention_heads": 8, "num_key_value_heads": 4},
     "Gemma-2-9B": {  # google/gemma-2-9b
         **_GEMMA2, "hidden_size": 3584, "intermediate_size": 14336, "num_hidden_layers": 42,
         "num_attention_heads": 16, "num_key_value_heads": 8},
+    "Gemma-2-27B": {  # google/gemma-2-27b, read from public copies of its config.json: heads of
+        # 128 (not 256), their scores scaled by 1/sqrt(144) = hidden / heads
+        **_GEMMA2, "hidden_size": 4608, "intermediate_size": 36864, "num_hidden_layers": 46,
+        "num_attention_heads": 32, "num_key_value_heads": 16, "head_dim": 128,
+        "query_pre_attn_scalar": 144},
     "Gemma-3-1B": {  # google/gemma-3-1b-pt (text only; Gemma-3 4B and up are multimodal)
         "model_type": "gemma3_text", "vocab_size": 262144, "hidden_size": 1152,
         "intermediate_size": 6912, "num_hidden_layers": 26, "num_attention_heads": 4,
@@ -1387,6 +1405,13 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
         "decoder_sparse_step": 1, "mlp_only_layers": [], "max_position_embeddings": 40960,
         "rope_theta": 1000000.0, "tie_word_embeddings": False, "use_sliding_window": False},
+    "Mixtral-8x7B": {  # mistralai/Mixtral-8x7B-v0.1, read from public copies of its config.json;
+        # a mixture of experts: measured only
+        "model_type": "mixtral", "vocab_size": 32000, "hidden_size": 4096,
+        "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "num_local_experts": 8, "num_experts_per_tok": 2,
+        "max_position_embeddings": 32768, "rope_theta": 1000000.0, "sliding_window": None,
+        "tie_word_embeddings": False},
     "gpt-oss-20b": {  # openai/gpt-oss-20b, read from public copies of its config.json (no hub
         # access here); a mixture of experts: measured only. The hub's experts are MXFP4; this is
         # the bf16 model fine-tuning loads (transformers' Mxfp4Config(dequantize=True))
@@ -1421,14 +1446,18 @@ HUB_IDS = {
     "Llama-2-70B": "meta-llama/Llama-2-70b-hf", "Mistral-7B": "mistralai/Mistral-7B-v0.1",
     "Qwen2.5-0.5B": "Qwen/Qwen2.5-0.5B", "Qwen2.5-7B": "Qwen/Qwen2.5-7B",
     "Qwen3-0.6B": "Qwen/Qwen3-0.6B", "Qwen3-8B": "Qwen/Qwen3-8B",
+    "Qwen3-4B": "Qwen/Qwen3-4B", "Qwen3-14B": "Qwen/Qwen3-14B", "Qwen3-32B": "Qwen/Qwen3-32B",
     "Qwen3-30B-A3B": "Qwen/Qwen3-30B-A3B", "Gemma-2-2B": "google/gemma-2-2b",
-    "Gemma-2-9B": "google/gemma-2-9b", "Gemma-3-1B": "google/gemma-3-1b-pt",
+    "Gemma-2-9B": "google/gemma-2-9b", "Gemma-2-27B": "google/gemma-2-27b",
+    "Gemma-3-1B": "google/gemma-3-1b-pt", "Mixtral-8x7B": "mistralai/Mixtral-8x7B-v0.1",
     "Mistral-7B-v0.3": "mistralai/Mistral-7B-v0.3",
     "Phi-3-mini-4k-instruct": "microsoft/Phi-3-mini-4k-instruct", "Phi-4": "microsoft/phi-4",
     "gpt-oss-20b": "openai/gpt-oss-20b"}
 # Versions a preset stands for under another name: Mistral-7B v0.1 and v0.2 (Instruct-v0.2's
-# config.json: the same sizes and 32000-token vocabulary; v0.3's 32768 tokens are their own entry)
-PRESET_ALIASES = {"Mistral-7B-v0.1": "Mistral-7B", "Mistral-7B-v0.2": "Mistral-7B"}
+# config.json: the same sizes and 32000-token vocabulary; v0.3's 32768 tokens are their own entry);
+# Mixtral-8x7B's repositories, base and Instruct, both end in v0.1
+PRESET_ALIASES = {"Mistral-7B-v0.1": "Mistral-7B", "Mistral-7B-v0.2": "Mistral-7B",
+                  "Mixtral-8x7B-v0.1": "Mixtral-8x7B"}
 
 
 def preset_names() -> list[str]:

@@ -4,8 +4,9 @@
 the order practitioners escalate, the predicted memory of each step (full fine-tune -> with 8-bit
 AdamW states -> LoRA -> QLoRA -> activation checkpointing -> gradient accumulation -> optimizer
 offload -> FSDP across the GPUs) and names the first that fits. Built-in models
-(``calc.preset_names()``: Llama, Mistral, Qwen2.5/3, Gemma-2/3, Phi-3/4, by name or hub id)
-work offline; any transformers ``config.json`` works too.
+(``calc.preset_names()``: Llama, Mistral, Qwen2.5/3, Gemma-2/3, Phi-3/4, and the mixtures of
+experts Qwen3-30B-A3B, Mixtral-8x7B and gpt-oss-20b, by name or hub id) work offline; any
+transformers ``config.json`` works too.
 """
 
 from __future__ import annotations

@@ -222,7 +222,10 @@ def test_any_other_hub_id_is_read_from_the_hub_or_its_cache(tmp_path, small_llam
 
 @pytest.mark.parametrize("name, card_billions, config_class", [
     ("Qwen3-0.6B", 0.6, "Qwen3Config"), ("Qwen3-8B", 8.2, "Qwen3Config"),
+    ("Qwen3-4B", 4.0, "Qwen3Config"), ("Qwen3-14B", 14.8, "Qwen3Config"),
+    ("Qwen3-32B", 32.8, "Qwen3Config"),
     ("Gemma-2-2B", 2.6, "Gemma2Config"), ("Gemma-2-9B", 9.24, "Gemma2Config"),
+    ("Gemma-2-27B", 27.2, "Gemma2Config"),
     ("Gemma-3-1B", 1.0, "Gemma3TextConfig"), ("Mistral-7B-v0.3", 7.25, "MistralConfig"),
     ("Phi-3-mini-4k-instruct", 3.8, "Phi3Config"),
     ("Phi-4", 14.7, "Phi3Config")])
@@ -230,7 +233,9 @@ def test_a_built_in_config_counts_as_its_model_card_and_transformers_do(name, ca
                                                                          config_class):
     """The parameter count each model card gives, to its digits; transformers' own model of the
     config, built on the meta device, agrees with the calculator (``check_counted``); the
-    fake-tensor meter gets the architecture's config class, not a Llama stand-in."""
+    fake-tensor meter gets the architecture's config class, not a Llama stand-in. (Qwen3-4B,
+    14B and 32B: 4.0, 14.8 and 32.8 B on their cards; Gemma-2-27B: 27.2 B, the Gemma 2 report's
+    1.18 B embedding and 26.05 B other parameters, arXiv 2408.00118.)"""
     from recipes_lib import fake_memory
 
     total = calc.param_count(calc.preset_shape(name))["total"] / 1e9
@@ -242,11 +247,15 @@ def test_a_built_in_config_counts_as_its_model_card_and_transformers_do(name, ca
 
 @pytest.mark.parametrize("name, hub_id, config_class, billions, experts", [
     ("Qwen3-30B-A3B", "Qwen/Qwen3-30B-A3B", "Qwen3MoeConfig", 30.5, "num_experts=128"),
-    ("gpt-oss-20b", "openai/gpt-oss-20b", "GptOssConfig", 20.9, "num_local_experts=32")])
+    ("gpt-oss-20b", "openai/gpt-oss-20b", "GptOssConfig", 20.9, "num_local_experts=32"),
+    ("Mixtral-8x7B", "mistralai/Mixtral-8x7B-Instruct-v0.1", "MixtralConfig", 46.7,
+     "num_local_experts=8")])
 def test_the_built_in_mixtures_of_experts_count_as_their_model_cards_and_are_measured_only(
         name, hub_id, config_class, billions, experts):
     """Qwen3-30B-A3B: 30.5 B parameters on its card; gpt-oss-20b: 20.9 B (OpenAI's card, its
-    experts in bf16 as fine-tuning loads them). Each has its own config class; the formulas
+    experts in bf16 as fine-tuning loads them); Mixtral-8x7B: 46.7 B (Mistral AI's "Mixtral of
+    experts" announcement, 2023-12-11; "47B" in arXiv 2401.04088, whose table gives its sizes),
+    named by its Instruct repository. Each has its own config class; the formulas
     refuse them and say to measure (their fake steps: the tiny MoEs' tests in
     test_fake_memory.py)."""
     from recipes_lib import fake_memory

@@ -1455,9 +1455,10 @@ HUB_IDS = {
     "gpt-oss-20b": "openai/gpt-oss-20b"}
 # Versions a preset stands for under another name: Mistral-7B v0.1 and v0.2 (Instruct-v0.2's
 # config.json: the same sizes and 32000-token vocabulary; v0.3's 32768 tokens are their own entry);
-# Mixtral-8x7B's repositories, base and Instruct, both end in v0.1
+# Mixtral-8x7B's repositories, base and Instruct, both end in v0.1; Llama-3.3-70B(-Instruct) has
+# Llama-3.1-70B's config.json sizes and positions
 PRESET_ALIASES = {"Mistral-7B-v0.1": "Mistral-7B", "Mistral-7B-v0.2": "Mistral-7B",
-                  "Mixtral-8x7B-v0.1": "Mixtral-8x7B"}
+                  "Mixtral-8x7B-v0.1": "Mixtral-8x7B", "Llama-3.3-70B": "Llama-3.1-70B"}
 
 
 def preset_names() -> list[str]:

@@ -179,7 +179,10 @@ def test_a_fine_tuned_variants_hub_id_names_its_built_in_model(tmp_path, small_l
                          ("google/gemma-3-1b-pt", "Gemma-3-1B"), ("microsoft/phi-4", "Phi-4"),
                          ("mistralai/Mistral-7B-Instruct-v0.3", "Mistral-7B-v0.3"),
                          ("mistralai/Mistral-7B-v0.1", "Mistral-7B"),
-                         ("mistralai/Mistral-7B-Instruct-v0.2", "Mistral-7B")]:
+                         ("mistralai/Mistral-7B-Instruct-v0.2", "Mistral-7B"),
+                         ("meta-llama/Llama-3.3-70B-Instruct", "Llama-3.1-70B"),
+                         ("Qwen/Qwen3-14B-Base", "Qwen3-14B"),
+                         ("google/gemma-2-27b-it", "Gemma-2-27B")]:
         assert planner.resolve_shape(hub_id) == (name, calc.preset_shape(name)), hub_id
     # v0.3's 32768 tokens, not the Mistral-7B preset's (v0.1) 32000
     assert calc.preset_shape("Mistral-7B-v0.3").vocab_size == 32768

@@ -266,6 +266,9 @@ def test_the_built_in_mixtures_of_experts_count_as_their_model_cards_and_are_mea
     config = fake_memory.model_config(hub_id)
     assert type(config).__name__ == config_class
     assert round(calc.built_param_count(config) / 1e9, 1) == billions
+    with pytest.raises(calc.NotDescribedError) as refused:  # --measure's table is named by it
+        planner.resolve_shape(hub_id)
+    assert refused.value.model_name == name
     with pytest.raises(ValueError, match=rf"a mixture-of-experts model \({experts}\).*--measure"):
         planner.plan(name, "80GB", 2048, 1)
 

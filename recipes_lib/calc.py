@@ -1369,6 +1369,13 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "Qwen3-32B": {**_QWEN3, "hidden_size": 5120, "intermediate_size": 25600,
                   "num_hidden_layers": 64, "num_attention_heads": 64, "num_key_value_heads": 8,
                   "tie_word_embeddings": False},
+    "Qwen2.5-72B": {  # Qwen/Qwen2.5-72B, read from public copies of its config.json (the
+        # Instruct repository's says 32768 positions, YaRN to 131072; the base's 131072). A
+        # config.json, not a Llama-shaped preset as Qwen2.5-7B is: its q, k and v biases counted
+        "model_type": "qwen2", "vocab_size": 152064, "hidden_size": 8192,
+        "intermediate_size": 29568, "num_hidden_layers": 80, "num_attention_heads": 64,
+        "num_key_value_heads": 8, "max_position_embeddings": 131072, "rope_theta": 1000000.0,
+        "use_sliding_window": False, "tie_word_embeddings": False},
     "Gemma-2-2B": {  # google/gemma-2-2b
         **_GEMMA2, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
         "num_attention_heads": 8, "num_key_value_heads": 4},
@@ -1447,6 +1454,7 @@ HUB_IDS = {
     "Qwen2.5-0.5B": "Qwen/Qwen2.5-0.5B", "Qwen2.5-7B": "Qwen/Qwen2.5-7B",
     "Qwen3-0.6B": "Qwen/Qwen3-0.6B", "Qwen3-8B": "Qwen/Qwen3-8B",
     "Qwen3-4B": "Qwen/Qwen3-4B", "Qwen3-14B": "Qwen/Qwen3-14B", "Qwen3-32B": "Qwen/Qwen3-32B",
+    "Qwen2.5-72B": "Qwen/Qwen2.5-72B",
     "Qwen3-30B-A3B": "Qwen/Qwen3-30B-A3B", "Gemma-2-2B": "google/gemma-2-2b",
     "Gemma-2-9B": "google/gemma-2-9b", "Gemma-2-27B": "google/gemma-2-27b",
     "Gemma-3-1B": "google/gemma-3-1b-pt", "Mixtral-8x7B": "mistralai/Mixtral-8x7B-v0.1",

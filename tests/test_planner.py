@@ -182,6 +182,7 @@ def test_a_fine_tuned_variants_hub_id_names_its_built_in_model(tmp_path, small_l
                          ("mistralai/Mistral-7B-Instruct-v0.2", "Mistral-7B"),
                          ("meta-llama/Llama-3.3-70B-Instruct", "Llama-3.1-70B"),
                          ("Qwen/Qwen3-14B-Base", "Qwen3-14B"),
+                         ("Qwen/Qwen2.5-72B-Instruct", "Qwen2.5-72B"),
                          ("google/gemma-2-27b-it", "Gemma-2-27B")]:
         assert planner.resolve_shape(hub_id) == (name, calc.preset_shape(name)), hub_id
     # v0.3's 32768 tokens, not the Mistral-7B preset's (v0.1) 32000
@@ -226,7 +227,7 @@ def test_any_other_hub_id_is_read_from_the_hub_or_its_cache(tmp_path, small_llam
 @pytest.mark.parametrize("name, card_billions, config_class", [
     ("Qwen3-0.6B", 0.6, "Qwen3Config"), ("Qwen3-8B", 8.2, "Qwen3Config"),
     ("Qwen3-4B", 4.0, "Qwen3Config"), ("Qwen3-14B", 14.8, "Qwen3Config"),
-    ("Qwen3-32B", 32.8, "Qwen3Config"),
+    ("Qwen3-32B", 32.8, "Qwen3Config"), ("Qwen2.5-72B", 72.7, "Qwen2Config"),
     ("Gemma-2-2B", 2.6, "Gemma2Config"), ("Gemma-2-9B", 9.24, "Gemma2Config"),
     ("Gemma-2-27B", 27.2, "Gemma2Config"),
     ("Gemma-3-1B", 1.0, "Gemma3TextConfig"), ("Mistral-7B-v0.3", 7.25, "MistralConfig"),
@@ -237,8 +238,10 @@ def test_a_built_in_config_counts_as_its_model_card_and_transformers_do(name, ca
     """The parameter count each model card gives, to its digits; transformers' own model of the
     config, built on the meta device, agrees with the calculator (``check_counted``); the
     fake-tensor meter gets the architecture's config class, not a Llama stand-in. (Qwen3-4B,
-    14B and 32B: 4.0, 14.8 and 32.8 B on their cards; Gemma-2-27B: 27.2 B, the Gemma 2 report's
-    1.18 B embedding and 26.05 B other parameters, arXiv 2408.00118.)"""
+    14B and 32B: 4.0, 14.8 and 32.8 B on their cards; Qwen2.5-72B: 72.7 B on its card, whose
+    smaller siblings' cards, 14.7 and 32.5 B, disagree with their own config.json's 14.77 and
+    32.76 B, so they are not built in; Gemma-2-27B: 27.2 B, the Gemma 2 report's 1.18 B embedding
+    and 26.05 B other parameters, arXiv 2408.00118.)"""
     from recipes_lib import fake_memory
 
     total = calc.param_count(calc.preset_shape(name))["total"] / 1e9

@@ -83,11 +83,12 @@ def _gloo_copies(monkeypatch) -> list[int]:
 
 def _within_one_late_copy(real: dict, fake: dict, copies: list[int]) -> bool:
     """A real gloo rank's peak is the fake one's, or above it by no more than the largest of
-    gloo's working copies: gloo frees that copy on its own thread once the collective has
-    returned, so whether it is still alive at the rank's peak depends on timing (seen at this
-    size: the root group's 262,400-byte copy alive at a later moment, the peak +1.5 % in 7 of
-    32 fp32 ranks run on 2026-12-06, idle and beside a busy CPU, and +6.5 % once in a full-suite
-    run, which a 2 % bound failed). The fake step frees it at once."""
+    gloo's working copies: gloo frees its buffers on its own threads once a collective has
+    returned, so whether one is still alive at the rank's peak depends on timing. Seen at this
+    size on 2026-12-06, idle and beside a busy CPU: the root group's 262,400-byte reduce-scatter
+    copy alive at a later moment, the fp32 peak +1.5 % in 7 of 32 ranks (and +6.5 % once in a
+    full-suite run, which a 2 % bound failed); Qwen3-MoE's bf16 peak +25,920 bytes of
+    activations in 1 of 8 ranks. The fake step frees each at once."""
     extra = sum(real.values()) - sum(fake.values())
     return 0 <= extra <= max(copies)
 

@@ -1526,6 +1526,8 @@ def preset_shape(name: str) -> ModelShape:
 
     Raises:
         ValueError: naming ``name`` where it is not built in, listing the names that are.
+        NotDescribedError: for a built-in model the formulas do not describe (a mixture of
+            experts), its ``model_name`` the built-in name.
 
     Example:
         >>> preset_shape("Qwen3-8B").q_size  # 32 heads of 128 on a 4096-wide stream
@@ -1534,7 +1536,11 @@ def preset_shape(name: str) -> ModelShape:
     if name in PRESETS:
         return PRESETS[name]
     if name in CONFIGS:
-        return _config_shape(name)
+        try:
+            return _config_shape(name)
+        except NotDescribedError as err:  # measured only: named for the caller's table
+            err.model_name = name
+            raise
     raise ValueError(f"name={name!r}: not a built-in model ({', '.join(preset_names())})")
 
 

@@ -147,11 +147,7 @@ def resolve_shape(model: str) -> tuple[str, calc.ModelShape]:
     """
     preset = calc.find_preset(model)  # "meta-llama/Llama-2-7b-hf" -> "Llama-2-7B"
     if preset:
-        try:
-            return preset, calc.preset_shape(preset)
-        except calc.NotDescribedError as err:  # a built-in mixture of experts: measured only
-            err.model_name = preset
-            raise
+        return preset, calc.preset_shape(preset)
     path = _config_file(model)
     if path is not None:
         try:

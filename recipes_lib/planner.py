@@ -408,6 +408,46 @@ KORTHIKANTI_NOTE = (
     "1.4-2.7x the 34): --measure measures")
 
 
+# the share of the checkpointed row's activations above which the plan says what the loss's logits
+# take and what keeps only a chunk of them
+LOGITS_NOTE_SHARE = 0.5
+
+
+def note_logits(shape: calc.ModelShape, seq_len: int, batch_size: int,
+                rows: list[dict[str, Any]], notes: list[str]) -> None:
+    """Where the loss's logits (three fp32 copies of ``s x b x V``, as the rows count them) are at
+    least half the checkpointed row's activations, a note of their size and of what keeps one
+    chunk of them instead: after checkpointing, the vocabulary is what long context runs into
+    (Gemma-2's 256k entries, Llama-3's 128k).
+
+    Args:
+        shape: the model's sizes.
+        seq_len: tokens per sequence.
+        batch_size: sequences per step (the checkpointed row's micro-batch: no accumulation).
+        rows: the plan's rows, with ``"+ activation checkpointing"`` among them.
+        notes: the plan's notes, appended to.
+
+    Example:
+        >>> notes = []
+        >>> note_logits(calc.preset_shape("Gemma-2-2B"), 4096, 1, plan("Gemma-2-2B", "24GB",
+        ...     4096, 1)["rows"], notes)  # doctest: +SKIP
+        >>> notes[0][:46]  # doctest: +SKIP
+        'the loss: its logits, three fp32 copies of s x'
+    """
+    row = next(r for r in rows if r["step"] == "+ activation checkpointing")
+    logits = calc.activation_bytes(shape, seq_len, batch_size)["logits"]
+    activations = row["activations_GiB"] * 2**30
+    if logits < LOGITS_NOTE_SHARE * activations:
+        return
+    notes.append(
+        f"the loss: its logits, three fp32 copies of s x b x V ({shape.vocab_size:,} entries), "
+        f"are {logits / 2**30:.1f} GiB of the checkpointed row's {activations / 2**30:.1f} GiB of "
+        "activations; a chunked loss keeps one chunk of them (notebook 04, "
+        "recipes_lib.chunked_loss; in TrainingArguments or SFTConfig, use_liger_kernel=True on a "
+        "CUDA GPU: Liger's fused linear cross-entropy). No row above has one; notebook 01's "
+        "form measures a stack with it (fit_form.verdict)")
+
+
 def _predicted(model: str, name: str, shape: calc.ModelShape, seq_len: int, batch_size: int,
                gpus: int, grad_accum_steps: int, budget: float, config: Any = None,
                attention_mask: bool = False) -> dict[str, Any]:
@@ -435,6 +475,7 @@ def _predicted(model: str, name: str, shape: calc.ModelShape, seq_len: int, batc
             "MLP's fp32 gradients of the intermediate, through the adapters' casts, beside the "
             "recomputed tensors), its masked attention adds to that peak (a Mistral-7B at 8192 "
             "tokens: 0.23 GiB): --measure measures it")
+    note_logits(shape, seq_len, batch_size, rows, out["notes"])
     if _multimodal(model):
         out["notes"].append(
             f"{name} is a multimodal checkpoint: planned and measured is its language model "
@@ -499,17 +540,18 @@ def plan(model: str, gpu_mem: str | float, seq_len: int = 2048, batch_size: int 
         each row has step, state_GiB, activations_GiB, total_GiB (the formulas' bytes),
         total_gpu_GiB (plus the modelled ``gpu_overhead``, as a measured trace gets) and fits
         (on that);
-        ``notes``: what the formulas assume that this model does not do (eager attention's
-        scores). For an architecture the formulas do not describe (``calc.check_counted``: a
-        hybrid such as Qwen3.5, Gemma-4's layers of two shapes, a mixture of experts), measured
-        only (a row whose stack would keep an MoE's experts in fp32 is measured in pure bf16,
-        its stack named; one with no stack to measure says why): the formulas' figures are
-        None, ``cheapest`` says why, ``params_B`` is transformers' count and a note says why.
-        An MoE under LoRA also gets ``expert_adapters`` and a note (:func:`note_expert_adapters`):
-        with ``attention_only_GiB`` where LoRA adapts its experts whole (the first adapter row
-        measured again with adapters on the attention only), ``experts_adapted_GiB`` where the
-        targets leave them frozen (that row again with them in ``target_parameters``). A model
-        measured with eager attention gets a note of what that keeps
+        ``notes``: what the formulas assume that this model does not do (eager attention's scores),
+        and the loss's logits where they are most of the checkpointed row's activations
+        (:func:`note_logits`). For an architecture the formulas do not describe
+        (``calc.check_counted``: a hybrid such as Qwen3.5, Gemma-4's layers of two shapes, a mixture
+        of experts), measured only (a row whose stack would keep an MoE's experts in fp32 is
+        measured in pure bf16, its stack named; one with no stack to measure says why): the
+        formulas' figures are None, ``cheapest`` says why, ``params_B`` is transformers' count and a
+        note says why. An MoE under LoRA also gets ``expert_adapters`` and a note
+        (:func:`note_expert_adapters`): with ``attention_only_GiB`` where LoRA adapts its experts
+        whole (the first adapter row measured again with adapters on the attention only),
+        ``experts_adapted_GiB`` where the targets leave them frozen (that row again with them in
+        ``target_parameters``). A model measured with eager attention gets a note of what that keeps
         (:func:`note_eager_attention`).
 
     Raises:

@@ -595,6 +595,22 @@ def test_max_context_per_step_searches_each_measured_stack_once(tmp_path, small_
     assert "longest-context searches" in capsys.readouterr().err
 
 
+def test_a_plan_says_what_the_losss_logits_take_where_they_are_most_of_the_activations():
+    """Gemma-2-2B's 256,000-entry vocabulary at 4096 tokens: the logits, three fp32 copies
+    (3 x 4096 x 256,000 x 4 bytes, 11.7 GiB), are most of the checkpointed row's activations,
+    which do not fit 24 GB; Llama-2-7B's 32,000 entries are not, and get no note."""
+    result = planner.plan("Gemma-2-2B", "24GB", seq_len=4096, batch_size=1, grad_accum_steps=1)
+    row = next(r for r in result["rows"] if r["step"] == "+ activation checkpointing")
+    [note] = [n for n in result["notes"] if n.startswith("the loss: its logits")]
+    logits = 3 * 4096 * 256_000 * 4
+    assert logits >= planner.LOGITS_NOTE_SHARE * row["activations_GiB"] * 2**30
+    assert (f"are {logits / 2**30:.1f} GiB of the checkpointed row's "
+            f"{row['activations_GiB']:.1f} GiB of activations") in note
+    assert "use_liger_kernel=True" in note and result["cheapest"] == "nothing fits"
+    llama = planner.plan("Llama-2-7B", "24GB", seq_len=4096, batch_size=1, grad_accum_steps=1)
+    assert not any(n.startswith("the loss: its logits") for n in llama["notes"])
+
+
 def test_a_gemma2_config_json_is_read_as_transformers_reads_it(tmp_path):
     """A Gemma-2 config.json leaves out tie_word_embeddings (True in Gemma2Config) and its
     layer types; transformers has no SDPA for it, so the plan counts eager attention's scores

@@ -409,8 +409,10 @@ KORTHIKANTI_NOTE = (
 
 
 # the share of the checkpointed row's activations above which the plan says what the loss's logits
-# take and what keeps only a chunk of them
+# take and what keeps only a chunk of them, and the tokens per chunk a measured plan measures
 LOGITS_NOTE_SHARE = 0.5
+LOGITS_CHUNK = 1024
+LOGITS_NOTE_START = "the loss: its logits"
 
 
 def note_logits(shape: calc.ModelShape, seq_len: int, batch_size: int,
@@ -440,12 +442,48 @@ def note_logits(shape: calc.ModelShape, seq_len: int, batch_size: int,
     if logits < LOGITS_NOTE_SHARE * activations:
         return
     notes.append(
-        f"the loss: its logits, three fp32 copies of s x b x V ({shape.vocab_size:,} entries), "
-        f"are {logits / 2**30:.1f} GiB of the checkpointed row's {activations / 2**30:.1f} GiB of "
+        f"{LOGITS_NOTE_START}, three fp32 copies of s x b x V ({shape.vocab_size:,} entries), "
+        f"are {logits / 2**30:.3g} GiB of the checkpointed row's {activations / 2**30:.3g} GiB of "
         "activations; a chunked loss keeps one chunk of them (notebook 04, "
         "recipes_lib.chunked_loss; in TrainingArguments or SFTConfig, use_liger_kernel=True on a "
         "CUDA GPU: Liger's fused linear cross-entropy). No row above has one; notebook 01's "
         "form measures a stack with it (fit_form.verdict)")
+
+
+def measure_chunked_loss(model: Any, row: dict[str, Any], stack: Any, seq_len: int,
+                         batch_size: int, budget: float, out: dict[str, Any]) -> None:
+    """Where :func:`note_logits` spoke, the checkpointed row's measured stack measured again with
+    a chunked loss of ``LOGITS_CHUNK`` tokens, as ``out["chunked_loss"]`` and at the end of that
+    note: what the row needs on the GPU without the full logits. Not where a step has no more
+    tokens than one chunk (the chunked loss would be one chunk: not its regime).
+
+    Args:
+        model: a built-in name or its hub id, a ``config.json`` path or a config.
+        row: the checkpointed row, measured.
+        stack: the ``fake_memory.Stack`` it was measured with.
+        seq_len: tokens per sequence.
+        batch_size: sequences per step.
+        budget: bytes of one GPU.
+        out: the plan, whose notes and ``chunked_loss`` are written.
+
+    Example:
+        >>> plan("Gemma-2-2B", "24GB", 4096, 1, measure=True)["chunked_loss"]  # doctest: +SKIP
+        {'measured_stack': 'QLoRA r=16, bf16-mixed, adamw, checkpointing, chunked CE (1024)', ...}
+    """
+    at = next((i for i, n in enumerate(out["notes"]) if n.startswith(LOGITS_NOTE_START)), None)
+    if at is None or seq_len * _whole_shares(stack, batch_size) <= LOGITS_CHUNK:
+        return  # no note, or one chunk would be the whole loss
+    from recipes_lib import fake_memory
+
+    chunked = replace(stack, chunked_loss=LOGITS_CHUNK)
+    peak = fake_memory.measure_step(model, chunked, seq_len,
+                                    _whole_shares(chunked, batch_size)).peak_bytes
+    gpu = peak + gpu_overhead(peak)
+    out["chunked_loss"] = {"measured_stack": chunked.label, "measured_GiB": peak / 2**30,
+                           "gpu_GiB": gpu / 2**30, "measured_fits": gpu <= budget}
+    out["notes"][at] += (f"; measured with {LOGITS_CHUNK}-token chunks, that row needs "
+                         f"{gpu / 2**30:.3g} GiB on the GPU against {row['gpu_GiB']:.3g} without "
+                         f"them: {'fits' if gpu <= budget else 'does not fit'}")
 
 
 def _predicted(model: str, name: str, shape: calc.ModelShape, seq_len: int, batch_size: int,
@@ -525,6 +563,9 @@ def plan(model: str, gpu_mem: str | float, seq_len: int = 2048, batch_size: int 
             ``measured_fits``; a row that cannot be measured says why. The first row (the full
             fine-tune) also gets ``adamw_GiB``: its trace with AdamW stepped as measured (a
             CPU's for-loop), as ``foreach`` and as ``fused`` (``fake_memory.Stack.optimizer``).
+            Where the loss's logits are most of the checkpointed row's activations, the result
+            gets ``chunked_loss``: that row measured with a chunked loss
+            (:func:`measure_chunked_loss`).
         attention_mask: the rows need an attention mask: padded to a common length, or packed
             documents kept apart (``fake_memory.Stack.attention_mask``); default: full rows, as
             the formulas have them.
@@ -596,7 +637,7 @@ def plan(model: str, gpu_mem: str | float, seq_len: int = 2048, batch_size: int 
 
         from recipes_lib import fake_memory
 
-        adapted = None  # the first measured row with adapters, and its stack
+        adapted = checkpointed = None  # the first measured row with adapters, and its stack
         for row in tqdm(rows, desc="fake-tensor steps, one a row", disable=not progress,
                         leave=False):
             stack = _measured_stack(row["step"], grad_accum_steps, gpus, attention_mask)
@@ -611,6 +652,8 @@ def plan(model: str, gpu_mem: str | float, seq_len: int = 2048, batch_size: int 
             peak = report.peak_bytes
             if adapted is None and stack.method in ("lora", "qlora"):
                 adapted = row, stack
+            if row["step"] == "+ activation checkpointing":
+                checkpointed = row, stack
             row.update(measured_stack=stack.label, measured_GiB=peak / 2**30,
                        host_GiB=report.host_bytes / 2**30,
                        gpu_GiB=(peak + gpu_overhead(peak)) / 2**30,
@@ -629,6 +672,8 @@ def plan(model: str, gpu_mem: str | float, seq_len: int = 2048, batch_size: int 
             if adapted is not None:
                 note_expert_adapters(model, *adapted, seq_len, batch_size, out)
         note_eager_attention(model, seq_len, out["notes"])
+        if checkpointed is not None:
+            measure_chunked_loss(model, *checkpointed, seq_len, batch_size, budget, out)
         out["cheapest_measured"] = next((r["step"] for r in rows if r.get("measured_fits")),
                                         "nothing measured fits")
     out["trainer"] = _trainer_settings(model, out.get("cheapest_measured", out["cheapest"]),

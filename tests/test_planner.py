@@ -1,5 +1,6 @@
 import json
 import re
+from dataclasses import replace
 
 import pytest
 import torch
@@ -502,6 +503,7 @@ def test_measure_puts_a_fake_measurement_or_its_reason_beside_each_row(tmp_path,
         assert r["gpu_GiB"] * 2**30 == pytest.approx(
             r["measured_GiB"] * 2**30 + planner.gpu_overhead(r["measured_GiB"] * 2**30))
     assert result["cheapest_measured"] == "full fine-tune (bf16 + AdamW)"
+    assert "chunked_loss" not in result  # 4 x 256 tokens: one chunk of the chunked loss
     impls = measured[0]["adamw_GiB"]
     assert list(impls) == ["for-loop (as measured)", "foreach", "fused"]
     assert impls["foreach"] >= impls["for-loop (as measured)"] == measured[0]["measured_GiB"]
@@ -604,11 +606,43 @@ def test_a_plan_says_what_the_losss_logits_take_where_they_are_most_of_the_activ
     [note] = [n for n in result["notes"] if n.startswith("the loss: its logits")]
     logits = 3 * 4096 * 256_000 * 4
     assert logits >= planner.LOGITS_NOTE_SHARE * row["activations_GiB"] * 2**30
-    assert (f"are {logits / 2**30:.1f} GiB of the checkpointed row's "
-            f"{row['activations_GiB']:.1f} GiB of activations") in note
+    assert (f"are {logits / 2**30:.3g} GiB of the checkpointed row's "
+            f"{row['activations_GiB']:.3g} GiB of activations") in note
     assert "use_liger_kernel=True" in note and result["cheapest"] == "nothing fits"
     llama = planner.plan("Llama-2-7B", "24GB", seq_len=4096, batch_size=1, grad_accum_steps=1)
     assert not any(n.startswith("the loss: its logits") for n in llama["notes"])
+
+
+def test_a_measured_plan_measures_the_checkpointed_row_again_with_a_chunked_loss(tmp_path):
+    """Where the logits are most of the checkpointed row's activations, its stack is measured
+    again with 1024-token chunks (2 chunks of a 2 x 1024-token step here): the figure a
+    fake-tensor step of that stack gives, below the row's own, said at the end of the note; a
+    step no longer than one chunk is not measured so."""
+    from transformers import LlamaConfig
+
+    from recipes_lib import fake_memory
+
+    LlamaConfig(vocab_size=16384, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2,
+                max_position_embeddings=1024).save_pretrained(tmp_path)
+    model, budget = str(tmp_path), planner.parse_bytes("1GB")
+    out = planner.plan(model, "1GB", seq_len=1024, batch_size=2, grad_accum_steps=1)
+    row = next(r for r in out["rows"] if r["step"] == "+ activation checkpointing")
+    stack = planner._measured_stack(row["step"], 1)
+    peak = fake_memory.measure_step(model, stack, 1024, 2).peak_bytes
+    row |= {"measured_GiB": peak / 2**30, "gpu_GiB": (peak + planner.gpu_overhead(peak)) / 2**30}
+    short = {"notes": list(out["notes"])}
+    planner.measure_chunked_loss(model, row, stack, 512, 2, budget, short)  # 1024 tokens: one
+    assert "chunked_loss" not in short and short["notes"] == out["notes"]
+    planner.measure_chunked_loss(model, row, stack, 1024, 2, budget, out)
+    chunked = out["chunked_loss"]
+    assert chunked["measured_GiB"] * 2**30 == fake_memory.measure_step(
+        model, replace(stack, chunked_loss=planner.LOGITS_CHUNK), 1024, 2).peak_bytes
+    assert chunked["measured_GiB"] < row["measured_GiB"] and chunked["measured_fits"]
+    assert chunked["measured_stack"] == stack.label + ", chunked CE (1024)"
+    [note] = [n for n in out["notes"] if n.startswith(planner.LOGITS_NOTE_START)]
+    assert note.endswith(f"that row needs {chunked['gpu_GiB']:.3g} GiB on the GPU against "
+                         f"{row['gpu_GiB']:.3g} without them: fits")
 
 
 def test_a_gemma2_config_json_is_read_as_transformers_reads_it(tmp_path):

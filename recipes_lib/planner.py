@@ -574,7 +574,8 @@ def plan(model: str, gpu_mem: str | float, seq_len: int = 2048, batch_size: int 
     Returns:
         ``{"model", "params_B", "gpu_bytes", "rows", "cheapest", "notes", "trainer",
         "grad_accum_steps", "layers_counted"}`` (``trainer``: the cheapest step as a trainer's
-        settings, None where nothing fits; ``grad_accum_steps``: the accumulation row's k;
+        settings, None where nothing fits, or where no measured row fits and ``chunked_loss``
+        does, that stack's; ``grad_accum_steps``: the accumulation row's k;
         ``layers_counted``: the rows' layers were counted op by op (a Llama-family, Phi-3,
         Gemma-2 or Gemma-3 model), not with Korthikanti's ``34 s b h``, and ``notes`` begins
         by saying which);
@@ -676,8 +677,17 @@ def plan(model: str, gpu_mem: str | float, seq_len: int = 2048, batch_size: int 
             measure_chunked_loss(model, *checkpointed, seq_len, batch_size, budget, out)
         out["cheapest_measured"] = next((r["step"] for r in rows if r.get("measured_fits")),
                                         "nothing measured fits")
-    out["trainer"] = _trainer_settings(model, out.get("cheapest_measured", out["cheapest"]),
-                                       batch_size, grad_accum_steps, gpus, attention_mask)
+    step, chunked = out.get("cheapest_measured", out["cheapest"]), out.get("chunked_loss")
+    if step == "nothing measured fits" and chunked and chunked["measured_fits"]:
+        # what the note measured fits: its stack, the checkpointed row's with the chunked loss
+        out["trainer"] = _trainer_settings(
+            model, f"+ activation checkpointing, a chunked loss ({LOGITS_CHUNK}-token chunks)",
+            batch_size, grad_accum_steps, gpus, attention_mask, stack=replace(
+                _measured_stack("+ activation checkpointing", grad_accum_steps, gpus,
+                                attention_mask), chunked_loss=LOGITS_CHUNK))
+    else:
+        out["trainer"] = _trainer_settings(model, step, batch_size, grad_accum_steps, gpus,
+                                           attention_mask)
     out["grad_accum_steps"] = grad_accum_steps
     return out
 
@@ -786,13 +796,15 @@ def note_expert_adapters(model: Any, row: dict[str, Any], stack: Any, seq_len: i
 
 
 def _trainer_settings(model: str, step: str, batch_size: int, grad_accum_steps: int,
-                      gpus: int, attention_mask: bool = False) -> dict[str, Any] | None:
+                      gpus: int, attention_mask: bool = False, stack: Any = None
+                      ) -> dict[str, Any] | None:
     """The cheapest step that fits as Trainer / peft / bitsandbytes settings
-    (``trainers.stack_settings`` of the stack the row measures), with the line that loads the
-    model; None where nothing fits."""
+    (``trainers.stack_settings`` of the stack the row measures, or ``stack``), with the line that
+    loads the model; None where nothing fits."""
     from recipes_lib import trainers
 
-    stack = _measured_stack(step, grad_accum_steps, gpus, attention_mask)
+    if stack is None:
+        stack = _measured_stack(step, grad_accum_steps, gpus, attention_mask)
     if isinstance(stack, str):  # nothing fits
         return None
     try:

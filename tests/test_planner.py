@@ -616,8 +616,8 @@ def test_a_plan_says_what_the_losss_logits_take_where_they_are_most_of_the_activ
 def test_a_measured_plan_measures_the_checkpointed_row_again_with_a_chunked_loss(tmp_path):
     """Where the logits are most of the checkpointed row's activations, its stack is measured
     again with 1024-token chunks (2 chunks of a 2 x 1024-token step here): the figure a
-    fake-tensor step of that stack gives, below the row's own, said at the end of the note; a
-    step no longer than one chunk is not measured so."""
+    fake-tensor step of that stack gives, said at the end of the note; where no row fits and it
+    does, the trainer's settings are its. (A step of one chunk: test_measure_puts_a_fake_...)"""
     from transformers import LlamaConfig
 
     from recipes_lib import fake_memory
@@ -625,24 +625,23 @@ def test_a_measured_plan_measures_the_checkpointed_row_again_with_a_chunked_loss
     LlamaConfig(vocab_size=16384, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2,
                 max_position_embeddings=1024).save_pretrained(tmp_path)
-    model, budget = str(tmp_path), planner.parse_bytes("1GB")
-    out = planner.plan(model, "1GB", seq_len=1024, batch_size=2, grad_accum_steps=1)
+    out = planner.plan(str(tmp_path), "0.9GiB", seq_len=1024, batch_size=2, grad_accum_steps=1,
+                       measure=True)
     row = next(r for r in out["rows"] if r["step"] == "+ activation checkpointing")
-    stack = planner._measured_stack(row["step"], 1)
-    peak = fake_memory.measure_step(model, stack, 1024, 2).peak_bytes
-    row |= {"measured_GiB": peak / 2**30, "gpu_GiB": (peak + planner.gpu_overhead(peak)) / 2**30}
-    short = {"notes": list(out["notes"])}
-    planner.measure_chunked_loss(model, row, stack, 512, 2, budget, short)  # 1024 tokens: one
-    assert "chunked_loss" not in short and short["notes"] == out["notes"]
-    planner.measure_chunked_loss(model, row, stack, 1024, 2, budget, out)
+    stack = replace(planner._measured_stack(row["step"], 1), chunked_loss=planner.LOGITS_CHUNK)
     chunked = out["chunked_loss"]
     assert chunked["measured_GiB"] * 2**30 == fake_memory.measure_step(
-        model, replace(stack, chunked_loss=planner.LOGITS_CHUNK), 1024, 2).peak_bytes
-    assert chunked["measured_GiB"] < row["measured_GiB"] and chunked["measured_fits"]
-    assert chunked["measured_stack"] == stack.label + ", chunked CE (1024)"
+        str(tmp_path), stack, 1024, 2).peak_bytes
+    assert chunked["measured_stack"] == stack.label == row["measured_stack"] + ", chunked CE (1024)"
+    assert chunked["measured_fits"] and not row["measured_fits"]
+    assert out["cheapest_measured"] == "nothing measured fits"
     [note] = [n for n in out["notes"] if n.startswith(planner.LOGITS_NOTE_START)]
     assert note.endswith(f"that row needs {chunked['gpu_GiB']:.3g} GiB on the GPU against "
                          f"{row['gpu_GiB']:.3g} without them: fits")
+    trainer = out["trainer"]
+    assert trainer["step"] == "+ activation checkpointing, a chunked loss (1024-token chunks)"
+    assert "use_liger_kernel=True" in trainer["code"]
+    assert "in your trainer (+ activation checkpointing, a chunked loss" in planner.format_plan(out)
 
 
 def test_a_gemma2_config_json_is_read_as_transformers_reads_it(tmp_path):

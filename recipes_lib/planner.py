@@ -415,39 +415,37 @@ LOGITS_CHUNK = 1024
 LOGITS_NOTE_START = "the loss: its logits"
 
 
-def note_logits(shape: calc.ModelShape, seq_len: int, batch_size: int,
-                rows: list[dict[str, Any]], notes: list[str]) -> None:
+def note_logits(vocab_size: int, tokens: int, activations: float, notes: list[str],
+                measured: bool = False) -> None:
     """Where the loss's logits (three fp32 copies of ``s x b x V``, as the rows count them) are at
     least half the checkpointed row's activations, a note of their size and of what keeps one
     chunk of them instead: after checkpointing, the vocabulary is what long context runs into
-    (Gemma-2's 256k entries, Llama-3's 128k).
+    (Gemma-2's 256k entries, Llama-3's 128k, a mixture of experts' few active parameters).
 
     Args:
-        shape: the model's sizes.
-        seq_len: tokens per sequence.
-        batch_size: sequences per step (the checkpointed row's micro-batch: no accumulation).
-        rows: the plan's rows, with ``"+ activation checkpointing"`` among them.
+        vocab_size: the model's vocabulary.
+        tokens: the checkpointed row's tokens a step (its micro-batch: no accumulation).
+        activations: that row's activation bytes, by the formulas or measured.
         notes: the plan's notes, appended to.
+        measured: ``activations`` were measured on fake tensors (a model the formulas do not
+            describe), as the note says.
 
     Example:
         >>> notes = []
-        >>> note_logits(calc.preset_shape("Gemma-2-2B"), 4096, 1, plan("Gemma-2-2B", "24GB",
-        ...     4096, 1)["rows"], notes)  # doctest: +SKIP
-        >>> notes[0][:46]  # doctest: +SKIP
-        'the loss: its logits, three fp32 copies of s x'
+        >>> note_logits(256_000, 4096, 15.8 * 2**30, notes)
+        >>> notes[0][:59]
+        'the loss: its logits, three fp32 copies of s x b x V (256,0'
     """
-    row = next(r for r in rows if r["step"] == "+ activation checkpointing")
-    logits = calc.activation_bytes(shape, seq_len, batch_size)["logits"]
-    activations = row["activations_GiB"] * 2**30
+    logits = 3 * calc.logits_bytes(tokens, 1, vocab_size, 4)
     if logits < LOGITS_NOTE_SHARE * activations:
         return
     notes.append(
-        f"{LOGITS_NOTE_START}, three fp32 copies of s x b x V ({shape.vocab_size:,} entries), "
-        f"are {logits / 2**30:.3g} GiB of the checkpointed row's {activations / 2**30:.3g} GiB of "
-        "activations; a chunked loss keeps one chunk of them (notebook 04, "
-        "recipes_lib.chunked_loss; in TrainingArguments or SFTConfig, use_liger_kernel=True on a "
-        "CUDA GPU: Liger's fused linear cross-entropy). No row above has one; notebook 01's "
-        "form measures a stack with it (fit_form.verdict)")
+        f"{LOGITS_NOTE_START}, three fp32 copies of s x b x V ({vocab_size:,} entries), are "
+        f"{logits / 2**30:.3g} GiB of the checkpointed row's {activations / 2**30:.3g} GiB of "
+        f"{'measured ' if measured else ''}activations; a chunked loss keeps one chunk of them "
+        "(notebook 04, recipes_lib.chunked_loss; in TrainingArguments or SFTConfig, "
+        "use_liger_kernel=True on a CUDA GPU: Liger's fused linear cross-entropy). No row above "
+        "has one; notebook 01's form measures a stack with it (fit_form.verdict)")
 
 
 def measure_chunked_loss(model: Any, row: dict[str, Any], stack: Any, seq_len: int,
@@ -513,7 +511,9 @@ def _predicted(model: str, name: str, shape: calc.ModelShape, seq_len: int, batc
             "MLP's fp32 gradients of the intermediate, through the adapters' casts, beside the "
             "recomputed tensors), its masked attention adds to that peak (a Mistral-7B at 8192 "
             "tokens: 0.23 GiB): --measure measures it")
-    note_logits(shape, seq_len, batch_size, rows, out["notes"])
+    checkpointed = next(r for r in rows if r["step"] == "+ activation checkpointing")
+    note_logits(shape.vocab_size, seq_len * batch_size, checkpointed["activations_GiB"] * 2**30,
+                out["notes"])
     if _multimodal(model):
         out["notes"].append(
             f"{name} is a multimodal checkpoint: planned and measured is its language model "
@@ -655,6 +655,10 @@ def plan(model: str, gpu_mem: str | float, seq_len: int = 2048, batch_size: int 
                 adapted = row, stack
             if row["step"] == "+ activation checkpointing":
                 checkpointed = row, stack
+                if row.get("activations_GiB") is None:  # no formulas: the measured activations
+                    note_logits(fake_memory.model_config(model).vocab_size,
+                                seq_len * _whole_shares(stack, batch_size),
+                                report.by_category["activations"], out["notes"], measured=True)
             row.update(measured_stack=stack.label, measured_GiB=peak / 2**30,
                        host_GiB=report.host_bytes / 2**30,
                        gpu_GiB=(peak + gpu_overhead(peak)) / 2**30,

@@ -724,7 +724,7 @@ def test_an_architecture_the_formulas_miscount_is_planned_by_measurement_only(tm
                          head_dim=16, max_position_embeddings=512).save_pretrained(tmp_path)
     measured = []
     monkeypatch.setattr(fake_memory, "measure_step", lambda model, stack, *a: measured.append(
-        stack) or SimpleNamespace(peak_bytes=2**28, host_bytes=0))
+        stack) or SimpleNamespace(peak_bytes=2**28, host_bytes=0, by_category={"activations": 0}))
     monkeypatch.setattr(planner, "max_context", lambda model, gpu, stack, *a: {
         "max_seq_len": 256, "gpu_GiB": 0.5, "tries": [(256, 0.5)], "stack": stack.label})
     with pytest.raises(ValueError, match=r"'qwen3_5_text' config.*--measure"):
@@ -780,7 +780,8 @@ def test_a_measured_plan_says_what_eager_attention_keeps_where_the_model_has_no_
             for s in (64, 128)]
     assert kept[1] - kept[0] >= 2 * 4 * (128**2 - 64**2) * 2  # heads, scores, bytes, layers
     with monkeypatch.context() as m:  # the plan's wiring, its rows' steps stood in for
-        m.setattr(fake_memory, "measure_step", lambda *a, **k: MemoryReport(1, {}))
+        m.setattr(fake_memory, "measure_step",
+                  lambda *a, **k: MemoryReport(1, {"activations": 0}))
         out = planner.plan(str(tmp_path), "1GiB", 64, 1, measure=True)
     [note] = [n for n in out["notes"] if n.startswith("attention: the steps were measured with "
                                                       "eager attention")]
@@ -797,11 +798,12 @@ def test_a_mixture_of_experts_is_planned_by_measurement_with_each_substitution_s
     """No formula figure for an MoE; every row measured on fake tensors (real fake steps: a tiny
     Qwen3-MoE takes well under a second each), those whose stack would keep the experts in fp32,
     which transformers' grouped GEMM cannot multiply, in pure bf16, named and said once; a note
-    says what QLoRA leaves unquantized. An MoE that routes in its own code: no row measured,
-    each says why."""
+    says what QLoRA leaves unquantized, and one what the loss's logits take of the checkpointed
+    row's measured activations (a vocabulary of 16,384 at this width: most). An MoE that routes
+    in its own code: no row measured, each says why."""
     from transformers import AutoConfig
 
-    AutoConfig.for_model("qwen3_moe", vocab_size=256, hidden_size=64, intermediate_size=128,
+    AutoConfig.for_model("qwen3_moe", vocab_size=16384, hidden_size=64, intermediate_size=128,
                          moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
                          max_position_embeddings=256).save_pretrained(tmp_path / "qwen3-moe")
@@ -817,6 +819,10 @@ def test_a_mixture_of_experts_is_planned_by_measurement_with_each_substitution_s
     assert out["notes"].count(planner.SUBSTITUTED) == 1
     assert len([n for n in out["notes"] if "grouped_mm experts" in n]) == 2  # once per reason
     assert any("bitsandbytes #1849" in n for n in out["notes"])
+    [logits] = [n for n in out["notes"] if n.startswith(planner.LOGITS_NOTE_START)]
+    assert (f"are {3 * 64 * 16384 * 4 / 2**30:.3g} GiB of the checkpointed row's" in logits
+            and "GiB of measured activations" in logits)
+    assert "chunked_loss" not in out  # 64 tokens: one chunk
     # LoRA's "all-linear" adapts the experts whole: said, and the LoRA row measured again with
     # adapters on the attention only (tests/test_fake_memory.py checks what each keeps)
     adapted = out["expert_adapters"]

@@ -449,7 +449,7 @@ def note_logits(vocab_size: int, tokens: int, activations: float, notes: list[st
 
 
 def measure_chunked_loss(model: Any, row: dict[str, Any], stack: Any, seq_len: int,
-                         batch_size: int, budget: float, out: dict[str, Any]) -> None:
+                         batch_size: int, budget: float, out: dict[str, Any]) -> Any:
     """Where :func:`note_logits` spoke, the checkpointed row's measured stack measured again with
     a chunked loss of ``LOGITS_CHUNK`` tokens, as ``out["chunked_loss"]`` and at the end of that
     note: what the row needs on the GPU without the full logits. Not where a step has no more
@@ -464,13 +464,16 @@ def measure_chunked_loss(model: Any, row: dict[str, Any], stack: Any, seq_len: i
         budget: bytes of one GPU.
         out: the plan, whose notes and ``chunked_loss`` are written.
 
+    Returns:
+        The stack measured (``stack`` with the chunked loss), or None where none was.
+
     Example:
         >>> plan("Gemma-2-2B", "24GB", 4096, 1, measure=True)["chunked_loss"]  # doctest: +SKIP
         {'measured_stack': 'QLoRA r=16, bf16-mixed, adamw, checkpointing, chunked CE (1024)', ...}
     """
     at = next((i for i, n in enumerate(out["notes"]) if n.startswith(LOGITS_NOTE_START)), None)
     if at is None or seq_len * _whole_shares(stack, batch_size) <= LOGITS_CHUNK:
-        return  # no note, or one chunk would be the whole loss
+        return None  # no note, or one chunk would be the whole loss
     from recipes_lib import fake_memory
 
     chunked = replace(stack, chunked_loss=LOGITS_CHUNK)
@@ -482,6 +485,7 @@ def measure_chunked_loss(model: Any, row: dict[str, Any], stack: Any, seq_len: i
     out["notes"][at] += (f"; measured with {LOGITS_CHUNK}-token chunks, that row needs "
                          f"{gpu / 2**30:.3g} GiB on the GPU against {row['gpu_GiB']:.3g} without "
                          f"them: {'fits' if gpu <= budget else 'does not fit'}")
+    return chunked
 
 
 def _predicted(model: str, name: str, shape: calc.ModelShape, seq_len: int, batch_size: int,
@@ -633,12 +637,14 @@ def plan(model: str, gpu_mem: str | float, seq_len: int = 2048, batch_size: int 
         out = _predicted(model, name, shape, seq_len, batch_size, gpus, grad_accum_steps, budget,
                          config, attention_mask)
     rows = out["rows"]
+    chunked = None  # the checkpointed row's stack with a chunked loss, where measured
     if measure:
         from tqdm.auto import tqdm
 
         from recipes_lib import fake_memory
 
-        adapted = checkpointed = None  # the first measured row with adapters, and its stack
+        # the first measured row with adapters, and its stack; the checkpointed row, and its
+        adapted = checkpointed = None
         for row in tqdm(rows, desc="fake-tensor steps, one a row", disable=not progress,
                         leave=False):
             stack = _measured_stack(row["step"], grad_accum_steps, gpus, attention_mask)
@@ -678,17 +684,16 @@ def plan(model: str, gpu_mem: str | float, seq_len: int = 2048, batch_size: int 
                 note_expert_adapters(model, *adapted, seq_len, batch_size, out)
         note_eager_attention(model, seq_len, out["notes"])
         if checkpointed is not None:
-            measure_chunked_loss(model, *checkpointed, seq_len, batch_size, budget, out)
+            chunked = measure_chunked_loss(model, *checkpointed, seq_len, batch_size, budget,
+                                           out)
         out["cheapest_measured"] = next((r["step"] for r in rows if r.get("measured_fits")),
                                         "nothing measured fits")
-    step, chunked = out.get("cheapest_measured", out["cheapest"]), out.get("chunked_loss")
-    if step == "nothing measured fits" and chunked and chunked["measured_fits"]:
+    step = out.get("cheapest_measured", out["cheapest"])
+    if step == "nothing measured fits" and chunked and out["chunked_loss"]["measured_fits"]:
         # what the note measured fits: its stack, the checkpointed row's with the chunked loss
         out["trainer"] = _trainer_settings(
             model, f"+ activation checkpointing, a chunked loss ({LOGITS_CHUNK}-token chunks)",
-            batch_size, grad_accum_steps, gpus, attention_mask, stack=replace(
-                _measured_stack("+ activation checkpointing", grad_accum_steps, gpus,
-                                attention_mask), chunked_loss=LOGITS_CHUNK))
+            batch_size, grad_accum_steps, gpus, attention_mask, stack=chunked)
     else:
         out["trainer"] = _trainer_settings(model, step, batch_size, grad_accum_steps, gpus,
                                            attention_mask)

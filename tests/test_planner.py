@@ -603,14 +603,14 @@ def test_a_plan_says_what_the_losss_logits_take_where_they_are_most_of_the_activ
     which do not fit 24 GB; Llama-2-7B's 32,000 entries are not, and get no note."""
     result = planner.plan("Gemma-2-2B", "24GB", seq_len=4096, batch_size=1, grad_accum_steps=1)
     row = next(r for r in result["rows"] if r["step"] == "+ activation checkpointing")
-    [note] = [n for n in result["notes"] if n.startswith("the loss: its logits")]
+    [note] = [n for n in result["notes"] if n.startswith(planner.LOGITS_NOTE_START)]
     logits = 3 * 4096 * 256_000 * 4
     assert logits >= planner.LOGITS_NOTE_SHARE * row["activations_GiB"] * 2**30
     assert (f"are {logits / 2**30:.3g} GiB of the checkpointed row's "
             f"{row['activations_GiB']:.3g} GiB of activations") in note
     assert "use_liger_kernel=True" in note and result["cheapest"] == "nothing fits"
     llama = planner.plan("Llama-2-7B", "24GB", seq_len=4096, batch_size=1, grad_accum_steps=1)
-    assert not any(n.startswith("the loss: its logits") for n in llama["notes"])
+    assert not any(n.startswith(planner.LOGITS_NOTE_START) for n in llama["notes"])
 
 
 def test_a_measured_plan_measures_the_checkpointed_row_again_with_a_chunked_loss(tmp_path):

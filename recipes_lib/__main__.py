@@ -492,6 +492,7 @@ def main(argv: list[str] | None = None) -> int:
         The exit status.
     """
     from recipes_lib import data, device, results
+    from recipes_lib.planner import GPU_CARDS
 
     parser = argparse.ArgumentParser(prog="python -m recipes_lib")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -520,7 +521,9 @@ def main(argv: list[str] | None = None) -> int:
     # gives an H100 80GB 81559 MiB, an A100 80GB 81920 MiB, an A10 or L4 24GB ~23030 MiB)
     pl.add_argument("--gpu-mem", required=True,
                     help="memory per GPU, e.g. 16GB (10^9 bytes) or 80GiB; nvidia-smi's total "
-                    "is the card's exact size (an H100 80GB: 81559MiB)")
+                    "is the card's exact size (an H100 80GB: 81559MiB); or a card's name, "
+                    "its total (and fp16 settings where it has no bf16): "
+                    + ", ".join(c.name for c in GPU_CARDS.values()))
     pl.add_argument("--seq", type=int, default=2048, help="sequence length (default: 2048)")
     pl.add_argument("--batch", type=int, default=8,
                     help="sequences per optimizer step (default: 8)")

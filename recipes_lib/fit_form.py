@@ -50,7 +50,8 @@ def verdict(model: str, gpu_mem: str | float, seq_len: int, batch_size: int,
 
     Args:
         model: a preset name or a config path.
-        gpu_mem: memory of one GPU, e.g. "24GB", or bytes.
+        gpu_mem: memory of one GPU, e.g. "24GB", or bytes, or a card's name
+            (``planner.GPU_CARDS``: "T4"), whose settings are fp16 where it has no bf16.
         seq_len: tokens per sequence.
         batch_size: sequences per step.
         stack: the recipes applied.
@@ -91,9 +92,14 @@ def verdict(model: str, gpu_mem: str | float, seq_len: int, batch_size: int,
                                          "measured_GiB": report.peak_bytes / 2**30},
                                  stack, seq_len, batch_size, notes)
     text += "".join(f"\nnote: {n}" for n in notes["notes"])
-    code = trainers.format_settings(
-        trainers.stack_settings(stack, batch_size, planner.settings_model(model, stack)),
-        planner.script_model_id(str(model)))
+    card = planner.gpu_card(gpu_mem)  # a card without bf16: fp16 settings (planner.plan)
+    try:
+        code = trainers.format_settings(
+            trainers.stack_settings(stack, batch_size, planner.settings_model(model, stack),
+                                    bf16=not card or card.bf16),
+            planner.script_model_id(str(model)))
+    except ValueError as err:  # 16-bit trainable weights on a card without bf16
+        code = f"# {err}"
     if fits:
         text += "\nin your trainer (TRL's SFTConfig takes the same args):\n" + code
     return {"report": report, "overhead_bytes": overhead, "need_bytes": need,
@@ -131,7 +137,7 @@ def form(model: str = "Llama-3.1-8B", gpu_mem: str = "24GB", seq_len: int = 2048
 
     Args:
         model: the model field's first value (a preset name or a config path).
-        gpu_mem: the GPU memory field's first value, e.g. "24GB".
+        gpu_mem: the GPU memory field's first value, e.g. "24GB" or "T4".
         seq_len: the sequence length field's first value.
         batch_size: the batch field's first value.
 
@@ -147,7 +153,9 @@ def form(model: str = "Llama-3.1-8B", gpu_mem: str = "24GB", seq_len: int = 2048
         "model": w.Combobox(value=model, options=calc.preset_names(),
                             description="model",
                             placeholder="built-in name, hub id or config.json"),
-        "gpu_mem": w.Text(value=str(gpu_mem), description="GPU memory"),
+        "gpu_mem": w.Combobox(value=str(gpu_mem), description="GPU memory",
+                              options=[card.name for card in planner.GPU_CARDS.values()],
+                              placeholder="e.g. 24GB, 80GiB, or a card: T4"),
         "seq_len": w.IntText(value=seq_len, description="sequence"),
         "batch_size": w.IntText(value=batch_size, description="batch"),
         "method": w.Dropdown(options=list(METHODS), value="qlora", description="method"),

@@ -15,7 +15,7 @@ import functools
 import json
 import re
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -95,16 +95,62 @@ def _whole_shares(stack: Any, batch_size: int) -> int:
     return stack.fsdp_ranks * _per_gpu_batch(batch_size, stack.fsdp_ranks)
 
 
+@dataclass(frozen=True)
+class GpuCard:
+    """A GPU the planner takes by name in place of a size (``--gpu-mem T4``).
+
+    Attributes:
+        name: as written on the command line.
+        memory_MiB: the card's total as nvidia-smi reports it, all of it, before the CUDA context.
+        compute_capability: (major, minor); bf16 runs natively from 8.0 (Ampere) on.
+    """
+
+    name: str
+    memory_MiB: int
+    compute_capability: tuple[int, int]
+
+    @property
+    def bf16(self) -> bool:
+        return self.compute_capability >= (8, 0)
+
+
+# nvidia-smi's totals on Modal's GPUs (modal-labs/modal-client#2797, January 2025); compute
+# capabilities from NVIDIA's table (developer.nvidia.com/cuda-gpus). A T4 answers
+# torch.cuda.is_bf16_supported() with True (emulation counts), which is why device.supports_bf16
+# asks with including_emulation=False: a card's bf16 here is its hardware's.
+GPU_CARDS = {card.name.lower(): card for card in (
+    GpuCard("T4", 15360, (7, 5)), GpuCard("L4", 23034, (8, 9)), GpuCard("A10", 23028, (8, 6)),
+    GpuCard("L40S", 46068, (8, 9)), GpuCard("A100-40GB", 40960, (8, 0)),
+    GpuCard("A100-80GB", 81920, (8, 0)), GpuCard("H100", 81559, (9, 0)))}
+
+
+def gpu_card(gpu_mem: Any) -> GpuCard | None:
+    """The card ``gpu_mem`` names (any case), or None where it is a size.
+
+    Args:
+        gpu_mem: what the planner was given for the GPU's memory.
+
+    Returns:
+        The ``GpuCard`` of ``GPU_CARDS``, or None.
+
+    Example:
+        >>> gpu_card("t4").bf16, gpu_card("24GB")
+        (False, None)
+    """
+    return GPU_CARDS.get(gpu_mem.strip().lower()) if isinstance(gpu_mem, str) else None
+
+
 _UNITS = {"": 2**30, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "k": 2**10, "m": 2**20,
           "g": 2**30, "t": 2**40}
 
 
 def parse_bytes(text: str | float, name: str = "gpu_mem") -> float:
-    """``"16GB"`` -> 16e9, ``"24GiB"`` / ``"24G"`` / ``24`` -> 24 * 2**30 (a bare number is GiB).
+    """``"16GB"`` -> 16e9, ``"24GiB"`` / ``"24G"`` / ``24`` -> 24 * 2**30 (a bare number is GiB);
+    a card's name (``GPU_CARDS``: ``"T4"``) -> its nvidia-smi total.
 
     Args:
-        text: the size.
+        text: the size, or a card's name.
         name: the parameter named in the error.
 
     Returns:
@@ -114,12 +160,16 @@ def parse_bytes(text: str | float, name: str = "gpu_mem") -> float:
         ValueError: naming ``name`` for an unparsable, zero or negative size.
 
     Example:
-        >>> parse_bytes("16GB"), parse_bytes("1.5 GiB")
-        (16000000000.0, 1610612736.0)
+        >>> parse_bytes("16GB"), parse_bytes("1.5 GiB"), parse_bytes("T4") / 2**20
+        (16000000000.0, 1610612736.0, 15360.0)
     """
+    card = gpu_card(text)
+    if card is not None:
+        return float(card.memory_MiB * 2**20)
     m = re.fullmatch(r"\s*([-+]?\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
     if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"{name}={text!r}: not a size; write e.g. 16GB, 24GiB or 80")
+        raise ValueError(f"{name}={text!r}: not a size; write e.g. 16GB, 24GiB or 80, or a card: "
+                         + ", ".join(c.name for c in GPU_CARDS.values()))
     value = float(m.group(1)) * _UNITS[m.group(2).lower()]
     if value <= 0:
         raise ValueError(f"{name}={text!r}: must be > 0")
@@ -552,7 +602,8 @@ def plan(model: str, gpu_mem: str | float, seq_len: int = 2048, batch_size: int 
 
     Args:
         model: built-in name or path to a transformers config.json.
-        gpu_mem: memory of one GPU, e.g. "16GB" (a T4), "80GiB".
+        gpu_mem: memory of one GPU, e.g. "16GB", "80GiB", or a card's name (``GPU_CARDS``:
+            "T4"), its nvidia-smi total; a card without bf16 gets fp16 trainer settings.
         seq_len, batch_size: tokens per sequence and sequences per optimizer step.
         gpus: GPUs for the last step, a full fine-tune sharded with FSDP; each GPU is planned
             with the busiest one's share of the batch, ``ceil(batch_size / gpus)`` (at least
@@ -576,8 +627,9 @@ def plan(model: str, gpu_mem: str | float, seq_len: int = 2048, batch_size: int 
         progress: with ``measure``, a progress bar over the rows, on stderr.
 
     Returns:
-        ``{"model", "params_B", "gpu_bytes", "rows", "cheapest", "notes", "trainer",
-        "grad_accum_steps", "layers_counted"}`` (``trainer``: the cheapest step as a trainer's
+        ``{"model", "params_B", "gpu_bytes", "gpu", "rows", "cheapest", "notes", "trainer",
+        "grad_accum_steps", "layers_counted"}`` (``gpu``: the card named, or None;
+        ``trainer``: the cheapest step as a trainer's
         settings, None where nothing fits, or where no measured row fits and ``chunked_loss``
         does, that stack's; ``grad_accum_steps``: the accumulation row's k;
         ``layers_counted``: the rows' layers were counted op by op (a Llama-family, Phi-3,
@@ -636,6 +688,13 @@ def plan(model: str, gpu_mem: str | float, seq_len: int = 2048, batch_size: int 
                                                      attention_mask)
         out = _predicted(model, name, shape, seq_len, batch_size, gpus, grad_accum_steps, budget,
                          config, attention_mask)
+    card = gpu_card(gpu_mem)
+    out["gpu"] = card.name if card else None
+    if card and not card.bf16:
+        out["notes"].append(
+            f"a {card.name} (compute capability {'.'.join(map(str, card.compute_capability))}) "
+            "has no bf16: each row's 16-bit tensors are fp16 there, the same bytes, and the "
+            "trainer settings train with fp16=True (autocast and Trainer's gradient scaler)")
     rows = out["rows"]
     chunked = None  # the checkpointed row's stack with a chunked loss, where measured
     if measure:
@@ -693,10 +752,11 @@ def plan(model: str, gpu_mem: str | float, seq_len: int = 2048, batch_size: int 
         # what the note measured fits: its stack, the checkpointed row's with the chunked loss
         out["trainer"] = _trainer_settings(
             model, f"+ activation checkpointing, a chunked loss ({LOGITS_CHUNK}-token chunks)",
-            batch_size, grad_accum_steps, gpus, attention_mask, stack=chunked)
+            batch_size, grad_accum_steps, gpus, attention_mask, stack=chunked,
+            bf16=not card or card.bf16)
     else:
         out["trainer"] = _trainer_settings(model, step, batch_size, grad_accum_steps, gpus,
-                                           attention_mask)
+                                           attention_mask, bf16=not card or card.bf16)
     out["grad_accum_steps"] = grad_accum_steps
     return out
 
@@ -805,11 +865,12 @@ def note_expert_adapters(model: Any, row: dict[str, Any], stack: Any, seq_len: i
 
 
 def _trainer_settings(model: str, step: str, batch_size: int, grad_accum_steps: int,
-                      gpus: int, attention_mask: bool = False, stack: Any = None
-                      ) -> dict[str, Any] | None:
+                      gpus: int, attention_mask: bool = False, stack: Any = None,
+                      bf16: bool = True) -> dict[str, Any] | None:
     """The cheapest step that fits as Trainer / peft / bitsandbytes settings
-    (``trainers.stack_settings`` of the stack the row measures, or ``stack``), with the line that
-    loads the model; None where nothing fits."""
+    (``trainers.stack_settings`` of the stack the row measures, or ``stack``; ``bf16=False``:
+    fp16 in its place, a card without bf16), with the line that loads the model; None where
+    nothing fits."""
     from recipes_lib import trainers
 
     if stack is None:
@@ -818,7 +879,7 @@ def _trainer_settings(model: str, step: str, batch_size: int, grad_accum_steps: 
         return None
     try:
         settings = trainers.stack_settings(stack, _whole_shares(stack, batch_size),
-                                           settings_model(model, stack))
+                                           settings_model(model, stack), bf16=bf16)
     except ValueError as err:  # micro-batches that do not divide the batch
         return {"step": step, "error": str(err)}
     return {"step": step, "settings": settings,
@@ -1018,8 +1079,9 @@ def format_plan(result: dict[str, Any]) -> str:
         The table.
     """
     count = "?" if result["params_B"] is None else f"{result['params_B']:.2f}"
+    card = f" (a {result['gpu']}: nvidia-smi's total)" if result.get("gpu") else ""
     lines = [(f"{result['model']}: {count} B parameters, "
-              f"{result['gpu_bytes'] / 2**30:.1f} GiB per GPU"),
+              f"{result['gpu_bytes'] / 2**30:.1f} GiB per GPU{card}"),
              f"{'step':<52} {'state':>8} {'activ.':>8} {'total':>8} {'on GPU':>8}  fits"]
     for r in result["rows"]:
         if r["total_GiB"] is None:  # an architecture the formulas miscount: measured only

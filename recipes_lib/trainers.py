@@ -561,6 +561,13 @@ def accelerate_config(model: torch.nn.Module, num_processes: int,
 OPTIM_NAMES = {"adamw": "adamw_torch_fused", "adamw-fused": "adamw_torch_fused",
                "adamw-foreach": "adamw_torch", "adamw-8bit": "adamw_bnb_8bit", "sgd": "sgd"}
 _DTYPES = {"bf16-mixed": "float32", "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+# a GPU without bf16 (bf16=False): what fp16=True does to the stack as measured
+FP16_NOTE = ("no bf16 on this GPU: fp16=True in place of bf16=True, the same bytes (autocast "
+             "runs fp16 where it ran bf16; Trainer adds the gradient scaler fp16 needs)")
+FP16_PURE_NOTE = ("no bf16 on this GPU: the base in fp16, the same bytes, and fp16=True for "
+                  "the gradient scaler fp16's range needs; its autocast also runs the fp32 "
+                  "adapters' matmuls in fp16, keeping fp16 copies of their inputs where the "
+                  "stack as measured (no autocast) kept fp32 ones")
 
 
 # Hub checkpoints that ship their own quantization, which from_pretrained keeps over a
@@ -570,10 +577,16 @@ CHECKPOINT_QUANTIZATION = {"gpt_oss": ("MXFP4 experts", "Mxfp4Config(dequantize=
 
 
 def stack_settings(stack: Any, batch_size: int,
-                   model: torch.nn.Module | None = None) -> dict[str, Any]:
+                   model: torch.nn.Module | None = None, bf16: bool = True) -> dict[str, Any]:
     """A stack of the course's recipes (``fake_memory.Stack``: what the planner measures) as
     the settings that run it under transformers' ``Trainer`` (TRL's ``SFTConfig`` takes the same
     ``args``) with peft and bitsandbytes.
+
+    On a GPU without bf16 (``bf16=False``: a T4, a V100) the stack's 16-bit tensors are fp16,
+    the same bytes, and every stack trains with ``fp16=True``: Trainer's autocast and gradient
+    scaler, which fp16's narrow range needs and which unscales fp32 gradients only, so the
+    trainable weights must be fp32 (a full fine-tune loads in fp32; peft keeps adapters in fp32
+    by default).
 
     Args:
         stack: the recipes.
@@ -587,6 +600,8 @@ def stack_settings(stack: Any, batch_size: int,
             noted. A model whose
             config computes GELU as ``gelu_new`` (Phi-1/1.5/2) gets a note on the one-op
             ``gelu_pytorch_tanh``.
+        bf16: the GPU runs bf16 (compute capability 8.0 and up); False: fp16 in its place, as
+            above.
 
     Returns:
         ``{"load": from_pretrained keyword arguments, "quantization": BitsAndBytesConfig's or
@@ -599,6 +614,9 @@ def stack_settings(stack: Any, batch_size: int,
             naming the stack's field where it measures a past library's behaviour, or
             litgpt's own loss, which no setting of today's brings back (``loss``,
             ``bf16_embeddings``, ``nf4_keeps_input``).
+            With ``bf16=False``, naming the stack's field whose 16-bit trainable weights the
+            gradient scaler cannot unscale (``precision`` of a full fine-tune in pure 16 bits,
+            ``autocast_adapter_dtype=False``).
 
     Example:
         >>> from recipes_lib.fake_memory import Stack
@@ -612,23 +630,38 @@ def stack_settings(stack: Any, batch_size: int,
         raise ValueError(f"stack.{past[0]}={getattr(stack, past[0])!r}: how a past library "
                          "version, or another library's own loop, ran (fake_memory.Stack), which "
                          "no setting of today's brings back")
+    if not bf16:
+        adapted = stack.method != "full"
+        pure = {"precision": not adapted and stack.precision in ("bf16", "fp16"),
+                "autocast_adapter_dtype": adapted and not stack.autocast_adapter_dtype}
+        field = next((k for k, v in pure.items() if v), None)
+        if field:
+            raise ValueError(f"stack.{field}={getattr(stack, field)!r}: 16-bit trainable weights, "
+                             "which fp16=True's gradient scaler cannot unscale (Trainer: "
+                             "'Attempting to unscale FP16 gradients'); on a GPU without bf16 "
+                             "train fp32 weights under autocast ('bf16-mixed' here, fp16 there)")
     shares = stack.fsdp_ranks * stack.grad_accum_steps
     if not isinstance(batch_size, int) or batch_size < 1 or batch_size % shares:
         raise ValueError(f"batch_size={batch_size!r}: must be a positive multiple of the ranks "
                          f"x micro-batches, {stack.fsdp_ranks} x {stack.grad_accum_steps}")
     mixed = stack.precision == "bf16-mixed"
-    out: dict[str, Any] = {"load": {"dtype": _DTYPES[stack.precision]}, "quantization": None,
-                           "kbit_preparation": None, "lora": None, "notes": []}
+    half = "bfloat16" if bf16 else "float16"  # the 16-bit dtype the GPU runs
+    out: dict[str, Any] = {"load": {"dtype": _DTYPES[stack.precision].replace("bfloat16", half)},
+                           "quantization": None, "kbit_preparation": None, "lora": None,
+                           "notes": []}
     args: dict[str, Any] = {"per_device_train_batch_size": batch_size // shares,
                             "gradient_accumulation_steps": stack.grad_accum_steps,
                             "optim": OPTIM_NAMES[stack.optimizer]}
-    if mixed:
+    if mixed and bf16:
         args["bf16"] = True
+    elif not bf16 and stack.precision != "fp32":
+        args["fp16"] = True  # autocast and the gradient scaler, for every 16-bit stack
+        out["notes"].append(FP16_NOTE if mixed else FP16_PURE_NOTE)
     if stack.method == "qlora":
-        out["load"] = {"dtype": "bfloat16"}  # the weights left unquantized, before k-bit prep.
+        out["load"] = {"dtype": half}  # the weights left unquantized, before k-bit prep.
         out["quantization"] = {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4",
                                "bnb_4bit_use_double_quant": True,
-                               "bnb_4bit_compute_dtype": "bfloat16"}
+                               "bnb_4bit_compute_dtype": half}
         if mixed:  # the course's QLoRA: norms, embeddings and head to fp32 (peft); checkpointing
             # is the args' (non-reentrant), not peft's call of transformers' deprecated name
             out["kbit_preparation"] = {"use_gradient_checkpointing": False}

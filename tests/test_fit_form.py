@@ -80,7 +80,10 @@ def test_the_form_measures_on_click_and_shows_bad_input_as_an_error(config_dir):
     assert ", bf16, adamw, checkpointing: " in box.run()
     box.children[9].value = True  # padded or packed rows
     assert ", checkpointing, attention mask (padded or packed rows): " in box.run()
-    box.children[1].value = "lots"  # GPU memory
+    box.children[1].value = "T4"  # GPU memory: a card, its total; fp16 where it has no bf16
+    shown = box.run()
+    assert "of 15.0 GiB: fits" in shown and "fp16=True" in shown and "bf16=True" not in shown
+    box.children[1].value = "lots"
     assert box.run().startswith("error: gpu_mem='lots'")
     button = box.children[-2]  # disabled while it measures, clickable again after an error too
     assert not button.disabled and button.description == "Measure"
@@ -104,3 +107,17 @@ def test_bad_toggles_name_the_field():
         fit_form.make_stack("dora")
     with pytest.raises(ValueError, match="chunked_loss=-1"):
         fit_form.make_stack(chunked_loss=-1)
+
+
+def test_a_full_fine_tune_in_pure_bf16_on_a_card_without_bf16_says_what_to_train_instead(
+        config_dir):
+    """Pure 16-bit trainable weights under fp16's gradient scaler fail on a T4: the verdict
+    measures the step as asked and, in place of the trainer's lines, says why and what instead."""
+    stack = fit_form.make_stack("full", checkpointing=True, precision="bf16")
+    result = fit_form.verdict(config_dir, "T4", 64, 1, stack)
+    assert result["fits"]
+    assert result["trainer_code"].startswith("# stack.precision='bf16': 16-bit trainable weights")
+    assert result["text"].endswith(result["trainer_code"])
+    mixed = fit_form.make_stack("full", checkpointing=True)  # bf16-mixed: fp32 weights
+    assert "fp16=True" in fit_form.verdict(config_dir, "T4", 64, 1, mixed)["trainer_code"]
+    assert "bf16=True" in fit_form.verdict(config_dir, "A100-40GB", 64, 1, mixed)["trainer_code"]

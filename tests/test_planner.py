@@ -843,3 +843,47 @@ def test_a_mixture_of_experts_is_planned_by_measurement_with_each_substitution_s
     assert {r["measured_stack"] for r in out["rows"]} >= {
         "not measured: its experts' shapes depend on the router"}
     assert out["cheapest_measured"] == "nothing measured fits"
+
+
+def test_a_card_by_name_is_its_nvidia_smi_total_and_a_t4_plans_fp16_settings(capsys):
+    """``--gpu-mem T4``: the card's total (15360 MiB), and a card without bf16 gets fp16 trainer
+    settings, said aloud; the rows' bytes are those of the same size in GiB, and bf16 cards'
+    settings are unchanged."""
+    t4 = planner.plan("Llama-2-7B", "T4", seq_len=512, batch_size=1, grad_accum_steps=1)
+    by_size = planner.plan("Llama-2-7B", "15GiB", seq_len=512, batch_size=1, grad_accum_steps=1)
+    assert t4["gpu"] == "T4" and by_size["gpu"] is None
+    assert t4["gpu_bytes"] == by_size["gpu_bytes"] == 15360 * 2**20
+    assert t4["rows"] == by_size["rows"] and t4["cheapest"] == by_size["cheapest"]
+    settings = t4["trainer"]["settings"]
+    assert settings["args"]["fp16"] and "bf16" not in settings["args"]
+    assert settings["quantization"]["bnb_4bit_compute_dtype"] == settings["load"]["dtype"] == (
+        "float16")
+    assert any(n.startswith("a T4 (compute capability 7.5) has no bf16") for n in t4["notes"])
+    assert by_size["trainer"]["settings"]["args"]["bf16"]
+    h100 = planner.plan("Llama-2-7B", "h100", seq_len=512, batch_size=1, grad_accum_steps=1)
+    assert h100["gpu_bytes"] == 81559 * 2**20 and h100["trainer"]["settings"]["args"]["bf16"]
+    assert not any("no bf16" in n for n in h100["notes"])
+    assert main(["plan", "--model", "Llama-2-7B", "--gpu-mem", "T4", "--seq", "512", "--batch",
+                 "1"]) == 0
+    out = capsys.readouterr().out
+    assert "15.0 GiB per GPU (a T4: nvidia-smi's total)" in out and "fp16=True" in out
+    with pytest.raises(ValueError, match="gpu_mem='T5': not a size; .* or a card: T4, L4"):
+        planner.plan("Llama-2-7B", "T5")
+
+
+def test_fp16_holds_the_bytes_bf16_does_in_a_step():
+    """The note a card without bf16 gets: its 16-bit tensors are fp16, the same bytes. Fake
+    steps of LoRA and QLoRA (checkpointed and not) in fp16 and in bf16, category by category."""
+    from transformers import LlamaConfig
+
+    from recipes_lib import fake_memory
+    from recipes_lib.fake_memory import Stack
+
+    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    for kw in ({"method": "qlora"}, {"method": "qlora", "checkpointing": True},
+               {"method": "lora"}):
+        bf16, fp16 = (fake_memory.measure_step(cfg, Stack(precision=p, **kw), 64, 2)
+                      for p in ("bf16", "fp16"))
+        assert bf16.peak_bytes == fp16.peak_bytes, kw
+        assert bf16.by_category == fp16.by_category, kw

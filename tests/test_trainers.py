@@ -327,3 +327,60 @@ def test_a_planned_stack_runs_as_the_lines_a_training_script_writes(tmp_path, sm
     selective = trainers.stack_settings(Stack(checkpointing=True, selective_checkpointing=True), 1)
     assert not set(trainers.checkpointing_settings()) & set(selective["args"])  # on the model
     assert "selective=True" in selective["notes"][0]
+
+
+def test_a_gpu_without_bf16_gets_settings_that_train_in_fp16_with_fp32_trainable_weights(
+        tmp_path, small_llama):
+    """``stack_settings(bf16=False)`` (a T4), run as the lines a script writes: the model loads in
+    fp16 (fp32 for the full fine-tune under autocast), QLoRA computes in fp16, and one Trainer
+    step runs fp16 mixed precision with every trainable weight in fp32, which the gradient scaler
+    a GPU adds needs: on 16-bit ones it refuses (checked here with a CPU scaler), and so do the
+    settings."""
+    import functools
+
+    import torch
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig, Trainer, TrainingArguments
+
+    from recipes_lib.fake_memory import Stack
+
+    small_llama.save_pretrained(tmp_path)
+    rows = [{"input_ids": ids, "labels": ids} for ids in torch.randint(3, 128, (4, 32)).tolist()]
+    names = {"AutoModelForCausalLM": AutoModelForCausalLM, "torch": torch,
+             "BitsAndBytesConfig": BitsAndBytesConfig, "LoraConfig": LoraConfig,
+             "prepare_model_for_kbit_training": prepare_model_for_kbit_training,
+             "TrainingArguments": functools.partial(
+                 TrainingArguments, use_cpu=True, output_dir=str(tmp_path / "out"),
+                 report_to="none", max_steps=1, save_strategy="no", disable_tqdm=True)}
+    stacks = {"qlora": Stack(method="qlora", precision="bf16-mixed", checkpointing=True),
+              "lora": Stack(method="lora"), "full": Stack(precision="bf16-mixed")}
+    loaded = {"qlora": torch.float16, "lora": torch.float16, "full": torch.float32}
+    for name, stack in stacks.items():
+        settings = trainers.stack_settings(stack, 4, bf16=False)
+        assert settings["args"]["fp16"] and "bf16" not in settings["args"], name
+        assert settings["notes"][0].startswith("no bf16 on this GPU"), name
+        run = dict(names)
+        exec(trainers.format_settings(settings, str(tmp_path)), run)  # noqa: S102 - as above
+        model = run["model"]
+        if name == "qlora":
+            assert model.model.layers[0].mlp.down_proj.compute_dtype == torch.float16
+        else:
+            assert model.model.layers[0].mlp.down_proj.weight.dtype == loaded[name], name
+        if "peft_config" in run:
+            model = get_peft_model(model, run["peft_config"])
+        trainer = Trainer(model=model, args=run["args"], train_dataset=rows)
+        trainer.train()
+        assert trainer.accelerator.mixed_precision == "fp16", name
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        assert trainable and all(p.dtype == torch.float32 for p in trainable), name
+    weight = torch.nn.Parameter(torch.ones(4, dtype=torch.float16))
+    optimizer, scaler = torch.optim.SGD([weight], lr=0.1), torch.amp.GradScaler("cpu")
+    scaler.scale(weight.float().sum()).backward()
+    with pytest.raises(ValueError, match="Attempting to unscale FP16 gradients"):
+        scaler.unscale_(optimizer)
+    for stack, field in ((Stack(precision="bf16"), "precision"),
+                         (Stack(method="lora", autocast_adapter_dtype=False),
+                          "autocast_adapter_dtype")):
+        with pytest.raises(ValueError, match=f"stack.{field}=.*: 16-bit trainable weights"):
+            trainers.stack_settings(stack, 1, bf16=False)
+        assert trainers.stack_settings(stack, 1)  # a bf16 GPU runs them

@@ -460,6 +460,17 @@ KORTHIKANTI_NOTE = (
 
 # the share of the checkpointed row's activations above which the plan says what the loss's logits
 # take and what keeps only a chunk of them, and the tokens per chunk a measured plan measures
+# With several GPUs the one sharded row is a full fine-tune; QLoRA's NF4 base sharded too is
+# not a row yet. (A probe on 2026-12-06: a tiny Llama's step with torchao's NF4Tensor and LoRA
+# under FSDP2 ran on fake tensors and a fake process group of 2, measured by memory's meter,
+# once the device mesh was made outside fake mode: fake_memory.build_model shards on meta
+# before materialising, and NF4 needs the weights first. Not yet checked against a real run.)
+FSDP_QLORA_NOTE = (
+    "several GPUs: the FSDP row is a full fine-tune; QLoRA with its NF4 base sharded by FSDP "
+    "too (notebook 02's fsdp_qlora, torchao's NF4Tensor under FSDP2; the recipe Answer.AI "
+    "trains a 70 B model with on two 24 GB cards, answer.ai/posts/2024-03-06-fsdp-qlora) is not "
+    "a row here: the QLoRA rows above hold the whole base on one GPU")
+
 LOGITS_NOTE_SHARE = 0.5
 LOGITS_CHUNK = 1024
 LOGITS_NOTE_START = "the loss: its logits"
@@ -695,6 +706,8 @@ def plan(model: str, gpu_mem: str | float, seq_len: int = 2048, batch_size: int 
             f"a {card.name} (compute capability {'.'.join(map(str, card.compute_capability))}) "
             "has no bf16: each row's 16-bit tensors are fp16 there, the same bytes, and the "
             "trainer settings train with fp16=True (autocast and Trainer's gradient scaler)")
+    if gpus > 1:
+        out["notes"].append(FSDP_QLORA_NOTE)
     rows = out["rows"]
     chunked = None  # the checkpointed row's stack with a chunked loss, where measured
     if measure:

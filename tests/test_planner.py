@@ -138,8 +138,11 @@ def test_gemma3_is_counted_op_by_op():
 
 def test_more_gpus_make_fsdp_fit():
     one = planner.plan("Llama-3.1-8B", "80GB", 2048, 8, gpus=1)["rows"][-1]
-    eight = planner.plan("Llama-3.1-8B", "80GB", 2048, 8, gpus=8)["rows"][-1]
-    assert not one["fits"] and eight["fits"]
+    eight = planner.plan("Llama-3.1-8B", "80GB", 2048, 8, gpus=8)
+    assert not one["fits"] and eight["rows"][-1]["fits"]
+    # what the sharded row is not: FSDP + QLoRA, said where there are several GPUs
+    assert planner.FSDP_QLORA_NOTE in eight["notes"]
+    assert planner.FSDP_QLORA_NOTE not in planner.plan("Llama-3.1-8B", "80GB", 2048, 8)["notes"]
 
 
 def test_fsdp_row_plans_the_busiest_gpus_share_of_a_batch_the_gpus_do_not_divide(

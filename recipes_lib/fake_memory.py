@@ -110,6 +110,10 @@ class Stack:
     ``bf16=True`` on a 4-bit model until trl #4577 (November 2025; its
     ``peft_module_casting_to_bf16`` after ``get_peft_model``). Since then it runs no k-bit
     preparation and keeps them in the load dtype, which ``precision="bf16"`` measures.
+    With ``fsdp_ranks > 1`` it is the course's FSDP + QLoRA instead (``fsdp_qlora``, notebook
+    02): torchao's ``NF4Tensor`` base, which FSDP2 shards and gathers still quantized, and fp32
+    LoRA adapters on every linear layer of the blocks (bitsandbytes' packed weights do not shard
+    under FSDP2); the weights left unquantized are in the precision's dtype.
     ``optimizer="adamw-8bit"`` is bitsandbytes' blockwise 8-bit AdamW. ``"adamw"`` is the
     course loop's ``torch.optim.AdamW`` as torch runs it on the device measured: on a CPU the
     for-loop implementation, whose temporaries are a few copies of one parameter (its
@@ -260,14 +264,24 @@ class Stack:
         if self.chunked_loss and self.loss != "course":
             raise ValueError(f"loss={self.loss!r} with chunked_loss={self.chunked_loss}: the "
                              "chunked loss never forms the logits that loss holds; choose one")
-        if self.fsdp_ranks > 1 and self.method == "qlora":
-            raise ValueError("method='qlora' with fsdp_ranks > 1: bitsandbytes' packed weights "
-                             "do not shard under FSDP2; the course's FSDP + QLoRA uses torchao's "
-                             "NF4Tensor (fsdp_qlora), which is not measured here")
+        if self.fsdp_ranks > 1 and self.method == "qlora":  # the course's FSDP + QLoRA
+            unlike = {"lora_targets": self.lora_targets != "all-linear",
+                      "lora_parameters": bool(self.lora_parameters),
+                      "autocast_adapter_dtype": not self.autocast_adapter_dtype,
+                      "gpu_dropout": self.gpu_dropout, "precision": self.precision == "fp16"}
+            field = next((k for k, v in unlike.items() if v), None)
+            if field:
+                raise ValueError(
+                    f"{field}={getattr(self, field)!r} with method='qlora' and fsdp_ranks > 1: "
+                    "FSDP + QLoRA is the course's fsdp_qlora (bitsandbytes' packed weights do "
+                    "not shard under FSDP2): torchao's NF4 base and fp32 adapters on every "
+                    "linear layer of the blocks, in fp32, bf16 or bf16-mixed")
 
     @property
     def label(self) -> str:
         method = {"full": "full", "lora": "LoRA", "qlora": "QLoRA"}[self.method]
+        if self.method == "qlora" and self.fsdp_ranks > 1:  # the course's fsdp_qlora
+            method = "QLoRA (torchao NF4)"
         modules = (self.lora_targets if isinstance(self.lora_targets, str)
                    else "+".join(self.lora_targets))
         targets = "" if modules == "all-linear" else f" on {modules}"
@@ -577,6 +591,9 @@ def build_model(config, stack: Stack, device: torch.device | str, fake: bool = T
         ``(model, mode)``: ``mode`` is the ``FakeTensorMode`` to run the step in (None if real).
     """
     device = torch.device(device)
+    if stack.method == "qlora" and stack.fsdp_ranks > 1:
+        return _sharded_nf4_model(config, stack, device, fake, attn_implementation,
+                                  comm_backend)
     model = _meta_model(config, stack, attn_implementation)
     _check_experts(model, config, stack)
     nf4_shapes = packed_placeholders(model)
@@ -584,18 +601,56 @@ def build_model(config, stack: Stack, device: torch.device | str, fake: bool = T
         shard_model(model, "bf16" if stack.precision == "bf16-mixed" else "fp32",
                     device_type=device.type)
         if fake and comm_backend == "gloo":
-            from torch.distributed.fsdp import FSDPModule
-
-            comm = _gloo_reduce_scatter()  # stateless: one for every sharded module
-            for module in model.modules():
-                if isinstance(module, FSDPModule):
-                    module.set_custom_reduce_scatter(comm)
+            _use_gloo_reduce_scatter(model)
     mode = materialize(model, nf4_shapes, _compute_dtype(stack), device, fake)
     with mode or contextlib.nullcontext():
         if stack.fsdp_ranks == 1:  # FSDP keeps one sharded parameter for tied weights
             model.tie_weights()  # to_empty gives tied weights separate storages
         if not fake:  # fake tensors hold no values to restore
             _restore_buffers(model)
+    if stack.checkpointing:
+        enable_activation_checkpointing(model, selective=stack.selective_checkpointing)
+    model.train()
+    return model, mode
+
+
+def _use_gloo_reduce_scatter(model: torch.nn.Module) -> None:
+    """A fake rank standing in for a gloo rank: every sharded module reduce-scatters as gloo
+    does, on a full-size copy of its input (:func:`_gloo_reduce_scatter`)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    comm = _gloo_reduce_scatter()  # stateless: one for every sharded module
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_custom_reduce_scatter(comm)
+
+
+def _sharded_nf4_model(config: Any, stack: Stack, device: torch.device, fake: bool,
+                       attn_implementation: str | None, comm_backend: str
+                       ) -> tuple[torch.nn.Module, Any]:
+    """:func:`build_model` for FSDP + QLoRA, the course's ``fsdp_qlora``: torchao's NF4 base and
+    its LoRA adapters on every linear layer of the blocks, sharded by FSDP2, NF4 shards and all.
+    NF4 quantizes the weights it is given, so the model is materialised (fake or random) first
+    and sharded after, not on the meta device; the device mesh is made before fake mode, whose
+    tensors cannot give the mesh its ranks."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from recipes_lib.fsdp_qlora import apply_nf4_lora
+
+    model = meta_model(config, dtype=DTYPES[stack.precision],
+                       attn_implementation=attn_implementation or default_attention(config))
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    mode = materialize(model, {}, _compute_dtype(stack), device, fake)
+    with mode or contextlib.nullcontext():
+        model.tie_weights()  # before sharding: FSDP keeps one sharded parameter for both
+        if not fake:
+            _restore_buffers(model)
+        apply_nf4_lora(model, r=stack.lora_rank, alpha=2 * stack.lora_rank,
+                       dropout=stack.lora_dropout, base_dtype=_compute_dtype(stack))
+        shard_model(model, "bf16" if stack.precision == "bf16-mixed" else "fp32", mesh=mesh)
+    if fake and comm_backend == "gloo":
+        _use_gloo_reduce_scatter(model)
     if stack.checkpointing:
         enable_activation_checkpointing(model, selective=stack.selective_checkpointing)
     model.train()

@@ -48,8 +48,8 @@ def mixed_precision_policy(precision: str = "fp32"):
 
 
 def shard_model(model: torch.nn.Module, precision: str = "fp32",
-                reshard_after_forward: bool = True, device_type: str | None = None
-                ) -> torch.nn.Module:
+                reshard_after_forward: bool = True, device_type: str | None = None,
+                mesh: Any = None) -> torch.nn.Module:
     """Apply ``fully_shard`` to every transformer block, then to the root (in place).
 
     FSDP2 casts, gathers and reduces one dtype per group, and refuses a group whose trainable
@@ -64,6 +64,8 @@ def shard_model(model: torch.nn.Module, precision: str = "fp32",
             until backward (ZeRO-2-like: less communication, more memory).
         device_type: the mesh's device type (default: the model's; a model built on the meta
             device to be materialised afterwards, as ``fake_memory`` does, names its target).
+        mesh: the device mesh (default: one of every rank on ``device_type``); a model of fake
+            tensors is sharded inside fake mode with a mesh made outside it.
 
     Returns:
         The same model, now an ``FSDPModule``.
@@ -85,8 +87,9 @@ def shard_model(model: torch.nn.Module, precision: str = "fp32",
     # The mesh follows the model's device. fully_shard's default mesh takes the accelerator
     # when one exists, so gloo ranks on the CPU of a GPU machine (one GPU, two ranks) would
     # otherwise shard onto CUDA through a CPU-only process group (seen: SIGSEGV on both ranks).
-    device_type = device_type or next(model.parameters()).device.type
-    mesh = init_device_mesh(device_type, (dist.get_world_size(),))
+    if mesh is None:
+        device_type = device_type or next(model.parameters()).device.type
+        mesh = init_device_mesh(device_type, (dist.get_world_size(),))
     blocks = decoder_layers(model)
     in_blocks = {id(m) for layer in blocks for m in layer.modules()}
     for unit in [*blocks, model]:

@@ -40,6 +40,11 @@ WARNING_NOISE = (
     # torchao's int8 tensor subclass under torch.compile: a caching hint for torchao's authors
     (r"torch\._functorch", r"Int8Tensor does not implement _stable_hash_for_caching",
      UserWarning),
+    # torchao's NF4 under FSDP2 checks that a reused all-gather buffer is the output's by
+    # comparing storages' data pointers; on fake tensors (fake_memory's FSDP + QLoRA) they are
+    # all 0, so the check holds, and torch notes that fake tensors have none
+    (r"torchao\.quantization\.quantize_\.workflows\.nf4\.nf4_tensor",
+     r"Accessing the data pointer of FakeTensor is deprecated", UserWarning),
     # MemTracker's module tracker, once per measured step of a Llama-family model: transformers
     # wraps RoPE in one `kernels` "Func" module that every layer's attention calls, which the
     # tracker reads as a module re-entered. The course's meter counts by category (parameters,

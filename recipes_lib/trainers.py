@@ -561,6 +561,13 @@ def accelerate_config(model: torch.nn.Module, num_processes: int,
 OPTIM_NAMES = {"adamw": "adamw_torch_fused", "adamw-fused": "adamw_torch_fused",
                "adamw-foreach": "adamw_torch", "adamw-8bit": "adamw_bnb_8bit", "sgd": "sgd"}
 _DTYPES = {"bf16-mixed": "float32", "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+# FSDP + QLoRA with bitsandbytes (its docs' fsdp_qlora guide) beside what fake_memory measures
+FSDP_QLORA_NOTE = (
+    "FSDP + QLoRA: bnb_4bit_quant_storage the load dtype, so FSDP shards the 4-bit weights as "
+    "16-bit tensors with the rest of each block (bitsandbytes' FSDP-QLoRA guide), and no k-bit "
+    "preparation, which would make the blocks' dtypes differ; measured as the course runs it, "
+    "torchao's NF4 under FSDP2 (fsdp_qlora: the same 4-bit codes and block scales), with the "
+    "unquantized weights in fp32, which these settings keep in 16 bits")
 # a GPU without bf16 (bf16=False): what fp16=True does to the stack as measured
 FP16_NOTE = ("no bf16 on this GPU: fp16=True in place of bf16=True, the same bytes (autocast "
              "runs fp16 where it ran bf16; Trainer adds the gradient scaler fp16 needs)")
@@ -662,8 +669,12 @@ def stack_settings(stack: Any, batch_size: int,
         out["quantization"] = {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4",
                                "bnb_4bit_use_double_quant": True,
                                "bnb_4bit_compute_dtype": half}
-        if mixed:  # the course's QLoRA: norms, embeddings and head to fp32 (peft); checkpointing
-            # is the args' (non-reentrant), not peft's call of transformers' deprecated name
+        if stack.fsdp_ranks > 1:  # FSDP-QLoRA as bitsandbytes' guide runs it
+            out["quantization"]["bnb_4bit_quant_storage"] = half
+            out["notes"].append(FSDP_QLORA_NOTE)
+        elif mixed:  # the course's QLoRA: norms, embeddings and head to fp32 (peft);
+            # checkpointing is the args' (non-reentrant), not peft's call of transformers'
+            # deprecated name
             out["kbit_preparation"] = {"use_gradient_checkpointing": False}
     if stack.method in ("lora", "qlora"):
         out["lora"] = {"r": stack.lora_rank, "lora_alpha": 2 * stack.lora_rank,

@@ -116,6 +116,13 @@ def tiny_model_path():
 FSDP_FAKE_CONFIG = {"model_type": "llama", "vocab_size": 512, "hidden_size": 64,
                     "intermediate_size": 176, "num_hidden_layers": 2, "num_attention_heads": 4,
                     "num_key_value_heads": 2, "max_position_embeddings": 256}
+# ... and FSDP + QLoRA (torchao's NF4, whose weights come in whole blocks of 64 x 256 values)
+FSDP_FAKE_NF4_CONFIG = {"model_type": "llama", "vocab_size": 512, "hidden_size": 256,
+                        "intermediate_size": 512, "num_hidden_layers": 2,
+                        "num_attention_heads": 4, "num_key_value_heads": 2,
+                        "max_position_embeddings": 256}
+FSDP_FAKE_NF4_STACK = {"method": "qlora", "precision": "bf16-mixed", "fsdp_ranks": 2,
+                       "checkpointing": True}
 FSDP_FAKE_STACKS = [{"precision": "fp32", "fsdp_ranks": 2},
                     {"precision": "bf16-mixed", "fsdp_ranks": 2, "checkpointing": True},
                     {"method": "lora", "precision": "bf16-mixed", "fsdp_ranks": 2}]
@@ -173,6 +180,9 @@ def sharded_runs(tiny_model_path, tmp_path_factory):
         **{f"fake_memory_{i}": ("recipes_lib.fake_memory:real_rank_step", {
             "model": FSDP_FAKE_CONFIG, "stack": stack, "seq_len": 64, "batch_size": 4})
            for i, stack in enumerate(FSDP_FAKE_STACKS)},
+        "fake_memory_nf4": ("recipes_lib.fake_memory:real_rank_step", {
+            "model": FSDP_FAKE_NF4_CONFIG, "stack": FSDP_FAKE_NF4_STACK, "seq_len": 64,
+            "batch_size": 4}),
         **{f"fake_memory_moe_{i}": ("recipes_lib.fake_memory:real_rank_step", {
             "model": config, "stack": stack, "seq_len": 64, "batch_size": 4})
            for i, (config, stack) in enumerate(FSDP_FAKE_MOE_STACKS)}},

@@ -114,6 +114,34 @@ def test_a_fake_fsdp_rank_matches_each_real_rank(sharded_runs, monkeypatch):
             assert sum(nccl.values()) <= sum(fake.values()), (stack, nccl, fake)
 
 
+def test_a_fake_fsdp_qlora_rank_matches_each_real_rank(sharded_runs, monkeypatch):
+    """FSDP + QLoRA as notebook 02 runs it (``fsdp_qlora``: torchao's NF4 base and fp32 adapters,
+    sharded by FSDP2, NF4 shards and all), bf16-mixed with checkpointing, on 2 gloo ranks: the
+    fake rank's parameters and optimizer states equal each real rank's to the byte, and its
+    peak is a real rank's or under it by one late gloo copy, as above. Each fake rank keeps half
+    of every linear layer's 4-bit codes and of its 8-bit block scales."""
+    from conftest import FSDP_FAKE_NF4_CONFIG, FSDP_FAKE_NF4_STACK
+    from recipes_lib.fsdp_qlora import NF4LoRALinear
+
+    copies = _gloo_copies(monkeypatch)
+    stack = Stack(**FSDP_FAKE_NF4_STACK)
+    fake = fake_memory.measure_step(FSDP_FAKE_NF4_CONFIG, stack, 64, 4,
+                                    comm_backend="gloo").by_category
+    for rank in sharded_runs["fake_memory_nf4"]:
+        assert rank["optimizer"] == fake["optimizer"] > 0
+        assert rank["parameters"] == fake["parameters"]
+        assert _within_one_late_copy(rank, fake, copies), (rank, fake, copies)
+    with fake_memory._process_group(2, fake=True):
+        model, _ = fake_memory.build_model(fake_memory.model_config(FSDP_FAKE_NF4_CONFIG), stack,
+                                           "cpu")
+        linears = [m for m in model.modules() if isinstance(m, NF4LoRALinear)]
+        assert len(linears) == 14  # 7 a block: attention's 4, the MLP's 3
+        for m in linears:
+            shard, n = m.weight.to_local(), m.out_features * m.in_features
+            assert shard.quantized_data.numel() == n // 2 // 2  # 2 codes a byte, half the rows
+            assert shard.quantized_scalers.numel() == n // 64 // 2  # one per 64 weights
+
+
 def test_a_fake_fsdp_rank_of_a_mixture_of_experts_matches_each_real_rank(sharded_runs,
                                                                           monkeypatch):
     """Qwen3-MoE's grouped-GEMM experts sharded over 2 gloo ranks (full bf16; LoRA, which peft
@@ -316,8 +344,11 @@ def test_bad_inputs_name_the_parameter(config, tmp_path):
         Stack(offload_activations=True, fsdp_ranks=2)
     with pytest.raises(ValueError, match="offload_optimizer=True"):
         Stack(offload_optimizer=True, fsdp_ranks=2)
-    with pytest.raises(ValueError, match="method='qlora' with fsdp_ranks"):
-        Stack(method="qlora", fsdp_ranks=2)
+    for kw in ({"lora_targets": ("q_proj",)}, {"autocast_adapter_dtype": False},
+               {"precision": "fp16"}):  # FSDP + QLoRA is the course's fsdp_qlora
+        with pytest.raises(ValueError, match=f"{next(iter(kw))}=.* with method='qlora' and "
+                                             "fsdp_ranks > 1: FSDP \\+ QLoRA is the course's"):
+            Stack(method="qlora", fsdp_ranks=2, **kw)
     with pytest.raises(ValueError, match="selective_checkpointing=True with checkpointing="):
         Stack(selective_checkpointing=True)
     with pytest.raises(ValueError, match="bf16_embeddings=True with method='lora'"):

@@ -306,6 +306,17 @@ def test_a_planned_stack_runs_as_the_lines_a_training_script_writes(tmp_path, sm
     assert sharded["model"].dtype == torch.float32  # fp32 masters under bf16 autocast
     assert sharded["args"].fsdp_config["transformer_layer_cls_to_wrap"] == ["LlamaDecoderLayer"]
     assert sharded["args"].per_device_train_batch_size == 2
+    # FSDP + QLoRA as bitsandbytes' guide runs it: 16-bit quant storage, no k-bit preparation
+    fsdp_qlora = trainers.stack_settings(Stack(method="qlora", precision="bf16-mixed",
+                                               checkpointing=True, fsdp_ranks=2), 4, small_llama)
+    assert fsdp_qlora["quantization"]["bnb_4bit_quant_storage"] == "bfloat16"
+    assert fsdp_qlora["kbit_preparation"] is None and trainers.FSDP_QLORA_NOTE in fsdp_qlora[
+        "notes"]
+    quantized = dict(names)
+    exec(trainers.format_settings(fsdp_qlora, str(tmp_path)), quantized)  # noqa: S102 - as above
+    down = quantized["model"].model.layers[0].mlp.down_proj
+    assert type(down).__name__ == "Linear4bit" and down.weight.dtype == torch.bfloat16
+    assert quantized["args"].fsdp_config["transformer_layer_cls_to_wrap"] == ["LlamaDecoderLayer"]
     with pytest.raises(ValueError, match="batch_size=4: must be a positive multiple of the ranks "
                                          "x micro-batches, 1 x 3"):
         trainers.stack_settings(Stack(grad_accum_steps=3), 4)

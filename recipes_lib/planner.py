@@ -663,7 +663,7 @@ def plan(model: str, gpu_mem: str | float, seq_len: int = 2048, batch_size: int 
         by saying which);
         each row has step, state_GiB, activations_GiB, total_GiB (the formulas' bytes),
         total_gpu_GiB (plus the modelled ``gpu_overhead``, as a measured trace gets) and fits
-        (on that);
+        (on that), all None in the FSDP + QLoRA row, which is measured only;
         ``notes``: what the formulas assume that this model does not do (eager attention's scores),
         and the loss's logits where they are most of the checkpointed row's activations
         (:func:`note_logits`). For an architecture the formulas do not describe

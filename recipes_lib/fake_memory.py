@@ -591,48 +591,41 @@ def build_model(config, stack: Stack, device: torch.device | str, fake: bool = T
         ``(model, mode)``: ``mode`` is the ``FakeTensorMode`` to run the step in (None if real).
     """
     device = torch.device(device)
-    if stack.method == "qlora" and stack.fsdp_ranks > 1:
-        return _sharded_nf4_model(config, stack, device, fake, attn_implementation,
-                                  comm_backend)
-    model = _meta_model(config, stack, attn_implementation)
-    _check_experts(model, config, stack)
-    nf4_shapes = packed_placeholders(model)
-    if stack.fsdp_ranks > 1:  # sharded on meta; to_empty then gives each rank its shards only
-        shard_model(model, "bf16" if stack.precision == "bf16-mixed" else "fp32",
-                    device_type=device.type)
-        if fake and comm_backend == "gloo":
-            _use_gloo_reduce_scatter(model)
-    mode = materialize(model, nf4_shapes, _compute_dtype(stack), device, fake)
-    with mode or contextlib.nullcontext():
-        if stack.fsdp_ranks == 1:  # FSDP keeps one sharded parameter for tied weights
-            model.tie_weights()  # to_empty gives tied weights separate storages
-        if not fake:  # fake tensors hold no values to restore
-            _restore_buffers(model)
+    if stack.method == "qlora" and stack.fsdp_ranks > 1:  # the course's fsdp_qlora
+        model, mode = _sharded_nf4_model(config, stack, device, fake, attn_implementation)
+    else:
+        model = _meta_model(config, stack, attn_implementation)
+        _check_experts(model, config, stack)
+        nf4_shapes = packed_placeholders(model)
+        if stack.fsdp_ranks > 1:  # sharded on meta; to_empty then gives each rank its shards
+            shard_model(model, "bf16" if stack.precision == "bf16-mixed" else "fp32",
+                        device_type=device.type)
+        mode = materialize(model, nf4_shapes, _compute_dtype(stack), device, fake)
+        with mode or contextlib.nullcontext():
+            if stack.fsdp_ranks == 1:  # FSDP keeps one sharded parameter for tied weights
+                model.tie_weights()  # to_empty gives tied weights separate storages
+            if not fake:  # fake tensors hold no values to restore
+                _restore_buffers(model)
+    if fake and stack.fsdp_ranks > 1 and comm_backend == "gloo":
+        from torch.distributed.fsdp import FSDPModule
+
+        comm = _gloo_reduce_scatter()  # stateless: one for every sharded module
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_custom_reduce_scatter(comm)
     if stack.checkpointing:
         enable_activation_checkpointing(model, selective=stack.selective_checkpointing)
     model.train()
     return model, mode
 
 
-def _use_gloo_reduce_scatter(model: torch.nn.Module) -> None:
-    """A fake rank standing in for a gloo rank: every sharded module reduce-scatters as gloo
-    does, on a full-size copy of its input (:func:`_gloo_reduce_scatter`)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    comm = _gloo_reduce_scatter()  # stateless: one for every sharded module
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.set_custom_reduce_scatter(comm)
-
-
 def _sharded_nf4_model(config: Any, stack: Stack, device: torch.device, fake: bool,
-                       attn_implementation: str | None, comm_backend: str
-                       ) -> tuple[torch.nn.Module, Any]:
-    """:func:`build_model` for FSDP + QLoRA, the course's ``fsdp_qlora``: torchao's NF4 base and
-    its LoRA adapters on every linear layer of the blocks, sharded by FSDP2, NF4 shards and all.
-    NF4 quantizes the weights it is given, so the model is materialised (fake or random) first
-    and sharded after, not on the meta device; the device mesh is made before fake mode, whose
-    tensors cannot give the mesh its ranks."""
+                       attn_implementation: str | None) -> tuple[torch.nn.Module, Any]:
+    """:func:`build_model`'s model for FSDP + QLoRA, the course's ``fsdp_qlora``: torchao's NF4
+    base and its LoRA adapters on every linear layer of the blocks, sharded by FSDP2, NF4 shards
+    and all. NF4 quantizes the weights it is given, so the model is materialised (fake or
+    random) first and sharded after, not on the meta device; the device mesh is made before
+    fake mode, whose tensors cannot give the mesh its ranks."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -649,11 +642,6 @@ def _sharded_nf4_model(config: Any, stack: Stack, device: torch.device, fake: bo
         apply_nf4_lora(model, r=stack.lora_rank, alpha=2 * stack.lora_rank,
                        dropout=stack.lora_dropout, base_dtype=_compute_dtype(stack))
         shard_model(model, "bf16" if stack.precision == "bf16-mixed" else "fp32", mesh=mesh)
-    if fake and comm_backend == "gloo":
-        _use_gloo_reduce_scatter(model)
-    if stack.checkpointing:
-        enable_activation_checkpointing(model, selective=stack.selective_checkpointing)
-    model.train()
     return model, mode
 
 

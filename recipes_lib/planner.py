@@ -471,19 +471,17 @@ KORTHIKANTI_NOTE = (
     "1.4-2.7x the 34): --measure measures")
 
 
-# the share of the checkpointed row's activations above which the plan says what the loss's logits
-# take and what keeps only a chunk of them, and the tokens per chunk a measured plan measures
 # the FSDP + QLoRA row, above one GPU
 FSDP_QLORA_NOTE = (
     "QLoRA sharded by FSDP (the last row: notebook 02's fsdp_qlora, torchao's NF4 base and fp32 "
     "adapters under FSDP2, rank 0 of a fake process group) is measured only (--measure): the "
     "formulas leave it blank, because what a rank holds at its peak besides its shards (the "
     "blocks and the embeddings FSDP gathers, what NF4's matmuls keep for backward) is not "
-    "modelled: the sharded state plus two gathered blocks, the gathered embeddings and head "
-    "and one GPU's checkpointed activations came to 0.67-0.73x the measured peak of a "
-    "Llama-2-70B-shaped model of 4 and 8 layers at 2 x 2048 tokens on 2 GPUs, 1.01x with all "
-    "80 layers, 1.40x on a 2-layer, 512-wide model")
+    "modelled")
 
+
+# the share of the checkpointed row's activations above which the plan says what the loss's logits
+# take and what keeps only a chunk of them, and the tokens per chunk a measured plan measures
 LOGITS_NOTE_SHARE = 0.5
 LOGITS_CHUNK = 1024
 LOGITS_NOTE_START = "the loss: its logits"

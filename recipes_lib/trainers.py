@@ -573,8 +573,8 @@ FP16_NOTE = ("no bf16 on this GPU: fp16=True in place of bf16=True, the same byt
              "runs fp16 where it ran bf16; Trainer adds the gradient scaler fp16 needs)")
 FP16_PURE_NOTE = ("no bf16 on this GPU: the base in fp16, the same bytes, and fp16=True for "
                   "the gradient scaler fp16's range needs; its autocast also runs the fp32 "
-                  "adapters' matmuls in fp16, keeping fp16 copies of their inputs where the "
-                  "stack as measured (no autocast) kept fp32 ones")
+                  "adapters' matmuls in fp16, which the stack as measured (no autocast) does "
+                  "not")
 
 
 # Hub checkpoints that ship their own quantization, which from_pretrained keeps over a

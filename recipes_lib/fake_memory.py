@@ -72,7 +72,9 @@ _SWITCHES = {"autocast_adapter_dtype": "True (adapters in fp32, peft's default) 
              "gpu_dropout": "True (a GPU's 1-byte mask) or False (CPU's noise)",
              "nf4_keeps_input": "True (bitsandbytes before 0.43.2) or False",
              "attention_mask": "True (rows that need a mask: padded or packed) or False (full "
-                               "rows)"}
+                               "rows)",
+             "chunked_dequant": "True (FSDP + QLoRA's NF4 dequantized into its output, as a "
+                                "fused kernel does) or False (torchao's dequantization)"}
 # How the full causal-LM loss holds the logits: "course", the course's loop and today's
 # transformers; "transformers-4.46", transformers' loss from 4.46 until #35646
 # (``TransformersLoss``: with several sequences, one more fp32 copy of the logits in forward);
@@ -113,7 +115,11 @@ class Stack:
     With ``fsdp_ranks > 1`` it is the course's FSDP + QLoRA instead (``fsdp_qlora``, notebook
     02): torchao's ``NF4Tensor`` base, which FSDP2 shards and gathers still quantized, and fp32
     LoRA adapters on every linear layer of the blocks (bitsandbytes' packed weights do not shard
-    under FSDP2); the weights left unquantized are in the precision's dtype.
+    under FSDP2); the weights left unquantized are in the precision's dtype. torchao dequantizes
+    a weight for each matmul (forward, and again in backward) through about 14 bytes per weight
+    at once (int64 indices and four more full-size tensors); ``chunked_dequant=True`` holds only
+    the output (``fsdp_qlora.dequantize_chunked``: the same values), which is what a fused
+    kernel holds, bitsandbytes' ``dequantize_4bit`` on a GPU among them.
     ``optimizer="adamw-8bit"`` is bitsandbytes' blockwise 8-bit AdamW. ``"adamw"`` is the
     course loop's ``torch.optim.AdamW`` as torch runs it on the device measured: on a CPU the
     for-loop implementation, whose temporaries are a few copies of one parameter (its
@@ -174,6 +180,7 @@ class Stack:
         gpu_dropout: dropout as CUDA's fused kernel keeps it (above).
         nf4_keeps_input: bitsandbytes' 4-bit matmul before 0.43.2 (above).
         attention_mask: the rows need an attention mask (above).
+        chunked_dequant: FSDP + QLoRA's NF4 dequantized chunk by chunk (above).
 
     Raises:
         ValueError: naming the field, for a value out of range or a combination that does not
@@ -204,6 +211,7 @@ class Stack:
     gpu_dropout: bool = False
     nf4_keeps_input: bool = False
     attention_mask: bool = False
+    chunked_dequant: bool = False
 
     def __post_init__(self) -> None:
         if "qlora" in str(self.method) and "full" in str(self.method):
@@ -264,6 +272,11 @@ class Stack:
         if self.chunked_loss and self.loss != "course":
             raise ValueError(f"loss={self.loss!r} with chunked_loss={self.chunked_loss}: the "
                              "chunked loss never forms the logits that loss holds; choose one")
+        if self.chunked_dequant and (self.method, self.fsdp_ranks > 1) != ("qlora", True):
+            raise ValueError(f"chunked_dequant=True with method={self.method!r}, fsdp_ranks="
+                             f"{self.fsdp_ranks}: it is how FSDP + QLoRA's torchao NF4 weights "
+                             "are dequantized (method='qlora', fsdp_ranks > 1); QLoRA on one "
+                             "device runs bitsandbytes' kernels, which hold only their output")
         if self.fsdp_ranks > 1 and self.method == "qlora":  # the course's FSDP + QLoRA
             unlike = {"lora_targets": self.lora_targets != "all-linear",
                       "lora_parameters": bool(self.lora_parameters),
@@ -315,6 +328,8 @@ class Stack:
             parts.append("4-bit layers keep their input (bitsandbytes < 0.43.2)")
         if self.attention_mask:
             parts.append("attention mask (padded or packed rows)")
+        if self.chunked_dequant:
+            parts.append("NF4 dequantized in chunks")
         return ", ".join(parts)
 
 
@@ -640,7 +655,8 @@ def _sharded_nf4_model(config: Any, stack: Stack, device: torch.device, fake: bo
         if not fake:
             _restore_buffers(model)
         apply_nf4_lora(model, r=stack.lora_rank, alpha=2 * stack.lora_rank,
-                       dropout=stack.lora_dropout, base_dtype=_compute_dtype(stack))
+                       dropout=stack.lora_dropout, base_dtype=_compute_dtype(stack),
+                       chunked_dequant=stack.chunked_dequant)
         shard_model(model, "bf16" if stack.precision == "bf16-mixed" else "fp32", mesh=mesh)
     return model, mode
 

@@ -30,6 +30,95 @@ def _nf4():
     return to_nf4, NF4Tensor, linear_nf4
 
 
+# packed bytes (two weights each) dequantized at a time by dequantize_chunked: 2**20 bytes keep
+# its temporaries to about 30 MiB whatever the weight
+DEQUANT_CHUNK = 2**20
+
+
+@torch.library.custom_op("recipes_lib::nf4_dequantize", mutates_args=())
+def _nf4_dequantize(packed: torch.Tensor, scalers: torch.Tensor, nf4: torch.Tensor,
+                    block_size: int, dtype: torch.dtype, chunk_bytes: int) -> torch.Tensor:
+    """NF4 weights, flat: ``packed`` (two 4-bit indices a byte), ``scalers`` (one per block of
+    ``block_size`` weights) and the 16-value table ``nf4``, written into the output a chunk at a
+    time."""
+    half_block = block_size // 2
+    out = torch.empty(2 * packed.numel(), dtype=dtype, device=packed.device)
+    for start in range(0, packed.numel(), chunk_bytes):
+        part = packed[start:start + chunk_bytes]
+        # each byte's high then low 4 bits: the weights in order, as int64 indices
+        index = torch.stack((part >> 4, part & 0b1111), dim=-1).flatten().to(torch.long)
+        scale = scalers[start // half_block:(start + part.numel()) // half_block]
+        scale = scale.unsqueeze(-1).expand(-1, block_size).flatten()
+        # computed in the weight's dtype, as torchao does, then written in the output's
+        out[2 * start:2 * (start + part.numel())] = nf4[index] * scale
+    return out
+
+
+@_nf4_dequantize.register_fake
+def _(packed: torch.Tensor, scalers: torch.Tensor, nf4: torch.Tensor, block_size: int,
+      dtype: torch.dtype, chunk_bytes: int) -> torch.Tensor:
+    return packed.new_empty(2 * packed.numel(), dtype=dtype)  # what a fused kernel allocates
+
+
+def dequantize_chunked(weight: Any, dtype: torch.dtype,
+                       chunk_bytes: int = DEQUANT_CHUNK) -> torch.Tensor:
+    """An ``NF4Tensor`` dequantized into its output a chunk at a time, in one operator: the
+    values of torchao's ``weight.to(dtype)``, allocating the output and little else.
+
+    torchao's dequantization (``NF4Tensor.get_original_weight``, what ``weight.to(dtype)`` and
+    ``linear_nf4`` run) widens every 4-bit index to int64 and makes four more full-size tensors
+    before the result: about 14 bytes per weight at once, in forward and again in backward, for
+    a layer whose bf16 weight is 2 bytes per weight. A fused kernel (bitsandbytes'
+    ``dequantize_4bit`` on a GPU) writes the output directly. This operator does it in Python,
+    chunk by chunk, so its temporaries are one chunk's (about 30 MiB at ``DEQUANT_CHUNK``). As a
+    kernel's, they stay inside the operator: a dispatch-level meter (fake tensors included) sees
+    only the output, where a GPU's allocator would see those few MiB as well.
+
+    Args:
+        weight: an ``NF4Tensor`` (a sharded one as FSDP2 gathers it for compute; one that is
+            not contiguous goes to torchao's dequantization).
+        dtype: the output's dtype.
+        chunk_bytes: packed bytes per chunk, a multiple of half the NF4 block size.
+
+    Returns:
+        The dequantized weight, ``weight.shape``, ``dtype``.
+
+    Raises:
+        ValueError: naming ``chunk_bytes`` if it does not hold whole NF4 blocks.
+
+    Example:
+        >>> to_nf4 = _nf4()[0]
+        >>> w = to_nf4(torch.randn(64, 256, dtype=torch.bfloat16))
+        >>> torch.equal(dequantize_chunked(w, torch.bfloat16), w.to(torch.bfloat16))
+        True
+    """
+    half_block = weight.block_size // 2  # packed bytes per block: two 4-bit weights a byte
+    if chunk_bytes < half_block or chunk_bytes % half_block:
+        raise ValueError(f"chunk_bytes={chunk_bytes}: must be a positive multiple of "
+                         f"{half_block} (half of the NF4 block of {weight.block_size})")
+    if not weight.is_contiguous():  # a transposed view (no linear layer holds one): torchao's
+        return weight.to(dtype)
+    scalers = weight.dequantize_scalers(weight.quantized_scalers, weight.quantization_factor,
+                                        weight.scaler_block_size)  # one per block: small
+    return _nf4_dequantize(weight.quantized_data, scalers, weight.nf4, weight.block_size, dtype,
+                           chunk_bytes).view(weight.shape)
+
+
+class _LinearNF4Chunked(torch.autograd.Function):
+    """torchao's ``linear_nf4`` (the NF4 weight kept for backward, never its dequantized
+    copy) with :func:`dequantize_chunked` in forward and backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: Any) -> torch.Tensor:
+        ctx.save_for_backward(weight)
+        return nn.functional.linear(x, dequantize_chunked(weight, x.dtype))
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (weight,) = ctx.saved_tensors
+        return grad_output @ dequantize_chunked(weight, grad_output.dtype), None
+
+
 class NF4LoRALinear(nn.Module):
     """``y = x W_nf4^T + (alpha / r) * B(A(dropout(x)))``: a frozen NF4 base and a LoRA adapter.
 
@@ -43,11 +132,13 @@ class NF4LoRALinear(nn.Module):
         base_dtype: the dtype the base computes in.
         block_size: weights per NF4 absmax.
         scaler_block_size: absmax values per second-level scale (double quantization).
+        chunked_dequant: dequantize with :func:`dequantize_chunked` (the output and one chunk)
+            instead of torchao's ``linear_nf4`` (about 14 bytes per weight at once).
     """
 
     def __init__(self, linear: nn.Linear, r: int = 8, alpha: float = 16.0, dropout: float = 0.0,
                  base_dtype: torch.dtype = torch.bfloat16, block_size: int = 64,
-                 scaler_block_size: int = 256):
+                 scaler_block_size: int = 256, chunked_dequant: bool = False):
         super().__init__()
         if r < 1:
             raise ValueError(f"r={r}: LoRA rank must be >= 1")
@@ -67,9 +158,10 @@ class NF4LoRALinear(nn.Module):
         nn.init.zeros_(self.lora_b.weight)
         self.scaling = alpha / r
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.chunked_dequant = chunked_dequant
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        _, _, linear_nf4 = _nf4()
+        linear_nf4 = _LinearNF4Chunked.apply if self.chunked_dequant else _nf4()[2]
         out = linear_nf4(x, self.weight)
         if self.bias is not None:
             out = out + self.bias.to(out.dtype)
@@ -78,7 +170,8 @@ class NF4LoRALinear(nn.Module):
 
 def apply_nf4_lora(model: nn.Module, r: int = 8, alpha: float = 16.0, dropout: float = 0.0,
                    target_modules: tuple[str, ...] | None = None,
-                   base_dtype: torch.dtype = torch.bfloat16) -> nn.Module:
+                   base_dtype: torch.dtype = torch.bfloat16,
+                   chunked_dequant: bool = False) -> nn.Module:
     """Swap every targeted ``nn.Linear`` for an :class:`NF4LoRALinear`, freeze everything else.
 
     Args:
@@ -88,6 +181,7 @@ def apply_nf4_lora(model: nn.Module, r: int = 8, alpha: float = 16.0, dropout: f
             layer of the decoder blocks, whatever the architecture calls them
             (``architectures.adapter_targets``: Phi-3's fused ``qkv_proj`` and ``gate_up_proj``).
         base_dtype: the dtype NF4 dequantizes to (bf16, as the weights were trained in).
+        chunked_dequant: dequantize chunk by chunk (:class:`NF4LoRALinear`).
 
     Returns:
         The same model; only ``lora_a`` / ``lora_b`` weights require grad.
@@ -103,7 +197,8 @@ def apply_nf4_lora(model: nn.Module, r: int = 8, alpha: float = 16.0, dropout: f
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if name in target_modules and isinstance(child, nn.Linear):
-                setattr(parent, name, NF4LoRALinear(child, r, alpha, dropout, base_dtype))
+                setattr(parent, name, NF4LoRALinear(child, r, alpha, dropout, base_dtype,
+                                                    chunked_dequant=chunked_dequant))
                 swapped += 1
     if swapped == 0:
         have = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()

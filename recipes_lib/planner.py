@@ -82,8 +82,11 @@ def _measured_stack(step: str, grad_accum_steps: int, gpus: int = 1,
     if gpus > 1:  # rank 0 of a fake process group
         stacks[_fsdp_step(gpus)] = Stack(precision="bf16-mixed", checkpointing=True,
                                          fsdp_ranks=gpus)
-        # the course's FSDP + QLoRA (fsdp_qlora): torchao's NF4 base sharded, fp32 adapters
-        stacks[_fsdp_qlora_step(gpus)] = replace(qlora, checkpointing=True, fsdp_ranks=gpus)
+        # the course's FSDP + QLoRA (fsdp_qlora): torchao's NF4 base sharded, fp32 adapters;
+        # its NF4 dequantized into the output alone, as bitsandbytes' kernel (the trainer
+        # lines') does, not through torchao's temporaries (about 14 bytes a weight)
+        stacks[_fsdp_qlora_step(gpus)] = replace(qlora, checkpointing=True, fsdp_ranks=gpus,
+                                                 chunked_dequant=True)
     reasons = {"FSDP": "FSDP over one GPU is the full fine-tune"}
     if step in stacks:
         return replace(stacks[step], attention_mask=attention_mask)
@@ -474,7 +477,9 @@ KORTHIKANTI_NOTE = (
 # the FSDP + QLoRA row, above one GPU
 FSDP_QLORA_NOTE = (
     "QLoRA sharded by FSDP (the last row: notebook 02's fsdp_qlora, torchao's NF4 base and fp32 "
-    "adapters under FSDP2, rank 0 of a fake process group) is measured only (--measure): the "
+    "adapters under FSDP2, rank 0 of a fake process group, each NF4 weight dequantized into its "
+    "output alone as bitsandbytes' kernel does, where torchao's own dequantization holds about "
+    "14 bytes a weight of the largest layer at once) is measured only (--measure): the "
     "formulas leave it blank, because what a rank holds at its peak besides its shards (the "
     "blocks and the embeddings FSDP gathers, what NF4's matmuls keep for backward) is not "
     "modelled")

@@ -38,6 +38,8 @@ TORCHTITAN = ("https://github.com/pytorch/torchtitan/blob/main/benchmarks/"
 TORCHTITAN_FSDP = TORCHTITAN.replace("(Table 2)", "(Tables 1 and 3)")
 TORCHTUNE = ("https://github.com/pytorch/torchtune (README: Optimization flags, Llama 3.2 3B, "
              "each technique added on top of the previous one)")
+ANSWERAI = ("https://github.com/AnswerDotAI/fsdp_qlora/blob/main/benchmarks_03_2024.md "
+            "(Llama-2 7B on two 3090s and two 4090s)")
 
 # Unsloth: "4bit QLoRA on all linear layers (Q, K, V, O, gate, up and down) with rank = 32 with
 # a batch size of 1 ... padded all sequences to a certain maximum sequence length"; its
@@ -169,6 +171,27 @@ _TORCHTUNE_LORA = {"precision": "bf16", "checkpointing": True, "offload_activati
 _TORCHTUNE_CHUNKS = ("torchtune's CEWithChunkedOutputLoss (8 chunks, each chunk's bf16 logits "
                      "formed by the model) measured as the course's chunked loss (1,024-token "
                      "chunks, recomputed in backward)")
+
+
+# Answer.AI (benchmarks of February and March 2024, on 2 GPUs): their train.py with
+# --precision bf16 (the model in bf16, no autocast), LoRA r=64 on the blocks' linear layers
+# (its "all"), dropout 0.1, reentrant checkpointing of every decoder layer, torch.optim.AdamW,
+# dummy rows truncated to the context length, transformers of that time (the logits upcast to
+# fp32: measured as 4.46's loss). QLoRA is bitsandbytes' NF4 with double quantization stored in
+# bf16 under FSDP1; measured as the course's torchao NF4 under FSDP2, dequantized into its
+# output alone as bitsandbytes' kernel does (beside it, torchao's own dequantization). The
+# "DDP" row is FSDP's NO_SHARD (the whole model on each GPU): one GPU's bitsandbytes QLoRA.
+# "Peak Memory" is max reserved, GiB; the note under the LoRA table gives the peak allocated
+# (8.28 and 9.16 GiB). The source does not say the adapters' dtype: peft's fp32 is measured.
+_ANSWERAI = {"precision": "bf16", "checkpointing": True, "lora_rank": 64, "lora_dropout": 0.1,
+             "loss": "transformers-4.46"}
+_ANSWERAI_FSDP_QLORA = Stack(method="qlora", fsdp_ranks=2, chunked_dequant=True, **_ANSWERAI)
+_ANSWERAI_CONFIG = ("Answer.AI's train.py, 2 GPUs, {how}, batch {b} a GPU, precision bf16 (no "
+                    "autocast), LoRA r=64 on every linear layer of the blocks, dropout 0.1, "
+                    "reentrant checkpointing (measured non-reentrant), AdamW, transformers' "
+                    "fp32 logits{qlora}; {reads}")
+_ANSWERAI_QLORA = (", bitsandbytes NF4 stored in bf16 (measured as torchao's NF4 dequantized "
+                   "into its output, as bitsandbytes' kernel does)")
 
 
 @dataclass(frozen=True)
@@ -309,6 +332,31 @@ FIGURES = [
                             Stack(method=method, **{**_TORCHTUNE_LORA,
                                                     "autocast_adapter_dtype": True})),))
       for name, method, gib in (("LoRA", "lora", 8.5), ("QLoRA", "qlora", 4.6))),
+    *(Figure(ANSWERAI, f"Llama-2-7B QLoRA, FSDP over 2 GPUs, batch {b} x {seq} (Answer.AI)",
+             "Llama-2-7B", _ANSWERAI_FSDP_QLORA, "peak", gib,
+             config=_ANSWERAI_CONFIG.format(how="FSDP full shard", b=b, qlora=_ANSWERAI_QLORA,
+                                            reads="peak memory: max reserved, GiB"),
+             seq_len=seq, batch_size=2 * b, reads="reserved",
+             alternatives=(("torchao's dequantization",
+                            replace(_ANSWERAI_FSDP_QLORA, chunked_dequant=False)),))
+      for seq, b, gib in ((512, 1, 4.98), (2048, 1, 5.21), (2048, 4, 11.22), (2048, 10, 20.97))),
+    Figure(ANSWERAI, "Llama-2-7B QLoRA, DDP over 2 GPUs, batch 8 x 2048 (Answer.AI)",
+           "Llama-2-7B", Stack(method="qlora", gpu_dropout=True, **_ANSWERAI), "peak", 20.94,
+           config=_ANSWERAI_CONFIG.format(how="FSDP's NO_SHARD (one GPU's step)", b=8,
+                                          qlora=", bitsandbytes NF4 stored in bf16",
+                                          reads="peak memory: max reserved, GiB"),
+           seq_len=2048, batch_size=8, reads="reserved"),
+    *(Figure(ANSWERAI, f"Llama-2-7B LoRA, FSDP over 2 GPUs, batch {b} x {seq} (Answer.AI)",
+             "Llama-2-7B", Stack(method="lora", fsdp_ranks=2, gpu_dropout=True, **_ANSWERAI),
+             "peak", gib,
+             config=_ANSWERAI_CONFIG.format(how="FSDP full shard", b=b, qlora="",
+                                            reads="peak memory: " + (
+                                                "max allocated (the note under the LoRA "
+                                                "table), GiB" if reads == "allocated" else
+                                                "max reserved, GiB")),
+             seq_len=seq, batch_size=2 * b, reads=reads)
+      for seq, b, gib, reads in ((512, 1, 8.28, "allocated"), (2048, 1, 9.16, "allocated"),
+                                 (2048, 4, 16.14, "reserved"), (2048, 6, 21.35, "reserved"))),
 ]
 
 
@@ -508,6 +556,7 @@ def predict(figures: list[Figure] = FIGURES, step: int = 64,
                     f" ({f.reads})" if f.kind == "peak" else "")
         row = {"source": f.source, "row": f.row, "kind": f.kind, "config": f.config,
                "model": f.model, "gpu_mem": f.gpu_mem, "batch_size": f.batch_size,
+               "seq_len": f.seq_len,
                # a config's fields are named by the row, which starts with the model's name
                "model_name": f.model if isinstance(f.model, str) else f.row.split()[0],
                "unit": unit, "published": f.published, "predicted": values[i, "main"],
@@ -534,9 +583,9 @@ def predict(figures: list[Figure] = FIGURES, step: int = 64,
 
 
 def batch_slopes(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """For each source, model and stack with peak rows at two or more micro-batches (the same
-    sequence length): what each further sequence adds, the source's and ours (least squares
-    over the micro-batches).
+    """For each source, model, stack and sequence length with peak rows at two or more
+    micro-batches: what each further sequence adds, the source's and ours (least squares over
+    the micro-batches).
 
     Args:
         rows: :func:`predict`'s rows.
@@ -548,10 +597,10 @@ def batch_slopes(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for r in rows:
         if r["kind"] == "peak":
-            groups.setdefault((r["source"], r["model_name"], r["stack"], r["unit"]),
-                              []).append(r)
+            groups.setdefault((r["source"], r["model_name"], r["stack"], r["unit"],
+                               r.get("seq_len")), []).append(r)
     out = []
-    for (source, model, stack, unit), group in groups.items():
+    for (source, model, stack, unit, _), group in groups.items():
         sizes = [r["batch_size"] for r in group]
         if len(set(sizes)) < 2:
             continue

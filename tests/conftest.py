@@ -180,9 +180,10 @@ def sharded_runs(tiny_model_path, tmp_path_factory):
         **{f"fake_memory_{i}": ("recipes_lib.fake_memory:real_rank_step", {
             "model": FSDP_FAKE_CONFIG, "stack": stack, "seq_len": 64, "batch_size": 4})
            for i, stack in enumerate(FSDP_FAKE_STACKS)},
-        "fake_memory_nf4": ("recipes_lib.fake_memory:real_rank_step", {
-            "model": FSDP_FAKE_NF4_CONFIG, "stack": FSDP_FAKE_NF4_STACK, "seq_len": 64,
-            "batch_size": 4}),
+        **{f"fake_memory_nf4{suffix}": ("recipes_lib.fake_memory:real_rank_step", {
+            "model": FSDP_FAKE_NF4_CONFIG, "stack": FSDP_FAKE_NF4_STACK | extra, "seq_len": 64,
+            "batch_size": 4}) for suffix, extra in (("", {}),
+                                                    ("_chunked", {"chunked_dequant": True}))},
         **{f"fake_memory_moe_{i}": ("recipes_lib.fake_memory:real_rank_step", {
             "model": config, "stack": stack, "seq_len": 64, "batch_size": 4})
            for i, (config, stack) in enumerate(FSDP_FAKE_MOE_STACKS)}},

@@ -116,7 +116,8 @@ def test_a_fake_fsdp_rank_matches_each_real_rank(sharded_runs, monkeypatch):
 
 def test_a_fake_fsdp_qlora_rank_matches_each_real_rank(sharded_runs, monkeypatch):
     """FSDP + QLoRA as notebook 02 runs it (``fsdp_qlora``: torchao's NF4 base and fp32 adapters,
-    sharded by FSDP2, NF4 shards and all), bf16-mixed with checkpointing, on 2 gloo ranks: the
+    sharded by FSDP2, NF4 shards and all), bf16-mixed with checkpointing, on 2 gloo ranks, with
+    torchao's dequantization and with ``chunked_dequant``: the
     fake rank's parameters and optimizer states equal each real rank's to the byte, and its
     peak is a real rank's or under it by one late gloo copy, as above. Each fake rank keeps half
     of every linear layer's 4-bit codes and of its 8-bit block scales."""
@@ -125,12 +126,18 @@ def test_a_fake_fsdp_qlora_rank_matches_each_real_rank(sharded_runs, monkeypatch
 
     copies = _gloo_copies(monkeypatch)
     stack = Stack(**FSDP_FAKE_NF4_STACK)
-    fake = fake_memory.measure_step(FSDP_FAKE_NF4_CONFIG, stack, 64, 4,
-                                    comm_backend="gloo").by_category
-    for rank in sharded_runs["fake_memory_nf4"]:
-        assert rank["optimizer"] == fake["optimizer"] > 0
-        assert rank["parameters"] == fake["parameters"]
-        assert _within_one_late_copy(rank, fake, copies), (rank, fake, copies)
+    activations = {}
+    for suffix, run in (("", stack), ("_chunked", replace(stack, chunked_dequant=True))):
+        fake = fake_memory.measure_step(FSDP_FAKE_NF4_CONFIG, run, 64, 4,
+                                        comm_backend="gloo").by_category
+        for rank in sharded_runs[f"fake_memory_nf4{suffix}"]:
+            assert rank["optimizer"] == fake["optimizer"] > 0
+            assert rank["parameters"] == fake["parameters"]
+            assert _within_one_late_copy(rank, fake, copies), (suffix, rank, fake, copies)
+        activations[suffix] = fake["activations"]
+    # torchao's dequantization holds ~14 bytes a weight of the largest layer; chunked, ~2
+    mlp = FSDP_FAKE_NF4_CONFIG["hidden_size"] * FSDP_FAKE_NF4_CONFIG["intermediate_size"]
+    assert activations[""] - activations["_chunked"] >= 10 * mlp
     with fake_memory._process_group(2, fake=True):
         model, _ = fake_memory.build_model(fake_memory.model_config(FSDP_FAKE_NF4_CONFIG), stack,
                                            "cpu")
@@ -373,6 +380,10 @@ def test_bad_inputs_name_the_parameter(config, tmp_path):
         Stack(method="lora", gpu_dropout=True)
     with pytest.raises(ValueError, match="nf4_keeps_input=True with method='lora'"):
         Stack(method="lora", nf4_keeps_input=True)
+    with pytest.raises(ValueError, match="chunked_dequant=True with method='qlora', fsdp_ranks=1"):
+        Stack(method="qlora", chunked_dequant=True)
+    with pytest.raises(TypeError, match="chunked_dequant=1: True"):
+        Stack(method="qlora", fsdp_ranks=2, chunked_dequant=1)
     assert torch.get_default_dtype() == torch.float32
 
 

@@ -62,6 +62,45 @@ def test_apply_nf4_lora_freezes_all_but_adapters_and_counts_bytes(tiny_model_pat
     assert all(p.grad is not None for n, p in model.named_parameters() if p.requires_grad)
 
 
+def test_chunked_dequantization_equals_torchaos_and_holds_only_its_output():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from recipes_lib.memory import measure_memory
+
+    to_nf4 = fsdp_qlora._nf4()[0]
+    w = to_nf4(torch.randn(96, 512, dtype=torch.bfloat16))
+    for dtype in (torch.bfloat16, torch.float32):  # chunks that split a scaler block too
+        for chunk in (32, 4096, fsdp_qlora.DEQUANT_CHUNK):
+            assert torch.equal(fsdp_qlora.dequantize_chunked(w, dtype, chunk), w.to(dtype))
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        big = to_nf4(torch.empty(4096, 4096, dtype=torch.bfloat16))
+        torchao = measure_memory(lambda: big.to(torch.bfloat16)).activation_bytes
+        ours = measure_memory(lambda: fsdp_qlora.dequantize_chunked(big, torch.bfloat16)
+                              ).activation_bytes
+    n = 4096 * 4096
+    assert torchao / n > 13  # int64 indices and four more full-size tensors at once
+    # the bf16 output, and the scales (one per block of 64) as they are dequantized
+    assert 2 * n <= ours <= 2 * n + n / 16
+
+
+def test_a_chunked_nf4_layer_trains_as_torchaos():
+    linear = torch.nn.Linear(256, 128, bias=True)
+    torch.manual_seed(0)
+    ref = fsdp_qlora.NF4LoRALinear(linear, r=4, alpha=8)
+    torch.manual_seed(0)
+    ours = fsdp_qlora.NF4LoRALinear(linear, r=4, alpha=8, chunked_dequant=True)
+    for m in (ref, ours):
+        torch.nn.init.ones_(m.lora_b.weight)
+    x = torch.randn(3, 5, 256, dtype=torch.float32)
+    xs = [x.clone().requires_grad_(True) for _ in range(2)]
+    outs = [m(v) for m, v in zip((ref, ours), xs)]
+    assert torch.equal(outs[0], outs[1])
+    for out in outs:
+        out.square().sum().backward()
+    assert torch.equal(xs[0].grad, xs[1].grad)
+    assert torch.equal(ref.lora_a.weight.grad, ours.lora_a.weight.grad)
+
+
 def test_bad_inputs():
     with pytest.raises(ValueError, match="r=0"):
         fsdp_qlora.NF4LoRALinear(torch.nn.Linear(256, 128), r=0)
@@ -70,6 +109,9 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match="target_modules"):
         fsdp_qlora.apply_nf4_lora(torch.nn.Sequential(torch.nn.Linear(256, 256)),
                                   target_modules=("nothing",))
+    w = fsdp_qlora._nf4()[0](torch.randn(64, 256, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="chunk_bytes=40"):
+        fsdp_qlora.dequantize_chunked(w, torch.bfloat16, chunk_bytes=40)
 
 
 def test_fsdp_shards_the_nf4_base_across_two_ranks(sharded_runs):

@@ -502,10 +502,12 @@ def test_measure_puts_a_fake_measurement_or_its_reason_beside_each_row(tmp_path,
     assert result["layers_counted"] and result["notes"][0] == planner.COUNTED_NOTE
     for r in result["rows"][:-2]:  # the full fine-tune's FSDP row keeps Korthikanti's count
         assert r["total_GiB"] / r["measured_GiB"] == pytest.approx(1, abs=0.05), r
-    sharded_qlora = result["rows"][-1]  # torchao's NF4 under FSDP2, as notebook 02 runs it
+    sharded_qlora = result["rows"][-1]  # torchao's NF4 under FSDP2, as notebook 02 runs it,
+    # dequantized as the trainer lines' bitsandbytes kernel does (its output alone)
     assert sharded_qlora["total_GiB"] is None and sharded_qlora["measured_GiB"] > 0
     assert sharded_qlora["measured_stack"] == ("QLoRA (torchao NF4) r=16, bf16-mixed, adamw, "
-                                               "checkpointing, FSDP over 2 ranks")
+                                               "checkpointing, FSDP over 2 ranks, NF4 "
+                                               "dequantized in chunks")
     assert planner.FSDP_QLORA_NOTE not in result["notes"]  # measured: nothing left blank
     measured = [r for r in result["rows"] if "measured_GiB" in r]
     assert [r["step"] for r in measured] == [

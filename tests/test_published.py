@@ -217,3 +217,27 @@ def test_what_each_further_sequence_adds_is_fitted_over_the_micro_batches():
     assert slope["published"] == pytest.approx(2) and slope["predicted"] == pytest.approx(1.5)
     assert published.slope_summary(slope) == (
         "m (micro-batches 1, 2, 4), 2.00 GB a sequence at the source, 1.50 here (-25%).")
+
+
+def test_answerais_fsdp_qlora_rows_dequantize_as_bitsandbytes_beside_torchao():
+    """Answer.AI's FSDP + QLoRA rows ran bitsandbytes' NF4, whose kernel writes the dequantized
+    weight directly: measured with the course's torchao NF4 dequantized into its output alone,
+    torchao's own dequantization beside it (measured in make bench)."""
+    rows = [f for f in published.FIGURES if f.source == published.ANSWERAI]
+    fsdp_qlora = [f for f in rows if f.stack.method == "qlora" and f.stack.fsdp_ranks == 2]
+    assert len(rows) >= 8 and len(fsdp_qlora) == 4
+    for f in fsdp_qlora:
+        assert f.stack.chunked_dequant and f.batch_size % 2 == 0
+        assert f.alternatives == (("torchao's dequantization",
+                                   replace(f.stack, chunked_dequant=False)),)
+    assert {f.reads for f in rows} == {"allocated", "reserved"}
+
+
+def test_slopes_over_micro_batches_keep_each_sequence_length_apart():
+    def row(seq, b, gib):
+        return {"source": "s", "kind": "peak", "model_name": "m", "stack": "st",
+                "unit": "GiB (reserved)", "batch_size": b, "seq_len": seq, "published": gib,
+                "predicted": gib}
+    rows = [row(512, 2, 5.0), row(2048, 2, 5.2), row(2048, 8, 11.2), row(2048, 20, 21.0)]
+    (slope,) = published.batch_slopes(rows)  # the 512-token row has no second batch size
+    assert slope["batch_sizes"] == [2, 8, 20]

@@ -115,7 +115,8 @@ class Stack:
     With ``fsdp_ranks > 1`` it is the course's FSDP + QLoRA instead (``fsdp_qlora``, notebook
     02): torchao's ``NF4Tensor`` base, which FSDP2 shards and gathers still quantized, and fp32
     LoRA adapters on every linear layer of the blocks (bitsandbytes' packed weights do not shard
-    under FSDP2); the weights left unquantized are in the precision's dtype. torchao dequantizes
+    under FSDP2); the weights left unquantized are in the precision's dtype (in pure bf16 the
+    fp32 adapters take an fp32 copy of their input, as peft's do). torchao dequantizes
     a weight for each matmul (forward, and again in backward) through about 14 bytes per weight
     at once (int64 indices and four more full-size tensors); ``chunked_dequant=True`` holds only
     the output (``fsdp_qlora.dequantize_chunked``: the same values), which is what a fused

@@ -165,6 +165,12 @@ class NF4LoRALinear(nn.Module):
         out = linear_nf4(x, self.weight)
         if self.bias is not None:
             out = out + self.bias.to(out.dtype)
+        adapter_dtype = self.lora_a.weight.dtype
+        if x.dtype != adapter_dtype and not torch.is_autocast_enabled(x.device.type):
+            # peft's LoRA layers do the same: fp32 adapters over a bf16 base without autocast
+            # take an fp32 copy of their input, and their output comes back in the base's dtype
+            adapted = self.lora_b(self.lora_a(self.dropout(x.to(adapter_dtype))))
+            return out + (adapted * self.scaling).to(out.dtype)
         return out + self.lora_b(self.lora_a(self.dropout(x))) * self.scaling
 
 

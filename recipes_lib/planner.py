@@ -37,9 +37,9 @@ CUDA_CONTEXT_BYTES = 0.5 * 2**30
 ALLOCATOR_RESERVE = 0.15
 
 
-def gpu_overhead(allocated_bytes: float) -> float:
-    """The modelled bytes a GPU needs beyond a fake trace's peak: the CUDA context plus the
-    caching allocator's reserve (``CUDA_CONTEXT_BYTES + ALLOCATOR_RESERVE * allocated``).
+def allocator_reserve(allocated_bytes: float) -> float:
+    """The modelled bytes PyTorch's caching allocator reserves beyond what it hands out
+    (``ALLOCATOR_RESERVE * allocated``): ``max_memory_reserved`` less ``max_memory_allocated``.
 
     Args:
         allocated_bytes: the fake trace's peak.
@@ -47,7 +47,21 @@ def gpu_overhead(allocated_bytes: float) -> float:
     Returns:
         The bytes to add to it.
     """
-    return CUDA_CONTEXT_BYTES + ALLOCATOR_RESERVE * allocated_bytes
+    return ALLOCATOR_RESERVE * allocated_bytes
+
+
+def gpu_overhead(allocated_bytes: float) -> float:
+    """The modelled bytes a GPU needs beyond a fake trace's peak: the CUDA context, which lives
+    outside PyTorch's allocator, plus the allocator's reserve (``CUDA_CONTEXT_BYTES +``
+    :func:`allocator_reserve`).
+
+    Args:
+        allocated_bytes: the fake trace's peak.
+
+    Returns:
+        The bytes to add to it.
+    """
+    return CUDA_CONTEXT_BYTES + allocator_reserve(allocated_bytes)
 
 
 def _fsdp_step(gpus: int) -> str:

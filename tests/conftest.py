@@ -123,6 +123,10 @@ FSDP_FAKE_NF4_CONFIG = {"model_type": "llama", "vocab_size": 512, "hidden_size":
                         "max_position_embeddings": 256}
 FSDP_FAKE_NF4_STACK = {"method": "qlora", "precision": "bf16-mixed", "fsdp_ranks": 2,
                        "checkpointing": True}
+# ... with torchao's dequantization, dequantized in chunks, and in pure bf16 (fp32 adapters
+# over bf16 weights: the adapters take an fp32 copy of their input, as peft's do)
+FSDP_FAKE_NF4_VARIANTS = {"": {}, "_chunked": {"chunked_dequant": True},
+                          "_bf16": {"precision": "bf16", "chunked_dequant": True}}
 FSDP_FAKE_STACKS = [{"precision": "fp32", "fsdp_ranks": 2},
                     {"precision": "bf16-mixed", "fsdp_ranks": 2, "checkpointing": True},
                     {"method": "lora", "precision": "bf16-mixed", "fsdp_ranks": 2}]
@@ -182,8 +186,7 @@ def sharded_runs(tiny_model_path, tmp_path_factory):
            for i, stack in enumerate(FSDP_FAKE_STACKS)},
         **{f"fake_memory_nf4{suffix}": ("recipes_lib.fake_memory:real_rank_step", {
             "model": FSDP_FAKE_NF4_CONFIG, "stack": FSDP_FAKE_NF4_STACK | extra, "seq_len": 64,
-            "batch_size": 4}) for suffix, extra in (("", {}),
-                                                    ("_chunked", {"chunked_dequant": True}))},
+            "batch_size": 4}) for suffix, extra in FSDP_FAKE_NF4_VARIANTS.items()},
         **{f"fake_memory_moe_{i}": ("recipes_lib.fake_memory:real_rank_step", {
             "model": config, "stack": stack, "seq_len": 64, "batch_size": 4})
            for i, (config, stack) in enumerate(FSDP_FAKE_MOE_STACKS)}},

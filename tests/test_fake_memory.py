@@ -117,17 +117,19 @@ def test_a_fake_fsdp_rank_matches_each_real_rank(sharded_runs, monkeypatch):
 def test_a_fake_fsdp_qlora_rank_matches_each_real_rank(sharded_runs, monkeypatch):
     """FSDP + QLoRA as notebook 02 runs it (``fsdp_qlora``: torchao's NF4 base and fp32 adapters,
     sharded by FSDP2, NF4 shards and all), bf16-mixed with checkpointing, on 2 gloo ranks, with
-    torchao's dequantization and with ``chunked_dequant``: the
+    torchao's dequantization and with ``chunked_dequant`` (and that in pure bf16, whose fp32
+    adapters take an fp32 copy of their input as peft's do): the
     fake rank's parameters and optimizer states equal each real rank's to the byte, and its
     peak is a real rank's or under it by one late gloo copy, as above. Each fake rank keeps half
     of every linear layer's 4-bit codes and of its 8-bit block scales."""
-    from conftest import FSDP_FAKE_NF4_CONFIG, FSDP_FAKE_NF4_STACK
+    from conftest import FSDP_FAKE_NF4_CONFIG, FSDP_FAKE_NF4_STACK, FSDP_FAKE_NF4_VARIANTS
     from recipes_lib.fsdp_qlora import NF4LoRALinear
 
     copies = _gloo_copies(monkeypatch)
     stack = Stack(**FSDP_FAKE_NF4_STACK)
     activations = {}
-    for suffix, run in (("", stack), ("_chunked", replace(stack, chunked_dequant=True))):
+    for suffix, extra in FSDP_FAKE_NF4_VARIANTS.items():
+        run = replace(stack, **extra)
         fake = fake_memory.measure_step(FSDP_FAKE_NF4_CONFIG, run, 64, 4,
                                         comm_backend="gloo").by_category
         for rank in sharded_runs[f"fake_memory_nf4{suffix}"]:

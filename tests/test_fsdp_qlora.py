@@ -101,6 +101,20 @@ def test_a_chunked_nf4_layer_trains_as_torchaos():
     assert torch.equal(ref.lora_a.weight.grad, ours.lora_a.weight.grad)
 
 
+def test_fp32_adapters_over_a_bf16_base_cast_their_input_as_peft_does():
+    """Without autocast, peft's LoRA layers give fp32 adapters an fp32 copy of a bf16 input and
+    return their output in bf16; a bf16 input into fp32 weights would not multiply at all."""
+    linear = torch.nn.Linear(256, 128, bias=False)
+    ours = fsdp_qlora.NF4LoRALinear(linear, r=4, alpha=8, chunked_dequant=True)
+    torch.nn.init.normal_(ours.lora_b.weight)
+    x = torch.randn(3, 256, dtype=torch.bfloat16)
+    out = ours(x)
+    base = torch.nn.functional.linear(x, ours.weight.to(torch.bfloat16))
+    adapted = ours.lora_b(ours.lora_a(x.float())) * ours.scaling
+    assert out.dtype == torch.bfloat16 and ours.lora_a.weight.dtype == torch.float32
+    assert torch.equal(out, base + adapted.to(torch.bfloat16))
+
+
 def test_bad_inputs():
     with pytest.raises(ValueError, match="r=0"):
         fsdp_qlora.NF4LoRALinear(torch.nn.Linear(256, 128), r=0)

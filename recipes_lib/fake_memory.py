@@ -980,6 +980,40 @@ def _process_group(world_size: int, fake: bool):
         dist.destroy_process_group()
 
 
+@contextlib.contextmanager
+def fake_process_group(world_size: int):
+    """Rank 0 of a fake process group of ``world_size`` ranks, held open for several
+    measurements: a :func:`step_meter` of an FSDP stack made inside it builds its sharded model
+    once for every length (outside one, each length builds afresh, its group living for one
+    measurement). A group already open with ``world_size`` ranks is kept as it is.
+
+    Args:
+        world_size: the ranks (1: no group).
+
+    Raises:
+        ValueError: a process group of another size is already open.
+
+    Example:
+        >>> with fake_process_group(2):  # doctest: +SKIP
+        ...     at = step_meter("Llama-2-70B", Stack(method="qlora", fsdp_ranks=2), 2)
+        ...     peaks = [at(n).peak_bytes for n in (1024, 2048)]
+    """
+    import torch.distributed as dist
+
+    if world_size > 1 and dist.is_initialized() and dist.get_world_size() != world_size:
+        raise ValueError(f"world_size={world_size}: a process group of "
+                         f"{dist.get_world_size()} ranks is already open")
+    with _process_group(world_size, fake=True):
+        yield
+
+
+def _group_held(world_size: int) -> bool:
+    """Whether a process group of ``world_size`` ranks is open (:func:`fake_process_group`)."""
+    import torch.distributed as dist
+
+    return dist.is_initialized() and dist.get_world_size() == world_size
+
+
 def _restore_buffers(model: torch.nn.Module) -> None:
     """Recompute the buffers ``to_empty`` left uninitialised (rotary inverse frequencies,
     Gemma-4's per-layer scalars) by building each owning module afresh on the CPU (with its
@@ -1222,8 +1256,8 @@ def step_meter(model: Any, stack: Stack = Stack(), batch_size: int = 1,
                device: torch.device | str = "cpu") -> Callable[[int], MemoryReport]:
     """``seq_len -> measure_step(model, stack, seq_len, batch_size, device)`` on fake tensors,
     with one model built for every length asked (a search over lengths: the planner's
-    ``max_context``). FSDP stacks build afresh for each length (their fake process group lives
-    for one measurement).
+    ``max_context``). FSDP stacks do so inside :func:`fake_process_group`; outside one they
+    build afresh for each length (their fake process group lives for one measurement).
 
     Args:
         model: a preset name, a ``config.json`` (or its folder) or a config.
@@ -1237,17 +1271,17 @@ def step_meter(model: Any, stack: Stack = Stack(), batch_size: int = 1,
     Raises:
         ValueError: as :func:`measure_step`, for the batch now and for each length when asked.
     """
-    if stack.fsdp_ranks > 1:
+    if stack.fsdp_ranks > 1 and not _group_held(stack.fsdp_ranks):
         return lambda seq_len: measure_step(model, stack, seq_len, batch_size, device)
     config = model_config(model)
     prepared: list[_Prepared] = []
 
     def at(seq_len: int) -> MemoryReport:
-        check_sizes(seq_len, batch_size, stack)
+        per_rank = check_sizes(seq_len, batch_size, stack)
         check_positions(config, seq_len)
         if not prepared:
             prepared.append(_Prepared(config, stack, torch.device(device), True))
-        return prepared[0].measure(seq_len, batch_size)
+        return prepared[0].measure(seq_len, per_rank)
 
     check_sizes(2, batch_size, stack)
     return at

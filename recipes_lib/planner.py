@@ -1030,21 +1030,23 @@ def max_context(model: str, gpu_mem: str | float | list, stack: Any = None, batc
     top = longest // step
     probes: dict[int, float] = {}  # length -> bytes on the GPU, shared by every budget
 
-    meter = fake_memory.step_meter(config, stack, batch_size)  # one build, when first measured
     run = memo if memo is not None else (lambda key, measure: measure())
-
-    def need(n: int) -> float:
-        peak = run(f"fake step: {model!r}, {stack!r}, {batch_size} x {n}",
-                   lambda: meter(n).peak_bytes)
-        return peak + gpu_overhead(peak)
-
     out = []
-    for budget in budgets:
-        n = max_seq_len(need, budget, start=step, limit=top * step, multiple_of=step,
-                        probes=probes)["seq_len"]
-        out.append({"max_seq_len": n, "gpu_GiB": probes.get(n, 0.0) / 2**30,
-                    "budget_GiB": budget / 2**30, "stack": stack.label,
-                    "tries": [(k, v / 2**30) for k, v in probes.items()]})
+    # one fake process group for the whole search: an FSDP stack's model is built once too
+    with fake_memory.fake_process_group(stack.fsdp_ranks):
+        meter = fake_memory.step_meter(config, stack, batch_size)  # built when first measured
+
+        def need(n: int) -> float:
+            peak = run(f"fake step: {model!r}, {stack!r}, {batch_size} x {n}",
+                       lambda: meter(n).peak_bytes)
+            return peak + gpu_overhead(peak)
+
+        for budget in budgets:
+            n = max_seq_len(need, budget, start=step, limit=top * step, multiple_of=step,
+                            probes=probes)["seq_len"]
+            out.append({"max_seq_len": n, "gpu_GiB": probes.get(n, 0.0) / 2**30,
+                        "budget_GiB": budget / 2**30, "stack": stack.label,
+                        "tries": [(k, v / 2**30) for k, v in probes.items()]})
     return out if isinstance(gpu_mem, (list, tuple)) else out[0]
 
 

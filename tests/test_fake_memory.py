@@ -482,6 +482,39 @@ def test_a_reused_build_measures_what_fresh_builds_do(config, stack):
         fake_memory.step_meter(config, Stack(grad_accum_steps=2), batch_size=3)
 
 
+@pytest.mark.parametrize("stack", [
+    Stack(precision="bf16-mixed", checkpointing=True, fsdp_ranks=2),
+    Stack(method="qlora", precision="bf16-mixed", checkpointing=True, fsdp_ranks=2,
+          chunked_dequant=True)], ids=lambda s: s.label)
+def test_an_fsdp_build_is_reused_inside_a_held_process_group(stack):
+    """Inside ``fake_process_group`` an FSDP stack's meter builds its sharded model once and
+    measures each length as a fresh build does, a shorter length after a longer included."""
+    from conftest import FSDP_FAKE_NF4_CONFIG
+
+    lengths = (64, 32)
+    fresh = {n: fake_memory.measure_step(FSDP_FAKE_NF4_CONFIG, stack, n, 4).by_category
+             for n in lengths}
+    builds = []
+    original = fake_memory._Prepared.__init__
+
+    def counted(self, *args, **kwargs):
+        builds.append(1)
+        original(self, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(fake_memory._Prepared, "__init__", counted)
+        with fake_memory.fake_process_group(2):
+            meter = fake_memory.step_meter(FSDP_FAKE_NF4_CONFIG, stack, 4)
+            assert {n: meter(n).by_category for n in lengths} == fresh
+            with (pytest.raises(ValueError, match="world_size=8: a process group of 2 ranks"),
+                  fake_memory.fake_process_group(8)):
+                pass
+    assert len(builds) == 1
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()  # the group closes with the block
+
+
 @pytest.fixture(scope="module")
 def anatomy_config():
     """Large enough that each step's peak falls where the activations are (at 512 tokens)."""

@@ -1000,7 +1000,7 @@ def fake_process_group(world_size: int):
     """
     import torch.distributed as dist
 
-    if world_size > 1 and dist.is_initialized() and dist.get_world_size() != world_size:
+    if world_size > 1 and dist.is_initialized() and not _group_held(world_size):
         raise ValueError(f"world_size={world_size}: a process group of "
                          f"{dist.get_world_size()} ranks is already open")
     with _process_group(world_size, fake=True):

@@ -381,16 +381,16 @@ REASONS = {
         "(unslothai/unsloth#22) the memory before the first token drops further below the "
         "source's. Which stack, and which GB (10^9 bytes or the card's GiB), the source measured "
         "with stays open; neither is tuned here."),
+    ANSWERAI: (
+        "The source's reserved peaks at one sequence a GPU barely move with the length (QLoRA: "
+        "4.98 GiB at 512 tokens, 5.21 at 2,048), while each further 2,048-token sequence in its "
+        "batch rows adds 1.63 GiB (4 to 10 a GPU) and its LoRA rows' peak allocated (the note "
+        "under that table) grows by 0.88 GiB from 512 to 2,048 tokens. A reserved peak is the "
+        "allocator's high-water mark since the process started, loading included (the source "
+        "reads 3.72 GiB reserved once the model is wrapped, before the first step), so at one "
+        "sequence a GPU the rows say more about loading than about the step, which is all the "
+        "fake trace holds."),
 }
-REASONS[ANSWERAI] = (
-    "The source's reserved peaks at one sequence a GPU barely move with the length (QLoRA: "
-    "4.98 GiB at 512 tokens, 5.21 at 2,048), while each further 2,048-token sequence in its "
-    "batch rows adds 1.63 GiB (4 to 10 a GPU) and its LoRA rows' peak allocated (the note "
-    "under that table) grows by 0.88 GiB from 512 to 2,048 tokens. A reserved peak is the "
-    "allocator's high-water mark since the process started, loading included (the source "
-    "reads 3.72 GiB reserved once the model is wrapped, before the first step), so at one "
-    "sequence a GPU the rows say more about loading than about the step, which is all the "
-    "fake trace holds.")
 MIN_LINE_ROWS = 3  # longest-context rows of one source and model that make a line worth fitting
 
 

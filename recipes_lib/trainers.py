@@ -566,8 +566,9 @@ FSDP_QLORA_NOTE = (
     "FSDP + QLoRA: bnb_4bit_quant_storage the load dtype, so FSDP shards the 4-bit weights as "
     "16-bit tensors with the rest of each block (bitsandbytes' FSDP-QLoRA guide), and no k-bit "
     "preparation, which would make the blocks' dtypes differ; measured as the course runs it, "
-    "torchao's NF4 under FSDP2 (fsdp_qlora: the same 4-bit codes and block scales), with the "
-    "unquantized weights in fp32, which these settings keep in 16 bits")
+    "torchao's NF4 under FSDP2 (fsdp_qlora: the same 4-bit codes and block scales; the "
+    "planner's row dequantizes them into the output alone, as bitsandbytes' kernel does), with "
+    "the unquantized weights in fp32, which these settings keep in 16 bits")
 # a GPU without bf16 (bf16=False): what fp16=True does to the stack as measured
 FP16_NOTE = ("no bf16 on this GPU: fp16=True in place of bf16=True, the same bytes (autocast "
              "runs fp16 where it ran bf16; Trainer adds the gradient scaler fp16 needs)")

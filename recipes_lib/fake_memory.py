@@ -74,7 +74,9 @@ _SWITCHES = {"autocast_adapter_dtype": "True (adapters in fp32, peft's default) 
              "attention_mask": "True (rows that need a mask: padded or packed) or False (full "
                                "rows)",
              "chunked_dequant": "True (FSDP + QLoRA's NF4 dequantized into its output, as a "
-                                "fused kernel does) or False (torchao's dequantization)"}
+                                "fused kernel does) or False (torchao's dequantization)",
+             "fsdp_cpu_offload": "True (FSDP's shards, gradients and optimizer states in host "
+                                 "memory) or False"}
 # How the full causal-LM loss holds the logits: "course", the course's loop and today's
 # transformers; "transformers-4.46", transformers' loss from 4.46 until #35646
 # (``TransformersLoss``: with several sequences, one more fp32 copy of the logits in forward);
@@ -121,6 +123,13 @@ class Stack:
     at once (int64 indices and four more full-size tensors); ``chunked_dequant=True`` holds only
     the output (``fsdp_qlora.dequantize_chunked``: the same values), which is what a fused
     kernel holds, bitsandbytes' ``dequantize_4bit`` on a GPU among them.
+    ``fsdp_cpu_offload=True`` (with ``fsdp_ranks > 1``) is FSDP2's ``CPUOffloadPolicy``
+    (``fsdp.shard_model(cpu_offload=True)``; accelerate's ``fsdp_offload_params``, Answer.AI's
+    ``--use_cpu_offload``): the shards, their gradients and the optimizer's states live in host
+    memory and the optimizer steps there, each group's shards copied to the GPU for its
+    all-gather. The report's peak is the GPU's, ``host_by_category`` the host's
+    (``memory.measure_memory`` tells them apart on a CPU trace, leaving out the GPU's copy of
+    one group's shards on the way in and of its gradients on the way out).
     ``optimizer="adamw-8bit"`` is bitsandbytes' blockwise 8-bit AdamW. ``"adamw"`` is the
     course loop's ``torch.optim.AdamW`` as torch runs it on the device measured: on a CPU the
     for-loop implementation, whose temporaries are a few copies of one parameter (its
@@ -182,6 +191,7 @@ class Stack:
         nf4_keeps_input: bitsandbytes' 4-bit matmul before 0.43.2 (above).
         attention_mask: the rows need an attention mask (above).
         chunked_dequant: FSDP + QLoRA's NF4 dequantized chunk by chunk (above).
+        fsdp_cpu_offload: FSDP's shards, gradients and optimizer states in host memory (above).
 
     Raises:
         ValueError: naming the field, for a value out of range or a combination that does not
@@ -213,6 +223,7 @@ class Stack:
     nf4_keeps_input: bool = False
     attention_mask: bool = False
     chunked_dequant: bool = False
+    fsdp_cpu_offload: bool = False
 
     def __post_init__(self) -> None:
         if "qlora" in str(self.method) and "full" in str(self.method):
@@ -278,6 +289,10 @@ class Stack:
                              f"{self.fsdp_ranks}: it is how FSDP + QLoRA's torchao NF4 weights "
                              "are dequantized (method='qlora', fsdp_ranks > 1); QLoRA on one "
                              "device runs bitsandbytes' kernels, which hold only their output")
+        if self.fsdp_cpu_offload and self.fsdp_ranks == 1:
+            raise ValueError("fsdp_cpu_offload=True with fsdp_ranks=1: it is FSDP's offload of "
+                             "the shards; on one device offload the optimizer's states "
+                             "(offload_optimizer=True)")
         if self.fsdp_ranks > 1 and self.method == "qlora":  # the course's FSDP + QLoRA
             unlike = {"lora_targets": self.lora_targets != "all-linear",
                       "lora_parameters": bool(self.lora_parameters),
@@ -331,6 +346,8 @@ class Stack:
             parts.append("attention mask (padded or packed rows)")
         if self.chunked_dequant:
             parts.append("NF4 dequantized in chunks")
+        if self.fsdp_cpu_offload:
+            parts.append("FSDP's CPU offload")
         return ", ".join(parts)
 
 
@@ -615,7 +632,7 @@ def build_model(config, stack: Stack, device: torch.device | str, fake: bool = T
         nf4_shapes = packed_placeholders(model)
         if stack.fsdp_ranks > 1:  # sharded on meta; to_empty then gives each rank its shards
             shard_model(model, "bf16" if stack.precision == "bf16-mixed" else "fp32",
-                        device_type=device.type)
+                        device_type=device.type, cpu_offload=stack.fsdp_cpu_offload)
         mode = materialize(model, nf4_shapes, _compute_dtype(stack), device, fake)
         with mode or contextlib.nullcontext():
             if stack.fsdp_ranks == 1:  # FSDP keeps one sharded parameter for tied weights
@@ -658,7 +675,8 @@ def _sharded_nf4_model(config: Any, stack: Stack, device: torch.device, fake: bo
         apply_nf4_lora(model, r=stack.lora_rank, alpha=2 * stack.lora_rank,
                        dropout=stack.lora_dropout, base_dtype=_compute_dtype(stack),
                        chunked_dequant=stack.chunked_dequant)
-        shard_model(model, "bf16" if stack.precision == "bf16-mixed" else "fp32", mesh=mesh)
+        shard_model(model, "bf16" if stack.precision == "bf16-mixed" else "fp32", mesh=mesh,
+                    cpu_offload=stack.fsdp_cpu_offload)
     return model, mode
 
 
@@ -1299,11 +1317,12 @@ def real_rank_step(model: dict, stack: dict, seq_len: int, batch_size: int) -> d
         batch_size: sequences per step.
 
     Returns:
-        category -> bytes at this rank's peak.
+        category -> bytes at this rank's peak; with ``fsdp_cpu_offload`` also "host <category>"
+        -> bytes at the host's peak.
     """
     tuples = {k: tuple(v) for k, v in stack.items() if isinstance(v, list)}  # JSON's lists
-    return measure_step(model, Stack(**stack | tuples), seq_len, batch_size,
-                        fake=False).by_category
+    report = measure_step(model, Stack(**stack | tuples), seq_len, batch_size, fake=False)
+    return report.by_category | {f"host {k}": v for k, v in report.host_by_category.items()}
 
 
 def fake_vs_real(model: Any, stack: Stack, seq_len: int, batch_size: int = 1,

@@ -49,7 +49,7 @@ def mixed_precision_policy(precision: str = "fp32"):
 
 def shard_model(model: torch.nn.Module, precision: str = "fp32",
                 reshard_after_forward: bool = True, device_type: str | None = None,
-                mesh: Any = None) -> torch.nn.Module:
+                mesh: Any = None, cpu_offload: bool = False) -> torch.nn.Module:
     """Apply ``fully_shard`` to every transformer block, then to the root (in place).
 
     FSDP2 casts, gathers and reduces one dtype per group, and refuses a group whose trainable
@@ -66,18 +66,26 @@ def shard_model(model: torch.nn.Module, precision: str = "fp32",
             device to be materialised afterwards, as ``fake_memory`` does, names its target).
         mesh: the device mesh (default: one of every rank on ``device_type``); a model of fake
             tensors is sharded inside fake mode with a mesh made outside it.
+        cpu_offload: FSDP2's ``CPUOffloadPolicy``: the shards, their gradients and the
+            optimizer's states stay in host memory (the optimizer steps there), and each group's
+            shards are copied to the device for its all-gather; the model must be on the CPU
+            (or meta, materialised there). Host memory is pinned where the mesh is a GPU's.
 
     Returns:
         The same model, now an ``FSDPModule``.
 
     Raises:
         RuntimeError: outside a process group.
+        TypeError: ``cpu_offload`` not a bool.
 
     Example:
         >>> model = shard_model(load_model(path), precision="bf16")  # doctest: +SKIP
     """
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
+    if not isinstance(cpu_offload, bool):
+        raise TypeError(f"cpu_offload={cpu_offload!r}: True keeps the shards, their gradients "
+                        "and the optimizer's states in host memory (FSDP2's CPUOffloadPolicy)")
     if not dist.is_initialized():
         raise RuntimeError("shard_model: no process group; call distributed.init_distributed() "
                            "first (or run under distributed.launch / torchrun)")
@@ -90,6 +98,8 @@ def shard_model(model: torch.nn.Module, precision: str = "fp32",
     if mesh is None:
         device_type = device_type or next(model.parameters()).device.type
         mesh = init_device_mesh(device_type, (dist.get_world_size(),))
+    offload = (CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if cpu_offload
+               else OffloadPolicy())
     blocks = decoder_layers(model)
     in_blocks = {id(m) for layer in blocks for m in layer.modules()}
     for unit in [*blocks, model]:
@@ -97,7 +107,7 @@ def shard_model(model: torch.nn.Module, precision: str = "fp32",
                   else list(unit.modules()))
         for module in [*_other_dtype_modules(inside), unit]:
             fully_shard(module, mesh=mesh, mp_policy=policy,
-                        reshard_after_forward=reshard_after_forward)
+                        reshard_after_forward=reshard_after_forward, offload_policy=offload)
     return model
 
 

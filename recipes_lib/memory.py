@@ -77,6 +77,39 @@ def _update_global_peak(tracker, peak_state) -> None:
             tracker._peak_mem_snap[dev] = dict(snap)
 
 
+# What FSDP2's CPUOffloadPolicy keeps in host memory: the shards, their gradients and the
+# optimizer's states (the optimizer steps there: what it allocates is labelled with them)
+_OFFLOADED = ("Sharded Param", "Sharded Grad", "OptState")
+
+
+def _update_offloaded_peak(tracker, peak_state) -> None:
+    """:func:`_update_global_peak` for a trace of FSDP's CPU offload on one device (the CPU):
+    the device's bytes leave out what the policy keeps on the host (``_OFFLOADED``), whose own
+    peak is kept apart (``tracker.host_peak_snap``)."""
+    for dev, snap in tracker._curr_mem_snap.items():
+        host = {k: v for k, v in snap.items() if getattr(k, "value", k) in _OFFLOADED}
+        held = sum(host.values())
+        on_device = snap["Total"] - held
+        if tracker._peak_mem.get(dev, 0) < on_device:
+            tracker._peak_mem[dev] = on_device
+            tracker._peak_mem_snap[dev] = {k: v for k, v in snap.items() if k not in host
+                                           } | {"Total": on_device}
+        if sum(tracker.host_peak_snap.values()) < held:
+            tracker.host_peak_snap = host
+
+
+def _offloads_to_host(model: torch.nn.Module) -> bool:
+    """Whether FSDP2 shards some of ``model``'s parameters with ``CPUOffloadPolicy``."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            group = module._get_fsdp_state()._fsdp_param_group
+            if group is not None and isinstance(group.offload_policy, CPUOffloadPolicy):
+                return True
+    return False
+
+
 def _step_tracker():
     """A MemTracker that accepts several forward calls of the root module in one measurement.
 
@@ -134,6 +167,14 @@ def measure_memory(
     Parameters, gradients and optimizer states that already exist when ``fn`` starts are counted
     (they occupy memory during the call); so are tensors ``fn`` allocates.
 
+    A model sharded by FSDP2 with ``CPUOffloadPolicy`` (``fsdp.shard_model(cpu_offload=True)``)
+    and measured on the CPU keeps its host memory and its device's on the same device: there the
+    shards, their gradients and the optimizer's states (and what its step allocates) are the
+    host's (``host_by_category``, at the host's own peak) and the rest the device's. That
+    leaves out the copies a GPU makes on the way in and out (each group's shards before its
+    all-gather, its reduced gradients before they go to the host), each one group's shard
+    held for one collective.
+
     Args:
         fn: the work to measure, e.g. one training step.
         model: its parameters, buffers and gradients are labelled as such.
@@ -151,11 +192,23 @@ def measure_memory(
         device = next(model.parameters()).device if model is not None else torch.device("cpu")
     from torch.distributed.fsdp import FSDPModule
 
+    split = False  # FSDP's CPU offload traced on the CPU: host and device told apart by label
     if isinstance(model, FSDPModule):
         from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
+        split = device.type == "cpu" and _offloads_to_host(model)
+
         class GlobalPeakFSDPTracker(FSDPMemTracker):
-            _update_peak_stats = _update_global_peak
+            _update_peak_stats = _update_offloaded_peak if split else _update_global_peak
+
+            def __enter__(self):
+                super().__enter__()
+                if self._depth == 1:
+                    self.host_peak_snap = {}
+                    if split:  # the peaks it starts from, split the same way
+                        self._peak_mem, self._peak_mem_snap = {}, {}
+                        _update_offloaded_peak(self, None)
+                return self
 
         tracker = GlobalPeakFSDPTracker(model, optimizer)
     else:
@@ -190,6 +243,9 @@ def measure_memory(
         if torch.device(k).type != device.type:
             for cat, value in _categories(v).items():
                 host[cat] += value
+    if split:
+        for cat, value in _categories(tracker.host_peak_snap).items():
+            host[cat] += value
     by_cat = _categories(dev_snap)
     return MemoryReport(peak_bytes=int(dev_snap.get("Total", sum(by_cat.values()))),
                         by_category=by_cat, device=str(device),

@@ -41,7 +41,7 @@ TORCHTITAN_FSDP = TORCHTITAN.replace("(Table 2)", "(Tables 1 and 3)")
 TORCHTUNE = ("https://github.com/pytorch/torchtune (README: Optimization flags, Llama 3.2 3B, "
              "each technique added on top of the previous one)")
 ANSWERAI = ("https://github.com/AnswerDotAI/fsdp_qlora/blob/main/benchmarks_03_2024.md "
-            "(Llama-2 7B on two 3090s and two 4090s)")
+            "(Llama-2 7B and 70B, Mistral 7B v0.2, on two 3090s and two 4090s)")
 
 # Unsloth: "4bit QLoRA on all linear layers (Q, K, V, O, gate, up and down) with rank = 32 with
 # a batch size of 1 ... padded all sequences to a certain maximum sequence length"; its
@@ -185,6 +185,15 @@ _TORCHTUNE_CHUNKS = ("torchtune's CEWithChunkedOutputLoss (8 chunks, each chunk'
 # "DDP" row is FSDP's NO_SHARD (the whole model on each GPU): one GPU's bitsandbytes QLoRA.
 # "Peak Memory" is max reserved, GiB; the note under the LoRA table gives the peak allocated
 # (8.28 and 9.16 GiB). The source does not say the adapters' dtype: peft's fp32 is measured.
+# "CPU Offload" is FSDP's CPUOffload(offload_params=True): measured as FSDP2's CPUOffloadPolicy
+# (fsdp_cpu_offload), the GPU's peak. Its Mistral 7B v0.2 Base is v0.1's sizes with rope_theta
+# 1e6 and no sliding window (the Mistral-7B-Instruct-v0.2 model card: "Mistral-7B-v0.2 has the
+# following changes compared to Mistral-7B-v0.1": a 32k context, "Rope-theta = 1e6", "No
+# Sliding-Window Attention"), whose config.json's fields follow.
+MISTRAL_7B_V02 = {"model_type": "mistral", "vocab_size": 32000, "hidden_size": 4096,
+                  "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+                  "num_key_value_heads": 8, "max_position_embeddings": 32768,
+                  "rope_theta": 1000000.0, "sliding_window": None, "tie_word_embeddings": False}
 _ANSWERAI = {"precision": "bf16", "checkpointing": True, "lora_rank": 64, "lora_dropout": 0.1,
              "loss": "transformers-4.46"}
 _ANSWERAI_FSDP_QLORA = Stack(method="qlora", fsdp_ranks=2, chunked_dequant=True, **_ANSWERAI)
@@ -194,6 +203,8 @@ _ANSWERAI_CONFIG = ("Answer.AI's train.py, 2 GPUs, {how}, batch {b} a GPU, preci
                     "fp32 logits{qlora}; {reads}")
 _ANSWERAI_QLORA = (", bitsandbytes NF4 stored in bf16 (measured as torchao's NF4 dequantized "
                    "into its output, as bitsandbytes' kernel does)")
+_ANSWERAI_OFFLOADED = replace(_ANSWERAI_FSDP_QLORA, fsdp_cpu_offload=True)
+_OFFLOAD_HOW = "FSDP full shard with CPU offload (the GPU's peak)"
 
 
 @dataclass(frozen=True)
@@ -360,6 +371,25 @@ FIGURES = [
              seq_len=seq, batch_size=2 * b, reads=reads)
       for seq, b, gib, reads in ((512, 1, 8.28, "allocated"), (2048, 1, 9.16, "allocated"),
                                  (2048, 4, 16.14, "reserved"), (2048, 6, 21.35, "reserved"))),
+    # with FSDP's CPU offload: the dual 4090 tables (Llama-2 70B's row is the 3090s' too)
+    *(Figure(ANSWERAI, f"{name} QLoRA, FSDP + CPU offload over 2 GPUs, batch {b} x {seq} "
+             "(Answer.AI)", model, _ANSWERAI_OFFLOADED, "peak", gib,
+             config=_ANSWERAI_CONFIG.format(how=_OFFLOAD_HOW, b=b, qlora=_ANSWERAI_QLORA,
+                                            reads="peak memory: max reserved, GiB"),
+             seq_len=seq, batch_size=2 * b, reads="reserved",
+             alternatives=(("torchao's dequantization",
+                            replace(_ANSWERAI_OFFLOADED, chunked_dequant=False)),))
+      for name, model, seq, b, gib in (("Llama-2-7B", "Llama-2-7B", 2048, 12, 22.38),
+                                       ("Llama-2-70B", "Llama-2-70B", 2048, 2, 14.92),
+                                       ("Mistral-7B-v0.2", MISTRAL_7B_V02, 2048, 12, 22.54),
+                                       ("Mistral-7B-v0.2", MISTRAL_7B_V02, 24576, 1, 22.54))),
+    Figure(ANSWERAI, "Llama-2-7B LoRA, FSDP + CPU offload over 2 GPUs, batch 10 x 2048 "
+           "(Answer.AI)", "Llama-2-7B",
+           Stack(method="lora", fsdp_ranks=2, gpu_dropout=True, fsdp_cpu_offload=True,
+                 **_ANSWERAI), "peak", 22.69,
+           config=_ANSWERAI_CONFIG.format(how=_OFFLOAD_HOW, b=10, qlora="",
+                                          reads="peak memory: max reserved, GiB"),
+           seq_len=2048, batch_size=20, reads="reserved"),
 ]
 
 
@@ -389,7 +419,11 @@ REASONS = {
         "allocator's high-water mark since the process started, loading included (the source "
         "reads 3.72 GiB reserved once the model is wrapped, before the first step), so at one "
         "sequence a GPU the rows say more about loading than about the step, which is all the "
-        "fake trace holds."),
+        "fake trace holds. Its LoRA rows grow faster with the batch than its QLoRA rows (2.6 "
+        "GiB for each further 2,048-token sequence from 4 to 6 a GPU, against 1.63 from 4 to "
+        "10), though the two steps differ only in the base's weights and their matmul; its "
+        "offloaded LoRA row, at 10 a GPU, lies furthest along that axis. Why a LoRA sequence "
+        "costs more there is not found."),
 }
 MIN_LINE_ROWS = 3  # longest-context rows of one source and model that make a line worth fitting
 

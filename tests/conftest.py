@@ -130,6 +130,11 @@ FSDP_FAKE_NF4_VARIANTS = {"": {}, "_chunked": {"chunked_dequant": True},
 FSDP_FAKE_STACKS = [{"precision": "fp32", "fsdp_ranks": 2},
                     {"precision": "bf16-mixed", "fsdp_ranks": 2, "checkpointing": True},
                     {"method": "lora", "precision": "bf16-mixed", "fsdp_ranks": 2}]
+# ... and with FSDP's CPU offload (the shards, their gradients and optimizer states the host's)
+FSDP_FAKE_OFFLOADED = [(FSDP_FAKE_CONFIG, {"precision": "bf16-mixed", "fsdp_ranks": 2,
+                                           "fsdp_cpu_offload": True}),
+                       (FSDP_FAKE_NF4_CONFIG, FSDP_FAKE_NF4_STACK | {"chunked_dequant": True,
+                                                                     "fsdp_cpu_offload": True})]
 # ... and a mixture of experts (grouped-GEMM experts: bf16 weights)
 FSDP_FAKE_MOE = {"model_type": "qwen3_moe", "vocab_size": 256, "hidden_size": 64,
                  "intermediate_size": 128, "moe_intermediate_size": 32, "num_hidden_layers": 2,
@@ -187,6 +192,9 @@ def sharded_runs(tiny_model_path, tmp_path_factory):
         **{f"fake_memory_nf4{suffix}": ("recipes_lib.fake_memory:real_rank_step", {
             "model": FSDP_FAKE_NF4_CONFIG, "stack": FSDP_FAKE_NF4_STACK | extra, "seq_len": 64,
             "batch_size": 4}) for suffix, extra in FSDP_FAKE_NF4_VARIANTS.items()},
+        **{f"fake_memory_offloaded_{i}": ("recipes_lib.fake_memory:real_rank_step", {
+            "model": config, "stack": stack, "seq_len": 64, "batch_size": 4})
+           for i, (config, stack) in enumerate(FSDP_FAKE_OFFLOADED)},
         **{f"fake_memory_moe_{i}": ("recipes_lib.fake_memory:real_rank_step", {
             "model": config, "stack": stack, "seq_len": 64, "batch_size": 4})
            for i, (config, stack) in enumerate(FSDP_FAKE_MOE_STACKS)}},

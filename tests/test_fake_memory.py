@@ -151,6 +151,49 @@ def test_a_fake_fsdp_qlora_rank_matches_each_real_rank(sharded_runs, monkeypatch
             assert shard.quantized_scalers.numel() == n // 64 // 2  # one per 64 weights
 
 
+def test_a_fake_fsdp_rank_with_cpu_offload_matches_each_real_rank(sharded_runs, monkeypatch):
+    """FSDP's CPU offload (``fsdp_cpu_offload``: FSDP2's ``CPUOffloadPolicy``), bf16-mixed and
+    FSDP + QLoRA chunked, on 2 gloo ranks: on a CPU the host and the device are one, and the
+    meter gives the shards, their gradients and the optimizer's states to the host. The fake
+    rank's host parameters and optimizer states equal each real rank's to the byte, and its
+    device peak is a real rank's or under it by one late gloo copy. The host holds the
+    optimizer states the same step without offload keeps (and, at its peak, the step's
+    temporaries), and the device none."""
+    from conftest import FSDP_FAKE_OFFLOADED
+
+    copies = _gloo_copies(monkeypatch)
+    for i, (config, fields) in enumerate(FSDP_FAKE_OFFLOADED):
+        copies.clear()
+        stack = Stack(**fields)
+        fake = fake_memory.measure_step(config, stack, 64, 4, comm_backend="gloo")
+        kept = fake_memory.measure_step(config, replace(stack, fsdp_cpu_offload=False), 64, 4,
+                                        comm_backend="gloo")
+        # the host's peak comes in the optimizer's step, its temporaries beside the states
+        assert fake.host_by_category["optimizer"] >= kept.by_category["optimizer"] > 0
+        assert fake.by_category["optimizer"] == 0 and fake.peak_bytes < kept.peak_bytes
+        for rank in sharded_runs[f"fake_memory_offloaded_{i}"]:
+            host = {k.removeprefix("host "): v for k, v in rank.items() if k.startswith("host ")}
+            device = {k: v for k, v in rank.items() if not k.startswith("host ")}
+            assert host["optimizer"] == fake.host_by_category["optimizer"], (fields, host)
+            assert host["parameters"] == fake.host_by_category["parameters"] > 0, (fields, host)
+            assert _within_one_late_copy(device, fake.by_category, copies), (
+                fields, device, fake.by_category, copies)
+
+
+def test_fsdp_cpu_offload_bad_input_names_the_field():
+    """Offload without FSDP, or a switch that is not a bool, names ``fsdp_cpu_offload``;
+    ``shard_model`` names ``cpu_offload``."""
+    from recipes_lib import fsdp
+
+    with pytest.raises(ValueError, match="fsdp_cpu_offload=True with fsdp_ranks=1"):
+        Stack(fsdp_cpu_offload=True)
+    with pytest.raises(TypeError, match="fsdp_cpu_offload='yes'"):
+        Stack(fsdp_ranks=2, fsdp_cpu_offload="yes")
+    assert "FSDP's CPU offload" in Stack(fsdp_ranks=2, fsdp_cpu_offload=True).label
+    with pytest.raises(TypeError, match="cpu_offload=1"):
+        fsdp.shard_model(torch.nn.Linear(2, 2), cpu_offload=1)
+
+
 def test_a_fake_fsdp_rank_of_a_mixture_of_experts_matches_each_real_rank(sharded_runs,
                                                                           monkeypatch):
     """Qwen3-MoE's grouped-GEMM experts sharded over 2 gloo ranks (full bf16; LoRA, which peft

@@ -222,10 +222,13 @@ def test_what_each_further_sequence_adds_is_fitted_over_the_micro_batches():
 def test_answerais_fsdp_qlora_rows_dequantize_as_bitsandbytes_beside_torchao():
     """Answer.AI's FSDP + QLoRA rows ran bitsandbytes' NF4, whose kernel writes the dequantized
     weight directly: measured with the course's torchao NF4 dequantized into its output alone,
-    torchao's own dequantization beside it (measured in make bench)."""
+    torchao's own dequantization beside it (measured in make bench); its CPU-offload rows
+    (FSDP's ``CPUOffload``) as FSDP2's ``CPUOffloadPolicy``."""
     rows = [f for f in published.FIGURES if f.source == published.ANSWERAI]
     fsdp_qlora = [f for f in rows if f.stack.method == "qlora" and f.stack.fsdp_ranks == 2]
-    assert len(rows) >= 8 and len(fsdp_qlora) == 4
+    assert len(rows) >= 8 and len(fsdp_qlora) == 8
+    assert {f.stack.fsdp_cpu_offload for f in fsdp_qlora} == {False, True}
+    assert all(f.stack.fsdp_cpu_offload == ("CPU offload" in f.row) for f in rows)
     for f in fsdp_qlora:
         assert f.stack.chunked_dequant and f.batch_size % 2 == 0
         assert f.alternatives == (("torchao's dequantization",

@@ -74,6 +74,18 @@ def _fsdp_qlora_step(gpus: int) -> str:
     return f"QLoRA, FSDP over {gpus} GPUs + checkpointing"
 
 
+def _fsdp_offload_step(gpus: int) -> str:
+    """The row after that: FSDP's CPU offload of QLoRA's shards, gradients and optimizer states."""
+    return f"QLoRA, FSDP over {gpus} GPUs + checkpointing + CPU offload"
+
+
+def _sharded_steps(gpus: int) -> list[str]:
+    """The rows that shard the model over ``gpus`` GPUs: the full fine-tune's FSDP row, and
+    above one GPU the FSDP + QLoRA rows, measured only."""
+    return [_fsdp_step(gpus)] + ([_fsdp_qlora_step(gpus), _fsdp_offload_step(gpus)]
+                                 if gpus > 1 else [])
+
+
 def _measured_stack(step: str, grad_accum_steps: int, gpus: int = 1,
                     attention_mask: bool = False) -> Any:
     """The stack measured on fake tensors for an escalation row (by its name;
@@ -101,6 +113,10 @@ def _measured_stack(step: str, grad_accum_steps: int, gpus: int = 1,
         # lines') does, not through torchao's temporaries (about 14 bytes a weight)
         stacks[_fsdp_qlora_step(gpus)] = replace(qlora, checkpointing=True, fsdp_ranks=gpus,
                                                  chunked_dequant=True)
+        # FSDP2's CPUOffloadPolicy: the shards, their gradients and the optimizer step in CPU
+        # RAM (Answer.AI's 70 B on two 24 GB cards)
+        stacks[_fsdp_offload_step(gpus)] = replace(stacks[_fsdp_qlora_step(gpus)],
+                                                   fsdp_cpu_offload=True)
     reasons = {"FSDP": "FSDP over one GPU is the full fine-tune"}
     if step in stacks:
         return replace(stacks[step], attention_mask=attention_mask)
@@ -456,9 +472,8 @@ def _formula_rows(config: Any, shape: calc.ModelShape, seq_len: int, batch_size:
                  "total_GiB": fs["gpu_total"] / 2**30})
     counted = config is not None and _count_layers(rows, config, shape, seq_len, batch_size,
                                                    grad_accum_steps, attention_mask)
-    if gpus > 1:  # measured only: see FSDP_QLORA_NOTE
-        rows.append(dict.fromkeys(("state_GiB", "activations_GiB", "total_GiB"))
-                    | {"step": _fsdp_qlora_step(gpus)})
+    for step in _sharded_steps(gpus)[1:]:  # measured only: see FSDP_QLORA_NOTE
+        rows.append(dict.fromkeys(("state_GiB", "activations_GiB", "total_GiB")) | {"step": step})
     return _on_gpu(rows, budget), counted
 
 
@@ -490,13 +505,14 @@ KORTHIKANTI_NOTE = (
 
 # the FSDP + QLoRA row, above one GPU
 FSDP_QLORA_NOTE = (
-    "QLoRA sharded by FSDP (the last row: notebook 02's fsdp_qlora, torchao's NF4 base and fp32 "
-    "adapters under FSDP2, rank 0 of a fake process group, each NF4 weight dequantized into its "
-    "output alone as bitsandbytes' kernel does, where torchao's own dequantization holds about "
-    "14 bytes a weight of the largest layer at once) is measured only (--measure): the "
-    "formulas leave it blank, because what a rank holds at its peak besides its shards (the "
-    "blocks and the embeddings FSDP gathers, what NF4's matmuls keep for backward) is not "
-    "modelled")
+    "QLoRA sharded by FSDP (the last two rows: notebook 02's fsdp_qlora, torchao's NF4 base and "
+    "fp32 adapters under FSDP2, rank 0 of a fake process group, each NF4 weight dequantized "
+    "into its output alone as bitsandbytes' kernel does, where torchao's own dequantization "
+    "holds about 14 bytes a weight of the largest layer at once; the last with FSDP's CPU "
+    "offload, the shards, their gradients and the optimizer's states in CPU RAM) is measured "
+    "only (--measure): the formulas leave it blank, because what a rank holds at its peak "
+    "besides its shards (the blocks and the embeddings FSDP gathers, what NF4's matmuls keep "
+    "for backward) is not modelled")
 
 
 # the share of the checkpointed row's activations above which the plan says what the loss's logits
@@ -648,9 +664,9 @@ def plan(model: str, gpu_mem: str | float, seq_len: int = 2048, batch_size: int 
         seq_len, batch_size: tokens per sequence and sequences per optimizer step.
         gpus: GPUs for the last steps, a full fine-tune sharded with FSDP and, above one GPU,
             QLoRA with its NF4 base sharded too (the course's ``fsdp_qlora``, checkpointed;
-            measured only, ``FSDP_QLORA_NOTE``); each GPU is planned with the busiest one's
-            share of the batch, ``ceil(batch_size / gpus)`` (at least one sequence: 1 sequence
-            over 8 GPUs plans 1 per GPU).
+            measured only, ``FSDP_QLORA_NOTE``), then that with FSDP's CPU offload; each GPU
+            is planned with the busiest one's share of the batch, ``ceil(batch_size / gpus)``
+            (at least one sequence: 1 sequence over 8 GPUs plans 1 per GPU).
         grad_accum_steps: micro-batches per step in the accumulation row (default: the fewest,
             more than one where the batch allows, whose row fits by the formulas, else one
             sequence per micro-batch; for an architecture the formulas do not describe, the
@@ -680,7 +696,7 @@ def plan(model: str, gpu_mem: str | float, seq_len: int = 2048, batch_size: int 
         by saying which);
         each row has step, state_GiB, activations_GiB, total_GiB (the formulas' bytes),
         total_gpu_GiB (plus the modelled ``gpu_overhead``, as a measured trace gets) and fits
-        (on that), all None in the FSDP + QLoRA row, which is measured only;
+        (on that), all None in the FSDP + QLoRA rows, which are measured only;
         ``notes``: what the formulas assume that this model does not do (eager attention's scores),
         and the loss's logits where they are most of the checkpointed row's activations
         (:func:`note_logits`). For an architecture the formulas do not describe
@@ -717,8 +733,7 @@ def plan(model: str, gpu_mem: str | float, seq_len: int = 2048, batch_size: int 
             raise ValueError(f"{err}; --measure (plan(measure=True)) measures every row") from err
         if grad_accum_steps is None:
             grad_accum_steps = _default_grad_accum_steps(batch_size)
-        out = _unpredicted(err, calc.escalation_steps(grad_accum_steps) + [_fsdp_step(gpus)]
-                           + ([_fsdp_qlora_step(gpus)] if gpus > 1 else []))
+        out = _unpredicted(err, calc.escalation_steps(grad_accum_steps) + _sharded_steps(gpus))
         if attention_mask:
             out["notes"].append("an attention mask in every layer (padded or packed rows): "
                                 "measured with it")

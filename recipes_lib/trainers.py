@@ -569,6 +569,13 @@ FSDP_QLORA_NOTE = (
     "torchao's NF4 under FSDP2 (fsdp_qlora: the same 4-bit codes and block scales; the "
     "planner's row dequantizes them into the output alone, as bitsandbytes' kernel does), with "
     "the unquantized weights in fp32, which these settings keep in 16 bits")
+# FSDP's CPU offload (fake_memory.Stack.fsdp_cpu_offload) in a trainer
+FSDP_OFFLOAD_NOTE = (
+    "FSDP's CPU offload: fsdp_config's cpu_offload (the 'offload' of fsdp='full_shard auto_wrap "
+    "offload'; fsdp_offload_params: true in an accelerate config) keeps the shards, their "
+    "gradients and the optimizer's states in CPU RAM and steps the optimizer there; each "
+    "block's weights cross PCIe to the GPU for its all-gather, in forward and again in "
+    "backward, every step")
 # a GPU without bf16 (bf16=False): what fp16=True does to the stack as measured
 FP16_NOTE = ("no bf16 on this GPU: fp16=True in place of bf16=True, the same bytes (autocast "
              "runs fp16 where it ran bf16; Trainer adds the gradient scaler fp16 needs)")
@@ -708,7 +715,11 @@ def stack_settings(stack: Any, batch_size: int,
                             "(SFTConfig(padding_free=True)) under SDPA; "
                             "attn_implementation='flash_attention_2' builds none for either")
     if stack.fsdp_ranks > 1:
-        args |= fsdp_settings(model) if model is not None else _fsdp_args("<decoder block>")
+        fsdp = fsdp_settings(model) if model is not None else _fsdp_args("<decoder block>")
+        if stack.fsdp_cpu_offload:
+            fsdp["fsdp_config"]["cpu_offload"] = True
+            out["notes"].append(FSDP_OFFLOAD_NOTE)
+        args |= fsdp
         out["notes"].append(f"launch on {stack.fsdp_ranks} GPUs: torchrun --nproc-per-node "
                             f"{stack.fsdp_ranks} (or accelerate launch, accelerate_config)")
     if stack.chunked_loss:

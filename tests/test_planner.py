@@ -139,18 +139,23 @@ def test_gemma3_is_counted_op_by_op():
 def test_more_gpus_make_fsdp_fit():
     one = planner.plan("Llama-3.1-8B", "80GB", 2048, 8, gpus=1)["rows"]
     eight = planner.plan("Llama-3.1-8B", "80GB", 2048, 8, gpus=8)["rows"]
-    assert not one[-1]["fits"] and eight[-2]["fits"]
-    # above one GPU, QLoRA with its NF4 base sharded too follows the full fine-tune's FSDP row
+    assert not one[-1]["fits"] and eight[-3]["fits"]
+    # above one GPU, QLoRA with its NF4 base sharded too follows the full fine-tune's FSDP row,
+    # then that with FSDP's CPU offload
     assert [r["step"] for r in one[-1:]] == ["full fine-tune, FSDP over 1 GPU + checkpointing"]
-    assert [r["step"] for r in eight[-2:]] == ["full fine-tune, FSDP over 8 GPUs + checkpointing",
-                                               "QLoRA, FSDP over 8 GPUs + checkpointing"]
+    assert [r["step"] for r in eight[-3:]] == [
+        "full fine-tune, FSDP over 8 GPUs + checkpointing",
+        "QLoRA, FSDP over 8 GPUs + checkpointing",
+        "QLoRA, FSDP over 8 GPUs + checkpointing + CPU offload"]
 
 
-def test_above_one_gpu_the_fsdp_qlora_row_is_left_to_the_measurement_and_says_why():
+def test_above_one_gpu_the_fsdp_qlora_rows_are_left_to_the_measurement_and_say_why():
     rows = planner.plan("Llama-2-70B", "24GB", 2048, 2, gpus=2)
-    last = rows["rows"][-1]
-    assert last["step"] == "QLoRA, FSDP over 2 GPUs + checkpointing"
-    assert last["total_GiB"] is None and last["fits"] is None
+    assert [r["step"] for r in rows["rows"][-2:]] == [
+        "QLoRA, FSDP over 2 GPUs + checkpointing",
+        "QLoRA, FSDP over 2 GPUs + checkpointing + CPU offload"]
+    for last in rows["rows"][-2:]:
+        assert last["total_GiB"] is None and last["fits"] is None
     assert planner.FSDP_QLORA_NOTE in rows["notes"] and rows["cheapest"] == "nothing fits"
     assert "QLoRA, FSDP over 2 GPUs + checkpointing" in planner.format_plan(rows)
 
@@ -163,7 +168,7 @@ def test_fsdp_row_plans_the_busiest_gpus_share_of_a_batch_the_gpus_do_not_divide
     from recipes_lib import fake_memory
 
     small_llama.config.save_pretrained(tmp_path)
-    calculated = {b: planner.plan(str(tmp_path), "1GB", 64, b, gpus=2)["rows"][-2]["total_GiB"]
+    calculated = {b: planner.plan(str(tmp_path), "1GB", 64, b, gpus=2)["rows"][-3]["total_GiB"]
                   for b in (2, 3, 4)}
     assert calculated[3] == calculated[4] > calculated[2]
     measured = []  # the batch each fake FSDP step is measured with (no step run here)
@@ -500,9 +505,9 @@ def test_measure_puts_a_fake_measurement_or_its_reason_beside_each_row(tmp_path,
                           measure=True, gpus=2, progress=True)
     assert "fake-tensor steps, one a row" in capsys.readouterr().err  # what the CLI shows
     assert result["layers_counted"] and result["notes"][0] == planner.COUNTED_NOTE
-    for r in result["rows"][:-2]:  # the full fine-tune's FSDP row keeps Korthikanti's count
+    for r in result["rows"][:-3]:  # the full fine-tune's FSDP row keeps Korthikanti's count
         assert r["total_GiB"] / r["measured_GiB"] == pytest.approx(1, abs=0.05), r
-    sharded_qlora = result["rows"][-1]  # torchao's NF4 under FSDP2, as notebook 02 runs it,
+    sharded_qlora = result["rows"][-2]  # torchao's NF4 under FSDP2, as notebook 02 runs it,
     # dequantized as the trainer lines' bitsandbytes kernel does (its output alone)
     assert sharded_qlora["total_GiB"] is None and sharded_qlora["measured_GiB"] > 0
     assert sharded_qlora["measured_stack"] == ("QLoRA (torchao NF4) r=16, bf16-mixed, adamw, "
@@ -515,10 +520,17 @@ def test_measure_puts_a_fake_measurement_or_its_reason_beside_each_row(tmp_path,
         "LoRA on a bf16 base", "QLoRA (NF4 base)", "+ activation checkpointing",
         "+ gradient accumulation (k=2)", "+ CPU offload of optimizer states",
         "full fine-tune, FSDP over 2 GPUs + checkpointing",
-        "QLoRA, FSDP over 2 GPUs + checkpointing"]
+        "QLoRA, FSDP over 2 GPUs + checkpointing",
+        "QLoRA, FSDP over 2 GPUs + checkpointing + CPU offload"]
     assert len(measured) == len(result["rows"])
-    offload = measured[-3]
-    assert offload["host_GiB"] > 0 and offload["measured_GiB"] < measured[-4]["measured_GiB"]
+    offload = measured[-4]
+    assert offload["host_GiB"] > 0 and offload["measured_GiB"] < measured[-5]["measured_GiB"]
+    # FSDP's CPU offload: the shards, their gradients and optimizer states in CPU RAM
+    sharded_offload = measured[-1]
+    assert sharded_offload["measured_stack"] == sharded_qlora["measured_stack"] + (
+        ", FSDP's CPU offload")
+    assert sharded_offload["host_GiB"] > 0 == sharded_qlora["host_GiB"]
+    assert sharded_offload["measured_GiB"] < sharded_qlora["measured_GiB"]
     assert "QLoRA" in measured[4]["measured_stack"]  # builds on the QLoRA row, as calc does
     for r in measured:
         assert r["gpu_GiB"] * 2**30 == pytest.approx(

@@ -317,6 +317,15 @@ def test_a_planned_stack_runs_as_the_lines_a_training_script_writes(tmp_path, sm
     down = quantized["model"].model.layers[0].mlp.down_proj
     assert type(down).__name__ == "Linear4bit" and down.weight.dtype == torch.bfloat16
     assert quantized["args"].fsdp_config["transformer_layer_cls_to_wrap"] == ["LlamaDecoderLayer"]
+    # ... and with FSDP's CPU offload: fsdp_config's cpu_offload, said in a note
+    offloaded = trainers.stack_settings(Stack(method="qlora", precision="bf16-mixed",
+                                              checkpointing=True, fsdp_ranks=2,
+                                              fsdp_cpu_offload=True), 4, small_llama)
+    assert trainers.FSDP_OFFLOAD_NOTE in offloaded["notes"]
+    assert "cpu_offload" not in fsdp_qlora["args"]["fsdp_config"]
+    on_host = dict(names)
+    exec(trainers.format_settings(offloaded, str(tmp_path)), on_host)  # noqa: S102 - as above
+    assert on_host["args"].fsdp_config["cpu_offload"] is True
     with pytest.raises(ValueError, match="batch_size=4: must be a positive multiple of the ranks "
                                          "x micro-batches, 1 x 3"):
         trainers.stack_settings(Stack(grad_accum_steps=3), 4)

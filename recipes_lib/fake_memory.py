@@ -1190,8 +1190,9 @@ def measure_step(model: Any, stack: Stack = Stack(), seq_len: int = 2048, batch_
         collectives return at once and allocate what the real ones do).
 
     Raises:
-        ValueError: for bad sizes, a sequence beyond the model's positions, or a batch the
-            ranks and accumulation steps do not divide.
+        ValueError: for bad sizes, a sequence beyond the model's positions, a batch the
+            ranks and accumulation steps do not divide, or a real (``fake=False``) step of
+            ``stack.fsdp_cpu_offload`` on a GPU.
 
     Example:
         >>> r = measure_step("Llama-3.1-8B", Stack(checkpointing=True), 2048)  # doctest: +SKIP
@@ -1199,6 +1200,11 @@ def measure_step(model: Any, stack: Stack = Stack(), seq_len: int = 2048, batch_
         14.96
     """
     per_rank = check_sizes(seq_len, batch_size, stack)
+    if stack.fsdp_cpu_offload and not fake and torch.device(device).type != "cpu":
+        raise ValueError(f"stack.fsdp_cpu_offload=True with fake=False on {device}: a real "
+                         "offloaded step is measured on CPU ranks here (its model is built on "
+                         "the device, where FSDP's CPUOffloadPolicy refuses it); measure it on "
+                         "fake tensors (fake=True)")
     if comm_backend not in COMM_BACKENDS:
         raise ValueError(f"comm_backend={comm_backend!r}: one of {', '.join(COMM_BACKENDS)}")
     config = model_config(model)

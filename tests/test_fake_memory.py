@@ -180,9 +180,9 @@ def test_a_fake_fsdp_rank_with_cpu_offload_matches_each_real_rank(sharded_runs, 
                 fields, device, fake.by_category, copies)
 
 
-def test_fsdp_cpu_offload_bad_input_names_the_field():
-    """Offload without FSDP, or a switch that is not a bool, names ``fsdp_cpu_offload``;
-    ``shard_model`` names ``cpu_offload``."""
+def test_fsdp_cpu_offload_bad_input_names_the_field(config):
+    """Offload without FSDP, or a switch that is not a bool, names ``fsdp_cpu_offload``, and so
+    does a real offloaded step on a GPU; ``shard_model`` names ``cpu_offload``."""
     from recipes_lib import fsdp
 
     with pytest.raises(ValueError, match="fsdp_cpu_offload=True with fsdp_ranks=1"):
@@ -192,6 +192,9 @@ def test_fsdp_cpu_offload_bad_input_names_the_field():
     assert "FSDP's CPU offload" in Stack(fsdp_ranks=2, fsdp_cpu_offload=True).label
     with pytest.raises(TypeError, match="cpu_offload=1"):
         fsdp.shard_model(torch.nn.Linear(2, 2), cpu_offload=1)
+    with pytest.raises(ValueError, match="stack.fsdp_cpu_offload=True with fake=False on cuda"):
+        fake_memory.measure_step(config, Stack(fsdp_ranks=2, fsdp_cpu_offload=True), 16, 2,
+                                 device="cuda", fake=False)
 
 
 def test_a_fake_fsdp_rank_of_a_mixture_of_experts_matches_each_real_rank(sharded_runs,

@@ -203,11 +203,9 @@ def measure_memory(
 
             def __enter__(self):
                 super().__enter__()
-                if self._depth == 1:
-                    self.host_peak_snap = {}
-                    if split:  # the peaks it starts from, split the same way
-                        self._peak_mem, self._peak_mem_snap = {}, {}
-                        _update_offloaded_peak(self, None)
+                if split and self._depth == 1:  # the peaks it starts from, split the same way
+                    self._peak_mem, self._peak_mem_snap, self.host_peak_snap = {}, {}, {}
+                    _update_offloaded_peak(self, None)
                 return self
 
         tracker = GlobalPeakFSDPTracker(model, optimizer)

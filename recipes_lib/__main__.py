@@ -571,13 +571,18 @@ def main(argv: list[str] | None = None) -> int:
                 searched = {id(r["tries"]): len(r["tries"]) for r in rows if "tries" in r}
                 print(f"\nlongest sequence that fits, by measurement (batch {args.batch}; "
                       f"{sum(searched.values())} fake steps):")
+                width = max((len(r["step"]) for r in rows), default=0)
                 for r in rows:
                     shortest = min(r.get("tries") or [(0, 0.0)])
+                    host = (f" + {r['host_GiB']:.1f} GiB of CPU RAM"
+                            if r.get("host_GiB") and r.get("max_seq_len") else "")
+                    if r.get("max_seq_len") and r["max_seq_len"] == r.get("limit"):
+                        host += " (the longest length tried: the model's positions)"
                     found = (r["measured_stack"] if "tries" not in r else
                              f"{r['max_seq_len']:>7} tokens, {r['gpu_GiB']:5.1f} GiB on the GPU"
-                             if r["max_seq_len"] else f"nothing fits: {shortest[0]} tokens "
-                             f"need {shortest[1]:.1f} GiB on the GPU")
-                    print(f"  {r['step']:<52} {found}")
+                             f"{host}" if r["max_seq_len"] else f"nothing fits: {shortest[0]} "
+                             f"tokens need {shortest[1]:.1f} GiB on the GPU")
+                    print(f"  {r['step']:<{width}} {found}")
         except ValueError as err:
             parser.error(str(err))
         return 0

@@ -1019,9 +1019,11 @@ def max_context(model: str, gpu_mem: str | float | list, stack: Any = None, batc
             keeps the lengths it measured); None measures every one.
 
     Returns:
-        ``{"max_seq_len", "gpu_GiB" (at that length), "tries": [(seq_len, gpu_GiB)], "stack",
-        "budget_GiB"}`` (a list of them for a list of budgets); ``max_seq_len`` is 0 when not
-        even ``step`` tokens fit.
+        ``{"max_seq_len", "gpu_GiB" and "host_GiB" (at that length: the trace's GPU peak with
+        ``gpu_overhead``, and what an offloading stack keeps in CPU RAM, else 0), "tries":
+        [(seq_len, gpu_GiB)], "stack", "budget_GiB", "limit" (the longest length tried)}`` (a
+        list of them for a list of budgets); ``max_seq_len`` is 0 when not even ``step`` tokens
+        fit.
 
     Raises:
         ValueError: naming the parameter, for a ``step`` that is not a positive integer up to
@@ -1044,6 +1046,7 @@ def max_context(model: str, gpu_mem: str | float | list, stack: Any = None, batc
                          f"up to the longest length tried, {longest} (the {what})")
     top = longest // step
     probes: dict[int, float] = {}  # length -> bytes on the GPU, shared by every budget
+    host: dict[int, float] = {}  # length -> bytes in CPU RAM (offload)
 
     run = memo if memo is not None else (lambda key, measure: measure())
     out = []
@@ -1052,14 +1055,18 @@ def max_context(model: str, gpu_mem: str | float | list, stack: Any = None, batc
         meter = fake_memory.step_meter(config, stack, batch_size)  # built when first measured
 
         def need(n: int) -> float:
-            peak = run(f"fake step: {model!r}, {stack!r}, {batch_size} x {n}",
-                       lambda: meter(n).peak_bytes)
+            def measure() -> tuple[float, float]:
+                report = meter(n)
+                return report.peak_bytes, report.host_bytes
+
+            peak, host[n] = run(f"fake step: {model!r}, {stack!r}, {batch_size} x {n}", measure)
             return peak + gpu_overhead(peak)
 
         for budget in budgets:
             n = max_seq_len(need, budget, start=step, limit=top * step, multiple_of=step,
                             probes=probes)["seq_len"]
             out.append({"max_seq_len": n, "gpu_GiB": probes.get(n, 0.0) / 2**30,
+                        "host_GiB": host.get(n, 0.0) / 2**30, "limit": top * step,
                         "budget_GiB": budget / 2**30, "stack": stack.label,
                         "tries": [(k, v / 2**30) for k, v in probes.items()]})
     return out if isinstance(gpu_mem, (list, tuple)) else out[0]
@@ -1082,7 +1089,8 @@ def max_context_per_step(model: str, gpu_mem: str | float, batch_size: int = 1,
         batch_size: sequences per optimizer step.
         grad_accum_steps: micro-batches in the accumulation row (default: the largest divisor
             of ``batch_size`` up to 4; the lengths searched decide what fits, not a k).
-        gpus: GPUs for the FSDP row.
+        gpus: GPUs for the FSDP row (above one, also the FSDP + QLoRA rows, with and
+            without FSDP's CPU offload).
         step: the search's length granularity, in tokens.
         workers: processes searching at once (1: this one; more: spawned, one stack each at a
             time, the results the same).
@@ -1091,7 +1099,7 @@ def max_context_per_step(model: str, gpu_mem: str | float, batch_size: int = 1,
 
     Returns:
         One dict per escalation row: ``step``, ``stack`` and ``max_seq_len`` / ``gpu_GiB`` /
-        ``tries`` (or ``measured_stack``: why the row is not measured).
+        ``host_GiB`` / ``tries`` (or ``measured_stack``: why the row is not measured).
 
     Raises:
         ValueError: for counts below 1, naming the parameter.
@@ -1099,7 +1107,7 @@ def max_context_per_step(model: str, gpu_mem: str | float, batch_size: int = 1,
     _check_counts(batch_size=batch_size, gpus=gpus, workers=workers)
     if grad_accum_steps is None:
         grad_accum_steps = _default_grad_accum_steps(batch_size)
-    steps = calc.escalation_steps(grad_accum_steps) + [_fsdp_step(gpus)]  # each measured
+    steps = calc.escalation_steps(grad_accum_steps) + _sharded_steps(gpus)  # each measured
     stacks = {name: _measured_stack(name, grad_accum_steps, gpus, attention_mask)
               for name in steps}
     distinct = list(dict.fromkeys(s for s in stacks.values() if not isinstance(s, str)))

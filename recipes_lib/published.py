@@ -194,6 +194,12 @@ MISTRAL_7B_V02 = {"model_type": "mistral", "vocab_size": 32000, "hidden_size": 4
                   "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
                   "num_key_value_heads": 8, "max_position_embeddings": 32768,
                   "rope_theta": 1000000.0, "sliding_window": None, "tie_word_embeddings": False}
+# Its Yi 34B is 01-ai/Yi-34B, a Llama architecture; its config.json's sizes as two public mirrors
+# of it read here agree (the Hub itself cannot be reached from here).
+YI_34B = {"model_type": "llama", "vocab_size": 64000, "hidden_size": 7168,
+          "intermediate_size": 20480, "num_hidden_layers": 60, "num_attention_heads": 56,
+          "num_key_value_heads": 8, "max_position_embeddings": 4096, "rope_theta": 5000000.0,
+          "rms_norm_eps": 1e-5, "tie_word_embeddings": False}
 _ANSWERAI = {"precision": "bf16", "checkpointing": True, "lora_rank": 64, "lora_dropout": 0.1,
              "loss": "transformers-4.46"}
 _ANSWERAI_FSDP_QLORA = Stack(method="qlora", fsdp_ranks=2, chunked_dequant=True, **_ANSWERAI)
@@ -354,6 +360,14 @@ FIGURES = [
              alternatives=(("torchao's dequantization",
                             replace(_ANSWERAI_FSDP_QLORA, chunked_dequant=False)),))
       for seq, b, gib in ((512, 1, 4.98), (2048, 1, 5.21), (2048, 4, 11.22), (2048, 10, 20.97))),
+    # Yi 34B (both case studies' tables: the same figures on the 3090s and the 4090s)
+    Figure(ANSWERAI, "Yi-34B QLoRA, FSDP over 2 GPUs, batch 2 x 2048 (Answer.AI)", YI_34B,
+           _ANSWERAI_FSDP_QLORA, "peak", 23.05,
+           config=_ANSWERAI_CONFIG.format(how="FSDP full shard", b=2, qlora=_ANSWERAI_QLORA,
+                                          reads="peak memory: max reserved, GiB"),
+           seq_len=2048, batch_size=4, reads="reserved",
+           alternatives=(("torchao's dequantization",
+                          replace(_ANSWERAI_FSDP_QLORA, chunked_dequant=False)),)),
     Figure(ANSWERAI, "Llama-2-7B QLoRA, DDP over 2 GPUs, batch 8 x 2048 (Answer.AI)",
            "Llama-2-7B", Stack(method="qlora", gpu_dropout=True, **_ANSWERAI), "peak", 20.94,
            config=_ANSWERAI_CONFIG.format(how="FSDP's NO_SHARD (one GPU's step)", b=8,
@@ -380,6 +394,7 @@ FIGURES = [
              alternatives=(("torchao's dequantization",
                             replace(_ANSWERAI_OFFLOADED, chunked_dequant=False)),))
       for name, model, seq, b, gib in (("Llama-2-7B", "Llama-2-7B", 2048, 12, 22.38),
+                                       ("Yi-34B", YI_34B, 2048, 4, 22.98),
                                        ("Llama-2-70B", "Llama-2-70B", 2048, 2, 14.92),
                                        ("Mistral-7B-v0.2", MISTRAL_7B_V02, 2048, 12, 22.54),
                                        ("Mistral-7B-v0.2", MISTRAL_7B_V02, 24576, 1, 22.54))),
@@ -423,7 +438,13 @@ REASONS = {
         "GiB for each further 2,048-token sequence from 4 to 6 a GPU, against 1.63 from 4 to "
         "10), though the two steps differ only in the base's weights and their matmul; its "
         "offloaded LoRA row, at 10 a GPU, lies furthest along that axis. Why a LoRA sequence "
-        "costs more there is not found."),
+        "costs more there is not found. Its Yi 34B rows read the same reserved peak with FSDP's "
+        "CPU offload at twice the batch (23.05 GiB at 2 sequences a GPU without it, 22.98 at 4 "
+        "with it): on the source's GPUs offloading freed about what two further sequences "
+        "take, where here it frees the sharded NF4 base and the adapters' fp32 shards, "
+        "gradients and optimizer states, more than those sequences add. What the source's "
+        "offloaded step keeps on its GPUs beyond a step's trace (FSDP1's CPUOffload, the "
+        "reserved high-water mark since loading) is not found."),
 }
 MIN_LINE_ROWS = 3  # longest-context rows of one source and model that make a line worth fitting
 

@@ -630,6 +630,44 @@ def test_max_context_per_step_searches_each_measured_stack_once(tmp_path, small_
     assert "longest-context searches" in capsys.readouterr().err
 
 
+def test_max_context_per_step_searches_the_sharded_rows_above_one_gpu(tmp_path, monkeypatch,
+                                                                       capsys):
+    """Above one GPU the search covers the plan's FSDP rows too: the full fine-tune's, and
+    FSDP + QLoRA without and with FSDP's CPU offload (its shards, gradients and optimizer
+    states in CPU RAM, reported beside the GPU's figure). The single-GPU rows' searches are
+    tested above; here they are stubbed."""
+    from transformers import LlamaConfig
+
+    # NF4's blocks (64 weights x 256 scales) split over 2 ranks: 2 x 16,384 weights a matrix
+    LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2,
+                max_position_embeddings=128).save_pretrained(tmp_path)
+    real = planner.max_context
+
+    def sharded_only(model, gpu_mem, stack, batch_size, step):
+        if stack.fsdp_ranks == 1:
+            return {"max_seq_len": 0, "gpu_GiB": 0.0, "host_GiB": 0.0, "tries": []}
+        return real(model, gpu_mem, stack, batch_size, step=step)
+    monkeypatch.setattr(planner, "max_context", sharded_only)
+    rows = planner.max_context_per_step(str(tmp_path), "0.6GiB", batch_size=2, gpus=2, step=64)
+    plan_rows = planner.plan(str(tmp_path), "0.6GiB", 128, 2, gpus=2)["rows"]
+    assert [r["step"] for r in rows] == [r["step"] for r in plan_rows]
+    full, qlora, offload = rows[-3:]
+    assert offload["step"] == "QLoRA, FSDP over 2 GPUs + checkpointing + CPU offload"
+    assert offload["stack"].endswith(", FSDP's CPU offload")
+    assert all(r["max_seq_len"] == 128 for r in (full, qlora, offload))  # all fit 0.6 GiB
+    assert full["host_GiB"] == qlora["host_GiB"] == 0 < offload["host_GiB"]
+    assert offload["gpu_GiB"] < qlora["gpu_GiB"] < full["gpu_GiB"]
+    # the command line prints the CPU RAM beside the GPU's figure
+    monkeypatch.setattr(planner, "max_context_per_step", lambda *a, **k: rows)
+    assert main(["plan", "--model", str(tmp_path), "--gpu-mem", "0.6GiB", "--seq", "128",
+                 "--batch", "2", "--gpus", "2", "--max-context"]) == 0
+    out = capsys.readouterr().out.split("longest sequence that fits")[1]
+    assert re.search(r"\+ CPU offload +128 tokens, +0\.\d GiB on the GPU \+ 0\.\d+ GiB of "
+                     r"CPU RAM \(the longest length tried: the model's positions\)\n", out), out
+    assert all(r["limit"] == 128 for r in rows[-3:])
+
+
 def test_a_plan_says_what_the_losss_logits_take_where_they_are_most_of_the_activations():
     """Gemma-2-2B's 256,000-entry vocabulary at 4096 tokens: the logits, three fp32 copies
     (3 x 4096 x 256,000 x 4 bytes, 11.7 GiB), are most of the checkpointed row's activations,

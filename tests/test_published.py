@@ -226,7 +226,7 @@ def test_answerais_fsdp_qlora_rows_dequantize_as_bitsandbytes_beside_torchao():
     (FSDP's ``CPUOffload``) as FSDP2's ``CPUOffloadPolicy``."""
     rows = [f for f in published.FIGURES if f.source == published.ANSWERAI]
     fsdp_qlora = [f for f in rows if f.stack.method == "qlora" and f.stack.fsdp_ranks == 2]
-    assert len(rows) >= 8 and len(fsdp_qlora) == 8
+    assert len(rows) >= 8 and len(fsdp_qlora) == 10
     assert {f.stack.fsdp_cpu_offload for f in fsdp_qlora} == {False, True}
     assert all(f.stack.fsdp_cpu_offload == ("CPU offload" in f.row) for f in rows)
     for f in fsdp_qlora:

@@ -41,7 +41,7 @@ TORCHTITAN_FSDP = TORCHTITAN.replace("(Table 2)", "(Tables 1 and 3)")
 TORCHTUNE = ("https://github.com/pytorch/torchtune (README: Optimization flags, Llama 3.2 3B, "
              "each technique added on top of the previous one)")
 ANSWERAI = ("https://github.com/AnswerDotAI/fsdp_qlora/blob/main/benchmarks_03_2024.md "
-            "(Llama-2 7B and 70B, Mistral 7B v0.2, on two 3090s and two 4090s)")
+            "(Llama-2 7B and 70B, Yi 34B, Mistral 7B v0.2, on two 3090s and two 4090s)")
 
 # Unsloth: "4bit QLoRA on all linear layers (Q, K, V, O, gate, up and down) with rank = 32 with
 # a batch size of 1 ... padded all sequences to a certain maximum sequence length"; its

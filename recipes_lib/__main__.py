@@ -164,7 +164,8 @@ def bench_verdict(rows: list[dict], reference: bool, how: str) -> tuple[str, boo
 def real_scale_benchmark() -> None:
     """``make bench``'s fake-tensor checks, recorded as ``real_scale.json``: fake vs real peak
     per category on this CPU for a tiny and a ~110 M-parameter config under every recipe flag
-    (value = fake / real; FSDP against both ranks of a real 2-rank job), one Llama-3.1-8B
+    (value = fake / real; FSDP against both ranks of a real 2-rank job, FSDP's CPU offload with
+    the GPU and the host apart), one Llama-3.1-8B
     training step measured on fake tensors, timed (the claim: at most 90 s on the reference
     machine), and the published GPU figures beside our predictions (``published``).
 
@@ -253,6 +254,7 @@ def real_scale_benchmark() -> None:
         r.add("fake_vs_real_nccl", f"{name}: {stack.label}", nccl_ratio, baseline=ratio,
               unit="fake NCCL rank (no gloo copy) / real gloo peak, lowest of 2 ranks "
                    "(baseline: with the copy)")
+    _offloaded_fake_vs_real(r, kept, configs)
     # litgpt's own model (litgpt_memory), the code its published rows ran: fake vs real
     lit = S(method="lora", lora_rank=8, lora_targets=("q_proj", "v_proj"), lora_dropout=0.05,
             loss="litgpt", autocast_adapter_dtype=False, gpu_dropout=True)
@@ -292,6 +294,56 @@ def real_scale_benchmark() -> None:
     r.save()
     kept.done()
     published.update_readme(rows)
+
+
+def _offloaded_fake_vs_real(r, kept, configs: dict) -> None:
+    """FSDP's CPU offload, fake against real, into ``r`` (a ``results.Results``): rank 0 of a
+    fake process group (counted as a gloo rank) against both ranks of a real 2-rank gloo job,
+    2 x 256 tokens, the GPU's categories (recipe ``fake_vs_real``) and the host's
+    (``fake_vs_real_host``) apart; on a CPU the two are one device, which
+    ``memory.measure_memory`` splits by FSDP's labels. Each value is the rank farthest from 1.
+
+    Args:
+        r: the run's results.
+        kept: the run's ``results.Progress`` (measurements kept as they are made).
+        configs: name -> a transformers config.
+    """
+    from dataclasses import asdict
+    from functools import partial
+
+    from recipes_lib import distributed, fake_memory
+
+    S = fake_memory.Stack
+    stacks = [S(precision="bf16-mixed", fsdp_ranks=2, fsdp_cpu_offload=True),
+              S(method="lora", precision="bf16-mixed", checkpointing=True, fsdp_ranks=2,
+                fsdp_cpu_offload=True)]
+    jobs = [(name, cfg.to_dict(), stack) for name, cfg in configs.items() for stack in stacks]
+    reals = kept.value("fsdp offload: real gloo ranks' peaks", lambda: distributed.launch([(
+        "recipes_lib.fake_memory:real_rank_step", {
+            "model": cfg, "stack": asdict(stack), "seq_len": 256, "batch_size": 2})
+        for _, cfg, stack in jobs], verbose=False))
+    for (name, cfg, stack), ranks in zip(jobs, reals, strict=True):
+        key = f"fsdp offload: fake rank (gloo): {name}: {stack!r}"
+        fake = kept.value(key, partial(_fake_split, cfg, stack, 256, 2))
+        said = []
+        for where, recipe in (("gpu", "fake_vs_real"), ("host", "fake_vs_real_host")):
+            real = [sum(v for k, v in rank.items() if k.startswith("host ") == (where == "host"))
+                    for rank in ranks]
+            ratio = max((fake[where] / b for b in real), key=lambda x: abs(x - 1))
+            said.append(f"{where} {ratio:.4f}")
+            r.add(recipe, f"{name}: {stack.label}", ratio, baseline=1.0,
+                  unit=f"fake / real {where} peak, worst of 2 gloo ranks, 2 x 256 tokens, CPU")
+        print(f"  fake vs real, {name}, {stack.label}: {', '.join(said)} (worst rank)"
+              f"{kept.said(key)}")
+
+
+def _fake_split(config: dict, stack, seq_len: int, batch_size: int) -> dict:
+    """One offloading FSDP rank's bytes on fake tensors (a gloo rank): the GPU's and the host's."""
+    from recipes_lib import fake_memory
+
+    report = fake_memory.measure_step(config, stack, seq_len, batch_size, comm_backend="gloo")
+    return {"gpu": sum(report.by_category.values()),
+            "host": sum(report.host_by_category.values())}
 
 
 def _fake_vs_real_ratios(config, stack, seq_len: int, batch_size: int) -> dict:

@@ -180,6 +180,34 @@ def test_a_fake_fsdp_rank_with_cpu_offload_matches_each_real_rank(sharded_runs, 
                 fields, device, fake.by_category, copies)
 
 
+def test_make_bench_compares_an_offloading_fsdp_rank_on_the_gpu_and_the_host_apart(tmp_path,
+                                                                                  monkeypatch):
+    """``make bench``'s FSDP-offload rows (``fake_vs_real`` for the GPU, ``fake_vs_real_host``
+    for the host): each real rank's "host " categories are the host's, the rest the GPU's, and
+    the rank farthest from the fake one is recorded; the real job and the fake step are stubbed
+    (the real comparison is the test above, and the benchmark's own run)."""
+    from transformers import LlamaConfig
+
+    from recipes_lib import __main__ as cli
+    from recipes_lib import distributed, results
+
+    ranks = [{"activations": 60, "parameters": 40, "host parameters": 100, "host optimizer": 200},
+             {"activations": 50, "parameters": 40, "host parameters": 100, "host optimizer": 220}]
+    monkeypatch.setattr(distributed, "launch", lambda jobs, verbose: [ranks for _ in jobs])
+    monkeypatch.setattr(cli, "_fake_split", lambda *a: {"gpu": 100, "host": 300})
+    r = results.Results("real_scale", "cpu", tmp_path)
+    cli._offloaded_fake_vs_real(r, results.Progress("real_scale", "cpu", tmp_path),
+                                {"tiny": LlamaConfig(num_hidden_layers=1)})
+    figures = r.to_dict()["figures"]
+    gpu = [f for f in figures if f["recipe"] == "fake_vs_real"]
+    host = [f for f in figures if f["recipe"] == "fake_vs_real_host"]
+    assert len(gpu) == len(host) == 2  # full and LoRA
+    assert all(f["metric"].startswith("tiny: ") and "FSDP's CPU offload" in f["metric"]
+               for f in gpu + host)
+    assert all(f["value"] == pytest.approx(100 / 90) for f in gpu)  # 100/90 is farther than 1
+    assert all(f["value"] == pytest.approx(300 / 320) for f in host)
+
+
 def test_fsdp_cpu_offload_bad_input_names_the_field(config):
     """Offload without FSDP, or a switch that is not a bool, names ``fsdp_cpu_offload``, and so
     does a real offloaded step on a GPU; ``shard_model`` names ``cpu_offload``."""

@@ -672,11 +672,21 @@ def _sharded_nf4_model(config: Any, stack: Stack, device: torch.device, fake: bo
         model.tie_weights()  # before sharding: FSDP keeps one sharded parameter for both
         if not fake:
             _restore_buffers(model)
-        apply_nf4_lora(model, r=stack.lora_rank, alpha=2 * stack.lora_rank,
-                       dropout=stack.lora_dropout, base_dtype=_compute_dtype(stack),
-                       chunked_dequant=stack.chunked_dequant)
-        shard_model(model, "bf16" if stack.precision == "bf16-mixed" else "fp32", mesh=mesh,
-                    cpu_offload=stack.fsdp_cpu_offload)
+        why = (f"its linear layers' weights do not split into whole torchao NF4 blocks (64 "
+               f"weights, their scales in groups of 256) over {stack.fsdp_ranks} FSDP ranks")
+        try:
+            apply_nf4_lora(model, r=stack.lora_rank, alpha=2 * stack.lora_rank,
+                           dropout=stack.lora_dropout, base_dtype=_compute_dtype(stack),
+                           chunked_dequant=stack.chunked_dequant)
+        except ValueError as err:  # a weight that is not whole blocks (fsdp_qlora's check)
+            raise UnmeasuredStackError("model", f"{why}: {err}", "NF4 blocks do not split "
+                                       "over the ranks") from err
+        try:
+            shard_model(model, "bf16" if stack.precision == "bf16-mixed" else "fp32",
+                        mesh=mesh, cpu_offload=stack.fsdp_cpu_offload)
+        except AssertionError as err:  # torchao's NF4 split asserts its blocks divide
+            raise UnmeasuredStackError("model", f"{why}: {err}", "NF4 blocks do not split "
+                                       "over the ranks") from err
     return model, mode
 
 

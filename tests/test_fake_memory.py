@@ -208,6 +208,27 @@ def test_make_bench_compares_an_offloading_fsdp_rank_on_the_gpu_and_the_host_apa
     assert all(f["value"] == pytest.approx(300 / 320) for f in host)
 
 
+def test_fsdp_qlora_on_weights_that_do_not_split_into_nf4_blocks_is_a_stack_not_measured():
+    """A toy config whose linear layers are not whole NF4 blocks, or whose blocks two ranks
+    cannot split: an ``UnmeasuredStackError`` naming the model (the planner's row then says
+    "not measured"), not torchao's assertion."""
+    from recipes_lib import planner
+
+    stack = Stack(method="qlora", precision="bf16-mixed", checkpointing=True, fsdp_ranks=2)
+    for hidden in (64, 128):  # 64 x 64: not whole blocks; 128 x 128: one block of scales
+        cfg = {"model_type": "llama", "vocab_size": 256, "hidden_size": hidden,
+               "intermediate_size": 2 * hidden, "num_hidden_layers": 1,
+               "num_attention_heads": 4, "num_key_value_heads": 4,
+               "max_position_embeddings": 64}
+        with pytest.raises(fake_memory.UnmeasuredStackError,
+                           match=r"^model: its linear layers' weights do not split into whole "
+                                 r"torchao NF4 blocks .* over 2 FSDP ranks"):
+            fake_memory.measure_step(cfg, stack, 16, 2)
+        row, measured = planner._measured(lambda s, c=cfg: fake_memory.measure_step(c, s, 16, 2),
+                                          stack)
+        assert row == "not measured: NF4 blocks do not split over the ranks" and measured is None
+
+
 def test_fsdp_cpu_offload_bad_input_names_the_field(config):
     """Offload without FSDP, or a switch that is not a bool, names ``fsdp_cpu_offload``, and so
     does a real offloaded step on a GPU; ``shard_model`` names ``cpu_offload``."""

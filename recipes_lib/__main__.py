@@ -31,6 +31,9 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+# make bench's configs whose linear layers do not split into whole torchao NF4 blocks over 2 FSDP
+# ranks (no FSDP + QLoRA row for them)
+NF4_UNSPLIT = frozenset({"tiny"})
 
 
 def search_processes() -> int:
@@ -164,8 +167,8 @@ def bench_verdict(rows: list[dict], reference: bool, how: str) -> tuple[str, boo
 def real_scale_benchmark() -> None:
     """``make bench``'s fake-tensor checks, recorded as ``real_scale.json``: fake vs real peak
     per category on this CPU for a tiny and a ~110 M-parameter config under every recipe flag
-    (value = fake / real; FSDP against both ranks of a real 2-rank job, FSDP's CPU offload with
-    the GPU and the host apart), one Llama-3.1-8B
+    (value = fake / real; FSDP against both ranks of a real 2-rank job, FSDP + QLoRA at 110 M,
+    FSDP's CPU offload with the GPU and the host apart), one Llama-3.1-8B
     training step measured on fake tensors, timed (the claim: at most 90 s on the reference
     machine), and the published GPU figures beside our predictions (``published``).
 
@@ -211,7 +214,9 @@ def real_scale_benchmark() -> None:
                  lora_dropout=0.05, autocast_adapter_dtype=False, gpu_dropout=True,
                  nf4_keeps_input=True, loss="litgpt")]
     sharded = [S(precision="fp32", fsdp_ranks=2), S(precision="bf16-mixed", fsdp_ranks=2),
-               S(method="lora", precision="bf16-mixed", checkpointing=True, fsdp_ranks=2)]
+               S(method="lora", precision="bf16-mixed", checkpointing=True, fsdp_ranks=2),
+               # FSDP + QLoRA as notebook 02 runs it (torchao's NF4 dequantization)
+               S(method="qlora", precision="bf16-mixed", checkpointing=True, fsdp_ranks=2)]
     configs = {"tiny": LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=176,
                                    num_hidden_layers=2, num_attention_heads=4,
                                    num_key_value_heads=2, max_position_embeddings=512),
@@ -233,7 +238,7 @@ def real_scale_benchmark() -> None:
                   unit="fake / real peak, 2 x 256 tokens, CPU")
     # FSDP: rank 0 of a fake process group against both ranks of a real 2-rank gloo job (the fake
     # rank holds gloo's copy of each reduce-scatter input: comm_backend="gloo")
-    jobs = [(name, cfg.to_dict(), stack) for name, cfg in configs.items() for stack in sharded]
+    jobs = _sharded_jobs(configs, sharded)
     reals = kept.value("fsdp: real gloo ranks' peaks", lambda: distributed.launch([(
         "recipes_lib.fake_memory:real_rank_step", {
             "model": cfg, "stack": asdict(stack), "seq_len": 256, "batch_size": 2})
@@ -241,7 +246,7 @@ def real_scale_benchmark() -> None:
     for (name, cfg, stack), ranks in zip(jobs, reals):
         keys = {backend: f"fsdp: fake rank ({backend}): {name}: {stack!r}"
                 for backend in ("gloo", "nccl")}
-        fake, nccl = (kept.value(key, partial(_fake_total, cfg, stack, 256, 2, backend))
+        fake, nccl = (kept.value(key, partial(_fake_rank, cfg, stack, 256, 2, backend))["gpu"]
                       for backend, key in keys.items())
         ratio = max((fake / sum(rank.values()) for rank in ranks),
                     key=lambda x: abs(x - 1))  # the rank farthest from the fake one
@@ -302,6 +307,8 @@ def _offloaded_fake_vs_real(r, kept, configs: dict) -> None:
     2 x 256 tokens, the GPU's categories (recipe ``fake_vs_real``) and the host's
     (``fake_vs_real_host``) apart; on a CPU the two are one device, which
     ``memory.measure_memory`` splits by FSDP's labels. Each value is the rank farthest from 1.
+    The stacks: bf16-mixed full, LoRA + checkpointing and FSDP + QLoRA (NF4 dequantized in
+    chunks; only where the config's layers split into NF4 blocks over the ranks).
 
     Args:
         r: the run's results.
@@ -316,15 +323,17 @@ def _offloaded_fake_vs_real(r, kept, configs: dict) -> None:
     S = fake_memory.Stack
     stacks = [S(precision="bf16-mixed", fsdp_ranks=2, fsdp_cpu_offload=True),
               S(method="lora", precision="bf16-mixed", checkpointing=True, fsdp_ranks=2,
-                fsdp_cpu_offload=True)]
-    jobs = [(name, cfg.to_dict(), stack) for name, cfg in configs.items() for stack in stacks]
+                fsdp_cpu_offload=True),
+              S(method="qlora", precision="bf16-mixed", checkpointing=True, fsdp_ranks=2,
+                chunked_dequant=True, fsdp_cpu_offload=True)]
+    jobs = _sharded_jobs(configs, stacks)
     reals = kept.value("fsdp offload: real gloo ranks' peaks", lambda: distributed.launch([(
         "recipes_lib.fake_memory:real_rank_step", {
             "model": cfg, "stack": asdict(stack), "seq_len": 256, "batch_size": 2})
         for _, cfg, stack in jobs], verbose=False))
     for (name, cfg, stack), ranks in zip(jobs, reals, strict=True):
         key = f"fsdp offload: fake rank (gloo): {name}: {stack!r}"
-        fake = kept.value(key, partial(_fake_split, cfg, stack, 256, 2))
+        fake = kept.value(key, partial(_fake_rank, cfg, stack, 256, 2, "gloo"))
         said = []
         for where, recipe in (("gpu", "fake_vs_real"), ("host", "fake_vs_real_host")):
             real = [sum(v for k, v in rank.items() if k.startswith("host ") == (where == "host"))
@@ -337,11 +346,21 @@ def _offloaded_fake_vs_real(r, kept, configs: dict) -> None:
               f"{kept.said(key)}")
 
 
-def _fake_split(config: dict, stack, seq_len: int, batch_size: int) -> dict:
-    """One offloading FSDP rank's bytes on fake tensors (a gloo rank): the GPU's and the host's."""
+def _sharded_jobs(configs: dict, stacks: list) -> list[tuple]:
+    """``(name, config's fields, stack)`` for each config and FSDP stack ``make bench`` compares
+    with a real 2-rank job; FSDP + QLoRA only where the config's linear layers split into whole
+    torchao NF4 blocks over 2 ranks (not the tiny config's: ``fake_memory`` says so with an
+    ``UnmeasuredStackError``, and torchao cannot shard them)."""
+    return [(name, cfg.to_dict(), stack) for name, cfg in configs.items() for stack in stacks
+            if stack.method != "qlora" or name not in NF4_UNSPLIT]
+
+
+def _fake_rank(config: dict, stack, seq_len: int, batch_size: int, backend: str) -> dict:
+    """One FSDP rank's bytes on fake tensors, counted as a ``backend`` ("gloo" or "nccl") rank:
+    ``{"gpu", "host"}`` (the host's: what FSDP's CPU offload keeps there, else 0)."""
     from recipes_lib import fake_memory
 
-    report = fake_memory.measure_step(config, stack, seq_len, batch_size, comm_backend="gloo")
+    report = fake_memory.measure_step(config, stack, seq_len, batch_size, comm_backend=backend)
     return {"gpu": sum(report.by_category.values()),
             "host": sum(report.host_by_category.values())}
 
@@ -360,14 +379,6 @@ def _litgpt_peak(stack, seq_len: int, batch_size: int, fake: bool) -> int:
 
     return litgpt_memory.measure_step(litgpt_memory.TINY, stack, seq_len, batch_size,
                                       fake=fake).peak_bytes
-
-
-def _fake_total(config: dict, stack, seq_len: int, batch_size: int, backend: str) -> int:
-    """One FSDP rank's bytes on fake tensors, counted as a ``backend`` ("gloo" or "nccl") rank."""
-    from recipes_lib import fake_memory
-
-    return sum(fake_memory.measure_step(config, stack, seq_len, batch_size,
-                                        comm_backend=backend).by_category.values())
 
 
 def _measured_devices() -> list[str]:

@@ -194,16 +194,19 @@ def test_make_bench_compares_an_offloading_fsdp_rank_on_the_gpu_and_the_host_apa
     ranks = [{"activations": 60, "parameters": 40, "host parameters": 100, "host optimizer": 200},
              {"activations": 50, "parameters": 40, "host parameters": 100, "host optimizer": 220}]
     monkeypatch.setattr(distributed, "launch", lambda jobs, verbose: [ranks for _ in jobs])
-    monkeypatch.setattr(cli, "_fake_split", lambda *a: {"gpu": 100, "host": 300})
+    monkeypatch.setattr(cli, "_fake_rank", lambda *a: {"gpu": 100, "host": 300})
     r = results.Results("real_scale", "cpu", tmp_path)
     cli._offloaded_fake_vs_real(r, results.Progress("real_scale", "cpu", tmp_path),
-                                {"tiny": LlamaConfig(num_hidden_layers=1)})
+                                {"tiny": LlamaConfig(num_hidden_layers=1),
+                                 "110M": LlamaConfig(num_hidden_layers=1)})
     figures = r.to_dict()["figures"]
     gpu = [f for f in figures if f["recipe"] == "fake_vs_real"]
     host = [f for f in figures if f["recipe"] == "fake_vs_real_host"]
-    assert len(gpu) == len(host) == 2  # full and LoRA
-    assert all(f["metric"].startswith("tiny: ") and "FSDP's CPU offload" in f["metric"]
-               for f in gpu + host)
+    # full and LoRA at both sizes; FSDP + QLoRA where NF4 blocks split over the ranks (not tiny)
+    assert [f["metric"].split(":")[0] for f in gpu] == ["tiny"] * 2 + ["110M"] * 3
+    assert [f["metric"] for f in gpu] == [f["metric"] for f in host]
+    assert all("FSDP's CPU offload" in f["metric"] for f in gpu + host)
+    assert "QLoRA" in gpu[-1]["metric"] and "NF4 dequantized in chunks" in gpu[-1]["metric"]
     assert all(f["value"] == pytest.approx(100 / 90) for f in gpu)  # 100/90 is farther than 1
     assert all(f["value"] == pytest.approx(300 / 320) for f in host)
 

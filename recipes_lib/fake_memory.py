@@ -114,15 +114,16 @@ class Stack:
     ``bf16=True`` on a 4-bit model until trl #4577 (November 2025; its
     ``peft_module_casting_to_bf16`` after ``get_peft_model``). Since then it runs no k-bit
     preparation and keeps them in the load dtype, which ``precision="bf16"`` measures.
-    With ``fsdp_ranks > 1`` it is the course's FSDP + QLoRA instead (``fsdp_qlora``, notebook
-    02): torchao's ``NF4Tensor`` base, which FSDP2 shards and gathers still quantized, and fp32
-    LoRA adapters on every linear layer of the blocks (bitsandbytes' packed weights do not shard
-    under FSDP2); the weights left unquantized are in the precision's dtype (in pure bf16 the
-    fp32 adapters take an fp32 copy of their input, as peft's do). torchao dequantizes
-    a weight for each matmul (forward, and again in backward) through about 14 bytes per weight
-    at once (int64 indices and four more full-size tensors); ``chunked_dequant=True`` holds only
-    the output (``fsdp_qlora.dequantize_chunked``: the same values), which is what a fused
-    kernel holds, bitsandbytes' ``dequantize_4bit`` on a GPU among them.
+    With ``fsdp_ranks > 1`` it is the course's FSDP + QLoRA instead (``fsdp_qlora``, notebook 02):
+    torchao's ``NF4Tensor`` base on every linear layer of the blocks, which FSDP2 shards and gathers
+    still quantized, and fp32 LoRA adapters on those ``lora_targets`` names (all of them by default;
+    bitsandbytes' packed weights do not shard under FSDP2); the weights left unquantized are in the
+    precision's dtype (in pure bf16 the fp32 adapters take an fp32 copy of their input, as peft's
+    do). torchao dequantizes a weight for each matmul (forward, and again in backward) through about
+    14 bytes per weight at once (int64 indices and four more full-size tensors);
+    ``chunked_dequant=True`` holds only the output (``fsdp_qlora.dequantize_chunked``: the same
+    values), which is what a fused kernel holds, bitsandbytes' ``dequantize_4bit`` on a GPU among
+    them.
     ``fsdp_cpu_offload=True`` (with ``fsdp_ranks > 1``) is FSDP2's ``CPUOffloadPolicy``
     (``fsdp.shard_model(cpu_offload=True)``; accelerate's ``fsdp_offload_params``, Answer.AI's
     ``--use_cpu_offload``): the shards, their gradients and the optimizer's states live in host
@@ -294,8 +295,7 @@ class Stack:
                              "the shards; on one device offload the optimizer's states "
                              "(offload_optimizer=True)")
         if self.fsdp_ranks > 1 and self.method == "qlora":  # the course's FSDP + QLoRA
-            unlike = {"lora_targets": self.lora_targets != "all-linear",
-                      "lora_parameters": bool(self.lora_parameters),
+            unlike = {"lora_parameters": bool(self.lora_parameters),
                       "autocast_adapter_dtype": not self.autocast_adapter_dtype,
                       "gpu_dropout": self.gpu_dropout, "precision": self.precision == "fp16"}
             field = next((k for k, v in unlike.items() if v), None)
@@ -303,8 +303,9 @@ class Stack:
                 raise ValueError(
                     f"{field}={getattr(self, field)!r} with method='qlora' and fsdp_ranks > 1: "
                     "FSDP + QLoRA is the course's fsdp_qlora (bitsandbytes' packed weights do "
-                    "not shard under FSDP2): torchao's NF4 base and fp32 adapters on every "
-                    "linear layer of the blocks, in fp32, bf16 or bf16-mixed")
+                    "not shard under FSDP2): torchao's NF4 base on every linear layer of the "
+                    "blocks and fp32 adapters on those lora_targets names, in fp32, bf16 or "
+                    "bf16-mixed")
 
     @property
     def label(self) -> str:
@@ -654,10 +655,10 @@ def build_model(config, stack: Stack, device: torch.device | str, fake: bool = T
 
 def _sharded_nf4_model(config: Any, stack: Stack, device: torch.device, fake: bool,
                        attn_implementation: str | None) -> tuple[torch.nn.Module, Any]:
-    """:func:`build_model`'s model for FSDP + QLoRA, the course's ``fsdp_qlora``: torchao's NF4
-    base and its LoRA adapters on every linear layer of the blocks, sharded by FSDP2, NF4 shards
-    and all. NF4 quantizes the weights it is given, so the model is materialised (fake or
-    random) first and sharded after, not on the meta device; the device mesh is made before
+    """:func:`build_model`'s model for FSDP + QLoRA, the course's ``fsdp_qlora``: torchao's NF4 base
+    on every linear layer of the blocks and LoRA adapters on ``stack.lora_targets``, sharded by
+    FSDP2, NF4 shards and all. NF4 quantizes the weights it is given, so the model is materialised
+    (fake or random) first and sharded after, not on the meta device; the device mesh is made before
     fake mode, whose tensors cannot give the mesh its ranks."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -677,8 +678,12 @@ def _sharded_nf4_model(config: Any, stack: Stack, device: torch.device, fake: bo
         try:
             apply_nf4_lora(model, r=stack.lora_rank, alpha=2 * stack.lora_rank,
                            dropout=stack.lora_dropout, base_dtype=_compute_dtype(stack),
-                           chunked_dequant=stack.chunked_dequant)
+                           chunked_dequant=stack.chunked_dequant,
+                           adapter_modules=None if stack.lora_targets == "all-linear"
+                           else stack.lora_targets)
         except ValueError as err:  # a weight that is not whole blocks (fsdp_qlora's check)
+            if str(err).startswith("adapter_modules="):
+                raise ValueError(f"lora_targets={stack.lora_targets!r}: {err}") from err
             raise UnmeasuredStackError("model", f"{why}: {err}", "NF4 blocks do not split "
                                        "over the ranks") from err
         try:

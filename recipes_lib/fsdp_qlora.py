@@ -119,7 +119,51 @@ class _LinearNF4Chunked(torch.autograd.Function):
         return grad_output @ dequantize_chunked(weight, grad_output.dtype), None
 
 
-class NF4LoRALinear(nn.Module):
+class NF4Linear(nn.Module):
+    """``y = x W_nf4^T (+ b)``: a frozen NF4 linear layer, the base of :class:`NF4LoRALinear`,
+    and on its own a layer that is quantized but not adapted (QLoRA quantizes every linear
+    layer of the blocks, whichever of them its adapters target).
+
+    Args:
+        linear: the layer whose weight becomes the NF4 base.
+        base_dtype: the dtype the base computes in.
+        block_size: weights per NF4 absmax.
+        scaler_block_size: absmax values per second-level scale (double quantization).
+        chunked_dequant: dequantize with :func:`dequantize_chunked` (the output and one chunk)
+            instead of torchao's ``linear_nf4`` (about 14 bytes per weight at once).
+
+    Raises:
+        ValueError: naming ``linear`` for a weight that is not whole NF4 blocks.
+
+    Example:
+        >>> layer = NF4Linear(nn.Linear(256, 128))
+        >>> layer(torch.randn(2, 256, dtype=torch.bfloat16)).shape
+        torch.Size([2, 128])
+    """
+
+    def __init__(self, linear: nn.Linear, base_dtype: torch.dtype = torch.bfloat16,
+                 block_size: int = 64, scaler_block_size: int = 256,
+                 chunked_dequant: bool = False):
+        super().__init__()
+        w = linear.weight.detach()
+        if w.numel() % block_size or (w.numel() // block_size) % scaler_block_size:
+            raise ValueError(f"linear: weight {tuple(w.shape)} is not a multiple of NF4 blocks "
+                             f"({block_size} weights x {scaler_block_size} scales)")
+        to_nf4, _, _ = _nf4()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = nn.Parameter(to_nf4(w.to(base_dtype).contiguous(), block_size,
+                                          scaler_block_size), requires_grad=False)
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(),
+                                                                  requires_grad=False)
+        self.chunked_dequant = chunked_dequant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        linear_nf4 = _LinearNF4Chunked.apply if self.chunked_dequant else _nf4()[2]
+        out = linear_nf4(x, self.weight)
+        return out if self.bias is None else out + self.bias.to(out.dtype)
+
+
+class NF4LoRALinear(NF4Linear):
     """``y = x W_nf4^T + (alpha / r) * B(A(dropout(x)))``: a frozen NF4 base and a LoRA adapter.
 
     ``A`` is Kaiming-uniform and ``B`` zero, as in peft, so the module starts equal to the base.
@@ -134,37 +178,28 @@ class NF4LoRALinear(nn.Module):
         scaler_block_size: absmax values per second-level scale (double quantization).
         chunked_dequant: dequantize with :func:`dequantize_chunked` (the output and one chunk)
             instead of torchao's ``linear_nf4`` (about 14 bytes per weight at once).
+
+    Raises:
+        ValueError: naming ``r`` below 1, or ``linear`` for a weight that is not whole NF4
+            blocks.
     """
 
     def __init__(self, linear: nn.Linear, r: int = 8, alpha: float = 16.0, dropout: float = 0.0,
                  base_dtype: torch.dtype = torch.bfloat16, block_size: int = 64,
                  scaler_block_size: int = 256, chunked_dequant: bool = False):
-        super().__init__()
         if r < 1:
             raise ValueError(f"r={r}: LoRA rank must be >= 1")
-        w = linear.weight.detach()
-        if w.numel() % block_size or (w.numel() // block_size) % scaler_block_size:
-            raise ValueError(f"linear: weight {tuple(w.shape)} is not a multiple of NF4 blocks "
-                             f"({block_size} weights x {scaler_block_size} scales)")
-        to_nf4, _, _ = _nf4()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight = nn.Parameter(to_nf4(w.to(base_dtype).contiguous(), block_size,
-                                          scaler_block_size), requires_grad=False)
-        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(),
-                                                                  requires_grad=False)
-        self.lora_a = nn.Linear(self.in_features, r, bias=False, device=w.device)
-        self.lora_b = nn.Linear(r, self.out_features, bias=False, device=w.device)
+        super().__init__(linear, base_dtype, block_size, scaler_block_size, chunked_dequant)
+        device = linear.weight.device
+        self.lora_a = nn.Linear(self.in_features, r, bias=False, device=device)
+        self.lora_b = nn.Linear(r, self.out_features, bias=False, device=device)
         nn.init.kaiming_uniform_(self.lora_a.weight, a=math.sqrt(5))
         nn.init.zeros_(self.lora_b.weight)
         self.scaling = alpha / r
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
-        self.chunked_dequant = chunked_dequant
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        linear_nf4 = _LinearNF4Chunked.apply if self.chunked_dequant else _nf4()[2]
-        out = linear_nf4(x, self.weight)
-        if self.bias is not None:
-            out = out + self.bias.to(out.dtype)
+        out = super().forward(x)
         adapter_dtype = self.lora_a.weight.dtype
         if x.dtype != adapter_dtype and not torch.is_autocast_enabled(x.device.type):
             # peft's LoRA layers do the same: fp32 adapters over a bf16 base without autocast
@@ -177,40 +212,52 @@ class NF4LoRALinear(nn.Module):
 def apply_nf4_lora(model: nn.Module, r: int = 8, alpha: float = 16.0, dropout: float = 0.0,
                    target_modules: tuple[str, ...] | None = None,
                    base_dtype: torch.dtype = torch.bfloat16,
-                   chunked_dequant: bool = False) -> nn.Module:
-    """Swap every targeted ``nn.Linear`` for an :class:`NF4LoRALinear`, freeze everything else.
+                   chunked_dequant: bool = False,
+                   adapter_modules: tuple[str, ...] | None = None) -> nn.Module:
+    """Swap every targeted ``nn.Linear`` for an :class:`NF4LoRALinear` (or, outside
+    ``adapter_modules``, a frozen :class:`NF4Linear`), freeze everything else.
 
     Args:
         model: a transformers causal LM (before sharding).
         r, alpha, dropout: LoRA rank, scale numerator and dropout, as in peft's ``LoraConfig``.
-        target_modules: names of the linear layers to quantize and adapt; None: every linear
+        target_modules: names of the linear layers to quantize; None: every linear
             layer of the decoder blocks, whatever the architecture calls them
             (``architectures.adapter_targets``: Phi-3's fused ``qkv_proj`` and ``gate_up_proj``).
         base_dtype: the dtype NF4 dequantizes to (bf16, as the weights were trained in).
-        chunked_dequant: dequantize chunk by chunk (:class:`NF4LoRALinear`).
+        chunked_dequant: dequantize chunk by chunk (:class:`NF4Linear`).
+        adapter_modules: which of the quantized layers get an adapter (peft's
+            ``target_modules``; Answer.AI's train.py adapts six of Llama's seven, not
+            ``o_proj``); None: all of them.
 
     Returns:
         The same model; only ``lora_a`` / ``lora_b`` weights require grad.
 
     Raises:
-        ValueError: if no module matches ``target_modules``.
+        ValueError: if no module matches ``target_modules``, or naming ``adapter_modules``
+            where none of them is quantized.
     """
     if target_modules is None:
         target_modules = adapter_targets(model)
+    adapted = target_modules if adapter_modules is None else adapter_modules
     for p in model.parameters():
         p.requires_grad_(False)
-    swapped = 0
+    swapped = {}
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if name in target_modules and isinstance(child, nn.Linear):
-                setattr(parent, name, NF4LoRALinear(child, r, alpha, dropout, base_dtype,
-                                                    chunked_dequant=chunked_dequant))
-                swapped += 1
-    if swapped == 0:
+                layer = (NF4LoRALinear(child, r, alpha, dropout, base_dtype,
+                                       chunked_dequant=chunked_dequant) if name in adapted
+                         else NF4Linear(child, base_dtype, chunked_dequant=chunked_dequant))
+                setattr(parent, name, layer)
+                swapped[name] = isinstance(layer, NF4LoRALinear)
+    if not swapped:
         have = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
                        if isinstance(m, nn.Linear)})
         raise ValueError(f"target_modules={target_modules}: no nn.Linear with these names in "
                          f"{architecture_name(model)} (its linear layers: {have})")
+    if not any(swapped.values()):
+        raise ValueError(f"adapter_modules={adapter_modules}: none of the quantized layers "
+                         f"({sorted(swapped)})")
     return model
 
 
@@ -219,7 +266,7 @@ def nf4_base_bytes(model: nn.Module) -> dict[str, int]:
     weights take in bf16 unsharded (``2 * numel``).
 
     Args:
-        model: the model with :class:`NF4LoRALinear` layers.
+        model: the model with :class:`NF4Linear` layers (adapted or not).
 
     Returns:
         ``{"nf4_local", "bf16_full"}``.
@@ -228,7 +275,7 @@ def nf4_base_bytes(model: nn.Module) -> dict[str, int]:
 
     local, full = [], 0
     for m in model.modules():
-        if isinstance(m, NF4LoRALinear):
+        if isinstance(m, NF4Linear):
             w = m.weight
             local.append(w.to_local() if hasattr(w, "to_local") else w.data)
             full += 2 * m.in_features * m.out_features

@@ -175,20 +175,21 @@ _TORCHTUNE_CHUNKS = ("torchtune's CEWithChunkedOutputLoss (8 chunks, each chunk'
                      "chunks, recomputed in backward)")
 
 
-# Answer.AI (benchmarks of February and March 2024, on 2 GPUs): their train.py with
-# --precision bf16 (the model in bf16, no autocast), LoRA r=64 on the blocks' linear layers
-# (its "all"), dropout 0.1, reentrant checkpointing of every decoder layer, torch.optim.AdamW,
-# dummy rows truncated to the context length, transformers of that time (the logits upcast to
-# fp32: measured as 4.46's loss). QLoRA is bitsandbytes' NF4 with double quantization stored in
-# bf16 under FSDP1; measured as the course's torchao NF4 under FSDP2, dequantized into its
-# output alone as bitsandbytes' kernel does (beside it, torchao's own dequantization). The
-# "DDP" row is FSDP's NO_SHARD (the whole model on each GPU): one GPU's bitsandbytes QLoRA.
-# "Peak Memory" is max reserved, GiB; the note under the LoRA table gives the peak allocated
-# (8.28 and 9.16 GiB). The source does not say the adapters' dtype: peft's fp32 is measured.
-# "CPU Offload" is FSDP's CPUOffload(offload_params=True): measured as FSDP2's CPUOffloadPolicy
-# (fsdp_cpu_offload), the GPU's peak. Its Mistral 7B v0.2 Base is v0.1's sizes with rope_theta
-# 1e6 and no sliding window (the Mistral-7B-Instruct-v0.2 model card: "Mistral-7B-v0.2 has the
-# following changes compared to Mistral-7B-v0.1": a 32k context, "Rope-theta = 1e6", "No
+# Answer.AI (benchmarks of February and March 2024, on 2 GPUs): their train.py with --precision bf16
+# (the model in bf16, no autocast), LoRA r=64 on its lora_target_modules "all", which train.py's
+# main() expands to k, q, v, up, down and gate projections: not o_proj (every linear layer of the
+# blocks is quantized for QLoRA, o_proj too), dropout 0.1, reentrant checkpointing of every decoder
+# layer, torch.optim.AdamW, dummy rows truncated to the context length, transformers of that time
+# (the logits upcast to fp32: measured as 4.46's loss). QLoRA is bitsandbytes' NF4 with double
+# quantization stored in bf16 under FSDP1; measured as the course's torchao NF4 under FSDP2,
+# dequantized into its output alone as bitsandbytes' kernel does (beside it, torchao's own
+# dequantization). The "DDP" row is FSDP's NO_SHARD (the whole model on each GPU): one GPU's
+# bitsandbytes QLoRA. "Peak Memory" is max reserved, GiB; the note under the LoRA table gives the
+# peak allocated (8.28 and 9.16 GiB). The source does not say the adapters' dtype: peft's fp32 is
+# measured. "CPU Offload" is FSDP's CPUOffload(offload_params=True): measured as FSDP2's
+# CPUOffloadPolicy (fsdp_cpu_offload), the GPU's peak. Its Mistral 7B v0.2 Base is v0.1's sizes with
+# rope_theta 1e6 and no sliding window (the Mistral-7B-Instruct-v0.2 model card: "Mistral-7B-v0.2
+# has the following changes compared to Mistral-7B-v0.1": a 32k context, "Rope-theta = 1e6", "No
 # Sliding-Window Attention"), whose config.json's fields follow.
 MISTRAL_7B_V02 = {"model_type": "mistral", "vocab_size": 32000, "hidden_size": 4096,
                   "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
@@ -201,12 +202,13 @@ YI_34B = {"model_type": "llama", "vocab_size": 64000, "hidden_size": 7168,
           "num_key_value_heads": 8, "max_position_embeddings": 4096, "rope_theta": 5000000.0,
           "rms_norm_eps": 1e-5, "tie_word_embeddings": False}
 _ANSWERAI = {"precision": "bf16", "checkpointing": True, "lora_rank": 64, "lora_dropout": 0.1,
-             "loss": "transformers-4.46"}
+             "loss": "transformers-4.46",
+             "lora_targets": ("k_proj", "q_proj", "v_proj", "up_proj", "down_proj", "gate_proj")}
 _ANSWERAI_FSDP_QLORA = Stack(method="qlora", fsdp_ranks=2, chunked_dequant=True, **_ANSWERAI)
 _ANSWERAI_CONFIG = ("Answer.AI's train.py, 2 GPUs, {how}, batch {b} a GPU, precision bf16 (no "
-                    "autocast), LoRA r=64 on every linear layer of the blocks, dropout 0.1, "
-                    "reentrant checkpointing (measured non-reentrant), AdamW, transformers' "
-                    "fp32 logits{qlora}; {reads}")
+                    "autocast), LoRA r=64 on the blocks' linear layers but o_proj (its 'all'), "
+                    "dropout 0.1, reentrant checkpointing (measured non-reentrant), AdamW, "
+                    "transformers' fp32 logits{qlora}; {reads}")
 _ANSWERAI_QLORA = (", bitsandbytes NF4 stored in bf16 (measured as torchao's NF4 dequantized "
                    "into its output, as bitsandbytes' kernel does)")
 _ANSWERAI_OFFLOADED = replace(_ANSWERAI_FSDP_QLORA, fsdp_cpu_offload=True)

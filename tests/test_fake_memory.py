@@ -151,6 +151,29 @@ def test_a_fake_fsdp_qlora_rank_matches_each_real_rank(sharded_runs, monkeypatch
             assert shard.quantized_scalers.numel() == n // 64 // 2  # one per 64 weights
 
 
+def test_fsdp_qlora_adapters_on_some_layers_drop_exactly_the_others_states():
+    """FSDP + QLoRA with ``lora_targets`` (Answer.AI's "all": every projection but ``o_proj``):
+    every linear layer stays NF4 and the rank's optimizer holds exactly the adapted layers'
+    states: without ``o_proj``'s adapters, its two fp32 AdamW states of r x (in + out) weights
+    a layer, halved by the 2 ranks, and the two adapters' step counters fewer; a name matching
+    no layer names ``lora_targets``."""
+    from conftest import FSDP_FAKE_NF4_CONFIG, FSDP_FAKE_NF4_STACK
+
+    every = Stack(**FSDP_FAKE_NF4_STACK)
+    six = replace(every, lora_targets=("k_proj", "q_proj", "v_proj", "up_proj", "down_proj",
+                                       "gate_proj"))
+    full, some = (fake_memory.measure_step(FSDP_FAKE_NF4_CONFIG, s, 64, 4).by_category
+                  for s in (every, six))
+    hidden, layers = FSDP_FAKE_NF4_CONFIG["hidden_size"], FSDP_FAKE_NF4_CONFIG["num_hidden_layers"]
+    o_proj = every.lora_rank * (hidden + hidden) * layers  # 4 heads x 64 = hidden, both sides
+    assert full["optimizer"] - some["optimizer"] == 2 * 4 * o_proj // 2 + 2 * 4 * layers
+    assert full["parameters"] - some["parameters"] >= 4 * o_proj // 2  # the fp32 shards
+    assert "on k_proj+q_proj+v_proj+up_proj+down_proj+gate_proj" in six.label
+    with pytest.raises(ValueError, match=r"^lora_targets=\('nothing',\): adapter_modules="):
+        fake_memory.measure_step(FSDP_FAKE_NF4_CONFIG, replace(every, lora_targets=("nothing",)),
+                                 64, 4)
+
+
 def test_a_fake_fsdp_rank_with_cpu_offload_matches_each_real_rank(sharded_runs, monkeypatch):
     """FSDP's CPU offload (``fsdp_cpu_offload``: FSDP2's ``CPUOffloadPolicy``), bf16-mixed and
     FSDP + QLoRA chunked, on 2 gloo ranks: on a CPU the host and the device are one, and the
@@ -207,6 +230,7 @@ def test_make_bench_compares_an_offloading_fsdp_rank_on_the_gpu_and_the_host_apa
     assert [f["metric"] for f in gpu] == [f["metric"] for f in host]
     assert all("FSDP's CPU offload" in f["metric"] for f in gpu + host)
     assert "QLoRA" in gpu[-1]["metric"] and "NF4 dequantized in chunks" in gpu[-1]["metric"]
+    assert "+gate_proj" in gpu[-1]["metric"] and "o_proj" not in gpu[-1]["metric"]
     assert all(f["value"] == pytest.approx(100 / 90) for f in gpu)  # 100/90 is farther than 1
     assert all(f["value"] == pytest.approx(300 / 320) for f in host)
 
@@ -451,7 +475,7 @@ def test_bad_inputs_name_the_parameter(config, tmp_path):
         Stack(offload_activations=True, fsdp_ranks=2)
     with pytest.raises(ValueError, match="offload_optimizer=True"):
         Stack(offload_optimizer=True, fsdp_ranks=2)
-    for kw in ({"lora_targets": ("q_proj",)}, {"autocast_adapter_dtype": False},
+    for kw in ({"lora_parameters": ("mlp.experts.down_proj",)}, {"autocast_adapter_dtype": False},
                {"precision": "fp16"}):  # FSDP + QLoRA is the course's fsdp_qlora
         with pytest.raises(ValueError, match=f"{next(iter(kw))}=.* with method='qlora' and "
                                              "fsdp_ranks > 1: FSDP \\+ QLoRA is the course's"):

@@ -62,6 +62,30 @@ def test_apply_nf4_lora_freezes_all_but_adapters_and_counts_bytes(tiny_model_pat
     assert all(p.grad is not None for n, p in model.named_parameters() if p.requires_grad)
 
 
+def test_adapters_on_some_layers_leave_the_others_quantized_and_frozen(tiny_model_path):
+    """``adapter_modules``: every linear layer of the blocks is NF4 (the same base bytes as
+    with adapters everywhere), and only the named ones carry adapters, as Answer.AI's train.py
+    runs QLoRA (its "all": not ``o_proj``); a frozen NF4 layer computes the dequantized linear."""
+    from recipes_lib.model import load_model
+
+    six = ("k_proj", "q_proj", "v_proj", "up_proj", "down_proj", "gate_proj")
+    every = fsdp_qlora.apply_nf4_lora(load_model(tiny_model_path), r=4)
+    some = fsdp_qlora.apply_nf4_lora(load_model(tiny_model_path), r=4, adapter_modules=six)
+    assert fsdp_qlora.nf4_base_bytes(some) == fsdp_qlora.nf4_base_bytes(every)
+    o_proj = [m for n, m in some.named_modules() if n.endswith("o_proj")]
+    assert o_proj and all(type(m) is fsdp_qlora.NF4Linear for m in o_proj)
+    trainable = {n.split(".")[-3] for n, p in some.named_parameters() if p.requires_grad}
+    assert trainable == set(six)
+    linear = torch.nn.Linear(256, 128, bias=True)
+    frozen = fsdp_qlora.NF4Linear(linear, base_dtype=torch.float32)
+    x = torch.randn(2, 256)
+    torch.testing.assert_close(frozen(x), torch.nn.functional.linear(
+        x, frozen.weight.to(torch.float32), linear.bias))
+    with pytest.raises(ValueError, match=r"adapter_modules=\('o_proj',\): none of the"):
+        fsdp_qlora.apply_nf4_lora(load_model(tiny_model_path), target_modules=("q_proj",),
+                                  adapter_modules=("o_proj",))
+
+
 def test_chunked_dequantization_equals_torchaos_and_holds_only_its_output():
     from torch._subclasses.fake_tensor import FakeTensorMode
 

@@ -308,8 +308,9 @@ def _offloaded_fake_vs_real(r, kept, configs: dict) -> None:
     (``fake_vs_real_host``) apart; on a CPU the two are one device, which
     ``memory.measure_memory`` splits by FSDP's labels. Each value is the rank farthest from 1.
     The stacks: bf16-mixed full, LoRA + checkpointing and FSDP + QLoRA as Answer.AI's
-    offloaded rows run it (NF4 dequantized in chunks, adapters on every projection but o_proj;
-    only where the config's layers split into NF4 blocks over the ranks).
+    offloaded rows run it (pure bf16, NF4 dequantized in chunks, bf16 adapters on every
+    projection but o_proj, dropout; only where the config's layers split into NF4 blocks over
+    the ranks).
 
     Args:
         r: the run's results.
@@ -325,11 +326,12 @@ def _offloaded_fake_vs_real(r, kept, configs: dict) -> None:
     stacks = [S(precision="bf16-mixed", fsdp_ranks=2, fsdp_cpu_offload=True),
               S(method="lora", precision="bf16-mixed", checkpointing=True, fsdp_ranks=2,
                 fsdp_cpu_offload=True),
-              # Answer.AI's offloaded rows: adapters on every projection but o_proj
-              S(method="qlora", precision="bf16-mixed", checkpointing=True, fsdp_ranks=2,
-                chunked_dequant=True, fsdp_cpu_offload=True,
-                lora_targets=("k_proj", "q_proj", "v_proj", "up_proj", "down_proj",
-                              "gate_proj"))]
+              # as Answer.AI's offloaded rows: pure bf16, adapters in bf16 on every projection
+              # but o_proj, dropout
+              S(method="qlora", precision="bf16", checkpointing=True, fsdp_ranks=2,
+                chunked_dequant=True, fsdp_cpu_offload=True, autocast_adapter_dtype=False,
+                lora_dropout=0.1, lora_targets=("k_proj", "q_proj", "v_proj", "up_proj",
+                                                "down_proj", "gate_proj"))]
     jobs = _sharded_jobs(configs, stacks)
     reals = kept.value("fsdp offload: real gloo ranks' peaks", lambda: distributed.launch([(
         "recipes_lib.fake_memory:real_rank_step", {

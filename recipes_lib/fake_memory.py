@@ -116,14 +116,14 @@ class Stack:
     preparation and keeps them in the load dtype, which ``precision="bf16"`` measures.
     With ``fsdp_ranks > 1`` it is the course's FSDP + QLoRA instead (``fsdp_qlora``, notebook 02):
     torchao's ``NF4Tensor`` base on every linear layer of the blocks, which FSDP2 shards and gathers
-    still quantized, and fp32 LoRA adapters on those ``lora_targets`` names (all of them by default;
+    still quantized, and LoRA adapters on those ``lora_targets`` names (all of them by default;
     bitsandbytes' packed weights do not shard under FSDP2); the weights left unquantized are in the
-    precision's dtype (in pure bf16 the fp32 adapters take an fp32 copy of their input, as peft's
-    do). torchao dequantizes a weight for each matmul (forward, and again in backward) through about
-    14 bytes per weight at once (int64 indices and four more full-size tensors);
-    ``chunked_dequant=True`` holds only the output (``fsdp_qlora.dequantize_chunked``: the same
-    values), which is what a fused kernel holds, bitsandbytes' ``dequantize_4bit`` on a GPU among
-    them.
+    precision's dtype (in pure bf16 fp32 adapters take an fp32 copy of their input, as peft's do;
+    ``autocast_adapter_dtype=False`` gives them the base's dtype, as peft before 0.11 did). torchao
+    dequantizes a weight for each matmul (forward, and again in backward) through about 14 bytes per
+    weight at once (int64 indices and four more full-size tensors); ``chunked_dequant=True`` holds
+    only the output (``fsdp_qlora.dequantize_chunked``: the same values), which is what a fused
+    kernel holds, bitsandbytes' ``dequantize_4bit`` on a GPU among them.
     ``fsdp_cpu_offload=True`` (with ``fsdp_ranks > 1``) is FSDP2's ``CPUOffloadPolicy``
     (``fsdp.shard_model(cpu_offload=True)``; accelerate's ``fsdp_offload_params``, Answer.AI's
     ``--use_cpu_offload``): the shards, their gradients and the optimizer's states live in host
@@ -296,7 +296,6 @@ class Stack:
                              "(offload_optimizer=True)")
         if self.fsdp_ranks > 1 and self.method == "qlora":  # the course's FSDP + QLoRA
             unlike = {"lora_parameters": bool(self.lora_parameters),
-                      "autocast_adapter_dtype": not self.autocast_adapter_dtype,
                       "gpu_dropout": self.gpu_dropout, "precision": self.precision == "fp16"}
             field = next((k for k, v in unlike.items() if v), None)
             if field:
@@ -304,7 +303,7 @@ class Stack:
                     f"{field}={getattr(self, field)!r} with method='qlora' and fsdp_ranks > 1: "
                     "FSDP + QLoRA is the course's fsdp_qlora (bitsandbytes' packed weights do "
                     "not shard under FSDP2): torchao's NF4 base on every linear layer of the "
-                    "blocks and fp32 adapters on those lora_targets names, in fp32, bf16 or "
+                    "blocks and adapters on those lora_targets names, in fp32, bf16 or "
                     "bf16-mixed")
 
     @property
@@ -680,7 +679,9 @@ def _sharded_nf4_model(config: Any, stack: Stack, device: torch.device, fake: bo
                            dropout=stack.lora_dropout, base_dtype=_compute_dtype(stack),
                            chunked_dequant=stack.chunked_dequant,
                            adapter_modules=None if stack.lora_targets == "all-linear"
-                           else stack.lora_targets)
+                           else stack.lora_targets,
+                           adapter_dtype=torch.float32 if stack.autocast_adapter_dtype
+                           else DTYPES[stack.precision])
         except ValueError as err:  # a weight that is not whole blocks (fsdp_qlora's check)
             if str(err).startswith("adapter_modules="):
                 raise ValueError(f"lora_targets={stack.lora_targets!r}: {err}") from err

@@ -178,6 +178,8 @@ class NF4LoRALinear(NF4Linear):
         scaler_block_size: absmax values per second-level scale (double quantization).
         chunked_dequant: dequantize with :func:`dequantize_chunked` (the output and one chunk)
             instead of torchao's ``linear_nf4`` (about 14 bytes per weight at once).
+        adapter_dtype: the adapters' dtype: fp32 (peft's since 0.11), or the base's, as peft
+            gave them before (and with ``autocast_adapter_dtype=False`` since).
 
     Raises:
         ValueError: naming ``r`` below 1, or ``linear`` for a weight that is not whole NF4
@@ -186,13 +188,14 @@ class NF4LoRALinear(NF4Linear):
 
     def __init__(self, linear: nn.Linear, r: int = 8, alpha: float = 16.0, dropout: float = 0.0,
                  base_dtype: torch.dtype = torch.bfloat16, block_size: int = 64,
-                 scaler_block_size: int = 256, chunked_dequant: bool = False):
+                 scaler_block_size: int = 256, chunked_dequant: bool = False,
+                 adapter_dtype: torch.dtype = torch.float32):
         if r < 1:
             raise ValueError(f"r={r}: LoRA rank must be >= 1")
         super().__init__(linear, base_dtype, block_size, scaler_block_size, chunked_dequant)
-        device = linear.weight.device
-        self.lora_a = nn.Linear(self.in_features, r, bias=False, device=device)
-        self.lora_b = nn.Linear(r, self.out_features, bias=False, device=device)
+        kw = {"bias": False, "device": linear.weight.device, "dtype": adapter_dtype}
+        self.lora_a = nn.Linear(self.in_features, r, **kw)
+        self.lora_b = nn.Linear(r, self.out_features, **kw)
         nn.init.kaiming_uniform_(self.lora_a.weight, a=math.sqrt(5))
         nn.init.zeros_(self.lora_b.weight)
         self.scaling = alpha / r
@@ -213,7 +216,8 @@ def apply_nf4_lora(model: nn.Module, r: int = 8, alpha: float = 16.0, dropout: f
                    target_modules: tuple[str, ...] | None = None,
                    base_dtype: torch.dtype = torch.bfloat16,
                    chunked_dequant: bool = False,
-                   adapter_modules: tuple[str, ...] | None = None) -> nn.Module:
+                   adapter_modules: tuple[str, ...] | None = None,
+                   adapter_dtype: torch.dtype = torch.float32) -> nn.Module:
     """Swap every targeted ``nn.Linear`` for an :class:`NF4LoRALinear` (or, outside
     ``adapter_modules``, a frozen :class:`NF4Linear`), freeze everything else.
 
@@ -228,6 +232,7 @@ def apply_nf4_lora(model: nn.Module, r: int = 8, alpha: float = 16.0, dropout: f
         adapter_modules: which of the quantized layers get an adapter (peft's
             ``target_modules``; Answer.AI's train.py adapts six of Llama's seven, not
             ``o_proj``); None: all of them.
+        adapter_dtype: the adapters' dtype (:class:`NF4LoRALinear`).
 
     Returns:
         The same model; only ``lora_a`` / ``lora_b`` weights require grad.
@@ -246,7 +251,8 @@ def apply_nf4_lora(model: nn.Module, r: int = 8, alpha: float = 16.0, dropout: f
         for name, child in list(parent.named_children()):
             if name in target_modules and isinstance(child, nn.Linear):
                 layer = (NF4LoRALinear(child, r, alpha, dropout, base_dtype,
-                                       chunked_dequant=chunked_dequant) if name in adapted
+                                       chunked_dequant=chunked_dequant,
+                                       adapter_dtype=adapter_dtype) if name in adapted
                          else NF4Linear(child, base_dtype, chunked_dequant=chunked_dequant))
                 setattr(parent, name, layer)
                 swapped[name] = isinstance(layer, NF4LoRALinear)

@@ -185,12 +185,15 @@ _TORCHTUNE_CHUNKS = ("torchtune's CEWithChunkedOutputLoss (8 chunks, each chunk'
 # dequantized into its output alone as bitsandbytes' kernel does (beside it, torchao's own
 # dequantization). The "DDP" row is FSDP's NO_SHARD (the whole model on each GPU): one GPU's
 # bitsandbytes QLoRA. "Peak Memory" is max reserved, GiB; the note under the LoRA table gives the
-# peak allocated (8.28 and 9.16 GiB). The source does not say the adapters' dtype: peft's fp32 is
-# measured. "CPU Offload" is FSDP's CPUOffload(offload_params=True): measured as FSDP2's
-# CPUOffloadPolicy (fsdp_cpu_offload), the GPU's peak. Its Mistral 7B v0.2 Base is v0.1's sizes with
-# rope_theta 1e6 and no sliding window (the Mistral-7B-Instruct-v0.2 model card: "Mistral-7B-v0.2
-# has the following changes compared to Mistral-7B-v0.1": a 32k context, "Rope-theta = 1e6", "No
-# Sliding-Window Attention"), whose config.json's fields follow.
+# peak allocated (8.28 and 9.16 GiB). The adapters are bf16: the peft of that time gave LoRA
+# adapters the base weight's dtype (fp32 only from 0.11, May 2024: huggingface/peft#1706) and
+# train.py casts nothing after get_peft_model (its Params4bit are stored in bf16, so QLoRA's
+# adapters are bf16 too): autocast_adapter_dtype=False. "CPU Offload" is FSDP's
+# CPUOffload(offload_params=True): measured as FSDP2's CPUOffloadPolicy (fsdp_cpu_offload), the
+# GPU's peak. Its Mistral 7B v0.2 Base is v0.1's sizes with rope_theta 1e6 and no sliding window
+# (the Mistral-7B-Instruct-v0.2 model card: "Mistral-7B-v0.2 has the following changes compared to
+# Mistral-7B-v0.1": a 32k context, "Rope-theta = 1e6", "No Sliding-Window Attention"), whose
+# config.json's fields follow.
 MISTRAL_7B_V02 = {"model_type": "mistral", "vocab_size": 32000, "hidden_size": 4096,
                   "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
                   "num_key_value_heads": 8, "max_position_embeddings": 32768,
@@ -202,13 +205,13 @@ YI_34B = {"model_type": "llama", "vocab_size": 64000, "hidden_size": 7168,
           "num_key_value_heads": 8, "max_position_embeddings": 4096, "rope_theta": 5000000.0,
           "rms_norm_eps": 1e-5, "tie_word_embeddings": False}
 _ANSWERAI = {"precision": "bf16", "checkpointing": True, "lora_rank": 64, "lora_dropout": 0.1,
-             "loss": "transformers-4.46",
+             "loss": "transformers-4.46", "autocast_adapter_dtype": False,
              "lora_targets": ("k_proj", "q_proj", "v_proj", "up_proj", "down_proj", "gate_proj")}
 _ANSWERAI_FSDP_QLORA = Stack(method="qlora", fsdp_ranks=2, chunked_dequant=True, **_ANSWERAI)
 _ANSWERAI_CONFIG = ("Answer.AI's train.py, 2 GPUs, {how}, batch {b} a GPU, precision bf16 (no "
                     "autocast), LoRA r=64 on the blocks' linear layers but o_proj (its 'all'), "
-                    "dropout 0.1, reentrant checkpointing (measured non-reentrant), AdamW, "
-                    "transformers' fp32 logits{qlora}; {reads}")
+                    "adapters in bf16 (peft before 0.11), dropout 0.1, reentrant checkpointing "
+                    "(measured non-reentrant), AdamW, transformers' fp32 logits{qlora}; {reads}")
 _ANSWERAI_QLORA = (", bitsandbytes NF4 stored in bf16 (measured as torchao's NF4 dequantized "
                    "into its output, as bitsandbytes' kernel does)")
 _ANSWERAI_OFFLOADED = replace(_ANSWERAI_FSDP_QLORA, fsdp_cpu_offload=True)

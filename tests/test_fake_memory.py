@@ -174,6 +174,23 @@ def test_fsdp_qlora_adapters_on_some_layers_drop_exactly_the_others_states():
                                  64, 4)
 
 
+def test_fsdp_qlora_adapters_in_the_bases_dtype_hold_half_the_states():
+    """FSDP + QLoRA in pure bf16 with ``autocast_adapter_dtype=False`` (adapters in the base's
+    dtype, as peft gave them before 0.11): AdamW's two states a weight in bf16, half of fp32
+    adapters' (the step counters, fp32 scalars, the same), and no fp32 copy of each adapted
+    layer's input among the activations."""
+    from conftest import FSDP_FAKE_NF4_CONFIG, FSDP_FAKE_NF4_STACK
+
+    fp32 = Stack(**FSDP_FAKE_NF4_STACK | {"precision": "bf16", "chunked_dequant": True})
+    bf16 = replace(fp32, autocast_adapter_dtype=False)
+    wide, narrow = (fake_memory.measure_step(FSDP_FAKE_NF4_CONFIG, s, 64, 4).by_category
+                    for s in (fp32, bf16))
+    steps = 4 * 2 * 7 * FSDP_FAKE_NF4_CONFIG["num_hidden_layers"]  # A and B, 7 layers a block
+    assert wide["optimizer"] - steps == 2 * (narrow["optimizer"] - steps) > 0
+    assert narrow["activations"] < wide["activations"]
+    assert "adapters in the base's dtype" in bf16.label
+
+
 def test_a_fake_fsdp_rank_with_cpu_offload_matches_each_real_rank(sharded_runs, monkeypatch):
     """FSDP's CPU offload (``fsdp_cpu_offload``: FSDP2's ``CPUOffloadPolicy``), bf16-mixed and
     FSDP + QLoRA chunked, on 2 gloo ranks: on a CPU the host and the device are one, and the
@@ -231,6 +248,7 @@ def test_make_bench_compares_an_offloading_fsdp_rank_on_the_gpu_and_the_host_apa
     assert all("FSDP's CPU offload" in f["metric"] for f in gpu + host)
     assert "QLoRA" in gpu[-1]["metric"] and "NF4 dequantized in chunks" in gpu[-1]["metric"]
     assert "+gate_proj" in gpu[-1]["metric"] and "o_proj" not in gpu[-1]["metric"]
+    assert "adapters in the base's dtype" in gpu[-1]["metric"]
     assert all(f["value"] == pytest.approx(100 / 90) for f in gpu)  # 100/90 is farther than 1
     assert all(f["value"] == pytest.approx(300 / 320) for f in host)
 
@@ -475,8 +493,9 @@ def test_bad_inputs_name_the_parameter(config, tmp_path):
         Stack(offload_activations=True, fsdp_ranks=2)
     with pytest.raises(ValueError, match="offload_optimizer=True"):
         Stack(offload_optimizer=True, fsdp_ranks=2)
-    for kw in ({"lora_parameters": ("mlp.experts.down_proj",)}, {"autocast_adapter_dtype": False},
-               {"precision": "fp16"}):  # FSDP + QLoRA is the course's fsdp_qlora
+    # FSDP + QLoRA is the course's fsdp_qlora
+    for kw in ({"lora_parameters": ("mlp.experts.down_proj",)},
+               {"gpu_dropout": True, "lora_dropout": 0.1}, {"precision": "fp16"}):
         with pytest.raises(ValueError, match=f"{next(iter(kw))}=.* with method='qlora' and "
                                              "fsdp_ranks > 1: FSDP \\+ QLoRA is the course's"):
             Stack(method="qlora", fsdp_ranks=2, **kw)

@@ -139,6 +139,18 @@ def test_fp32_adapters_over_a_bf16_base_cast_their_input_as_peft_does():
     assert torch.equal(out, base + adapted.to(torch.bfloat16))
 
 
+def test_adapters_in_the_bases_dtype_take_no_copy_of_their_input():
+    """``adapter_dtype=torch.bfloat16`` (peft before 0.11 gave adapters the base weight's dtype):
+    bf16 adapters over a bf16 base compute on the input as it comes, no fp32 copy."""
+    linear = torch.nn.Linear(256, 128, bias=False)
+    ours = fsdp_qlora.NF4LoRALinear(linear, r=4, alpha=8, adapter_dtype=torch.bfloat16)
+    torch.nn.init.normal_(ours.lora_b.weight)
+    assert ours.lora_a.weight.dtype == ours.lora_b.weight.dtype == torch.bfloat16
+    x = torch.randn(3, 256, dtype=torch.bfloat16)
+    base = torch.nn.functional.linear(x, ours.weight.to(torch.bfloat16))
+    assert torch.equal(ours(x), base + ours.lora_b(ours.lora_a(x)) * ours.scaling)
+
+
 def test_bad_inputs():
     with pytest.raises(ValueError, match="r=0"):
         fsdp_qlora.NF4LoRALinear(torch.nn.Linear(256, 128), r=0)

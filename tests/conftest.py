@@ -126,7 +126,13 @@ FSDP_FAKE_NF4_STACK = {"method": "qlora", "precision": "bf16-mixed", "fsdp_ranks
 # ... with torchao's dequantization, dequantized in chunks, and in pure bf16 (fp32 adapters
 # over bf16 weights: the adapters take an fp32 copy of their input, as peft's do)
 FSDP_FAKE_NF4_VARIANTS = {"": {}, "_chunked": {"chunked_dequant": True},
-                          "_bf16": {"precision": "bf16", "chunked_dequant": True}}
+                          "_bf16": {"precision": "bf16", "chunked_dequant": True},
+                          # ... and as Answer.AI's train.py ran it: bf16 adapters on six of the
+                          # seven projections (not o_proj), dropout
+                          "_answerai": {"precision": "bf16", "chunked_dequant": True,
+                                        "autocast_adapter_dtype": False, "lora_dropout": 0.1,
+                                        "lora_targets": ("k_proj", "q_proj", "v_proj", "up_proj",
+                                                         "down_proj", "gate_proj")}}
 FSDP_FAKE_STACKS = [{"precision": "fp32", "fsdp_ranks": 2},
                     {"precision": "bf16-mixed", "fsdp_ranks": 2, "checkpointing": True},
                     {"method": "lora", "precision": "bf16-mixed", "fsdp_ranks": 2}]

@@ -118,7 +118,8 @@ def test_a_fake_fsdp_qlora_rank_matches_each_real_rank(sharded_runs, monkeypatch
     """FSDP + QLoRA as notebook 02 runs it (``fsdp_qlora``: torchao's NF4 base and fp32 adapters,
     sharded by FSDP2, NF4 shards and all), bf16-mixed with checkpointing, on 2 gloo ranks, with
     torchao's dequantization and with ``chunked_dequant`` (and that in pure bf16, whose fp32
-    adapters take an fp32 copy of their input as peft's do): the
+    adapters take an fp32 copy of their input as peft's do, and as Answer.AI's train.py ran it:
+    bf16 adapters on every projection but ``o_proj``, dropout): the
     fake rank's parameters and optimizer states equal each real rank's to the byte, and its
     peak is a real rank's or under it by one late gloo copy, as above. Each fake rank keeps half
     of every linear layer's 4-bit codes and of its 8-bit block scales."""

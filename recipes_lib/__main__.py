@@ -176,7 +176,7 @@ def real_scale_benchmark() -> None:
     an hour or more on a 2-core CPU) resumes where it stopped when run again with the same code,
     packages and device."""
     import time
-    from dataclasses import asdict, replace
+    from dataclasses import replace
     from functools import partial
 
     import torch
@@ -185,7 +185,6 @@ def real_scale_benchmark() -> None:
     from recipes_lib import (
         checks,
         device,
-        distributed,
         fake_memory,
         published,
         results,
@@ -239,10 +238,7 @@ def real_scale_benchmark() -> None:
     # FSDP: rank 0 of a fake process group against both ranks of a real 2-rank gloo job (the fake
     # rank holds gloo's copy of each reduce-scatter input: comm_backend="gloo")
     jobs = _sharded_jobs(configs, sharded)
-    reals = kept.value("fsdp: real gloo ranks' peaks", lambda: distributed.launch([(
-        "recipes_lib.fake_memory:real_rank_step", {
-            "model": cfg, "stack": asdict(stack), "seq_len": 256, "batch_size": 2})
-        for _, cfg, stack in jobs], verbose=False))
+    reals = _real_ranks(kept, "fsdp: real gloo ranks' peaks", jobs)
     for (name, cfg, stack), ranks in zip(jobs, reals):
         keys = {backend: f"fsdp: fake rank ({backend}): {name}: {stack!r}"
                 for backend in ("gloo", "nccl")}
@@ -317,10 +313,9 @@ def _offloaded_fake_vs_real(r, kept, configs: dict) -> None:
         kept: the run's ``results.Progress`` (measurements kept as they are made).
         configs: name -> a transformers config.
     """
-    from dataclasses import asdict
     from functools import partial
 
-    from recipes_lib import distributed, fake_memory
+    from recipes_lib import fake_memory, published
 
     S = fake_memory.Stack
     stacks = [S(precision="bf16-mixed", fsdp_ranks=2, fsdp_cpu_offload=True),
@@ -330,13 +325,9 @@ def _offloaded_fake_vs_real(r, kept, configs: dict) -> None:
               # but o_proj, dropout
               S(method="qlora", precision="bf16", checkpointing=True, fsdp_ranks=2,
                 chunked_dequant=True, fsdp_cpu_offload=True, autocast_adapter_dtype=False,
-                lora_dropout=0.1, lora_targets=("k_proj", "q_proj", "v_proj", "up_proj",
-                                                "down_proj", "gate_proj"))]
+                lora_dropout=0.1, lora_targets=published.ANSWERAI_LORA_TARGETS)]
     jobs = _sharded_jobs(configs, stacks)
-    reals = kept.value("fsdp offload: real gloo ranks' peaks", lambda: distributed.launch([(
-        "recipes_lib.fake_memory:real_rank_step", {
-            "model": cfg, "stack": asdict(stack), "seq_len": 256, "batch_size": 2})
-        for _, cfg, stack in jobs], verbose=False))
+    reals = _real_ranks(kept, "fsdp offload: real gloo ranks' peaks", jobs)
     for (name, cfg, stack), ranks in zip(jobs, reals, strict=True):
         key = f"fsdp offload: fake rank (gloo): {name}: {stack!r}"
         fake = kept.value(key, partial(_fake_rank, cfg, stack, 256, 2, "gloo"))
@@ -359,6 +350,19 @@ def _sharded_jobs(configs: dict, stacks: list) -> list[tuple]:
     ``UnmeasuredStackError``, and torchao cannot shard them)."""
     return [(name, cfg.to_dict(), stack) for name, cfg in configs.items() for stack in stacks
             if stack.method != "qlora" or name not in NF4_UNSPLIT]
+
+
+def _real_ranks(kept, key: str, jobs: list[tuple]) -> list:
+    """Each ``(name, config's fields, stack)`` job's step on both ranks of one real 2-rank gloo
+    job (``fake_memory.real_rank_step``, 2 x 256 tokens), kept under ``key``."""
+    from dataclasses import asdict
+
+    from recipes_lib import distributed
+
+    return kept.value(key, lambda: distributed.launch([(
+        "recipes_lib.fake_memory:real_rank_step", {
+            "model": cfg, "stack": asdict(stack), "seq_len": 256, "batch_size": 2})
+        for _, cfg, stack in jobs], verbose=False))
 
 
 def _fake_rank(config: dict, stack, seq_len: int, batch_size: int, backend: str) -> dict:

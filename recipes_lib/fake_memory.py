@@ -662,7 +662,7 @@ def _sharded_nf4_model(config: Any, stack: Stack, device: torch.device, fake: bo
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from recipes_lib.fsdp_qlora import apply_nf4_lora
+    from recipes_lib.fsdp_qlora import NF4BlockError, apply_nf4_lora
 
     model = meta_model(config, dtype=DTYPES[stack.precision],
                        attn_implementation=attn_implementation or default_attention(config))
@@ -682,11 +682,11 @@ def _sharded_nf4_model(config: Any, stack: Stack, device: torch.device, fake: bo
                            else stack.lora_targets,
                            adapter_dtype=torch.float32 if stack.autocast_adapter_dtype
                            else DTYPES[stack.precision])
-        except ValueError as err:  # a weight that is not whole blocks (fsdp_qlora's check)
-            if str(err).startswith("adapter_modules="):
-                raise ValueError(f"lora_targets={stack.lora_targets!r}: {err}") from err
+        except NF4BlockError as err:
             raise UnmeasuredStackError("model", f"{why}: {err}", "NF4 blocks do not split "
                                        "over the ranks") from err
+        except ValueError as err:  # the only names it is given: stack.lora_targets
+            raise ValueError(f"lora_targets={stack.lora_targets!r}: {err}") from err
         try:
             shard_model(model, "bf16" if stack.precision == "bf16-mixed" else "fp32",
                         mesh=mesh, cpu_offload=stack.fsdp_cpu_offload)

@@ -119,6 +119,10 @@ class _LinearNF4Chunked(torch.autograd.Function):
         return grad_output @ dequantize_chunked(weight, grad_output.dtype), None
 
 
+class NF4BlockError(ValueError):
+    """A weight that is not whole NF4 blocks (64 weights, their scales in groups of 256)."""
+
+
 class NF4Linear(nn.Module):
     """``y = x W_nf4^T (+ b)``: a frozen NF4 linear layer, the base of :class:`NF4LoRALinear`,
     and on its own a layer that is quantized but not adapted (QLoRA quantizes every linear
@@ -133,7 +137,7 @@ class NF4Linear(nn.Module):
             instead of torchao's ``linear_nf4`` (about 14 bytes per weight at once).
 
     Raises:
-        ValueError: naming ``linear`` for a weight that is not whole NF4 blocks.
+        NF4BlockError: naming ``linear`` for a weight that is not whole NF4 blocks.
 
     Example:
         >>> layer = NF4Linear(nn.Linear(256, 128))
@@ -147,7 +151,7 @@ class NF4Linear(nn.Module):
         super().__init__()
         w = linear.weight.detach()
         if w.numel() % block_size or (w.numel() // block_size) % scaler_block_size:
-            raise ValueError(f"linear: weight {tuple(w.shape)} is not a multiple of NF4 blocks "
+            raise NF4BlockError(f"linear: weight {tuple(w.shape)} is not a multiple of NF4 blocks "
                              f"({block_size} weights x {scaler_block_size} scales)")
         to_nf4, _, _ = _nf4()
         self.in_features, self.out_features = linear.in_features, linear.out_features
@@ -182,8 +186,8 @@ class NF4LoRALinear(NF4Linear):
             gave them before (and with ``autocast_adapter_dtype=False`` since).
 
     Raises:
-        ValueError: naming ``r`` below 1, or ``linear`` for a weight that is not whole NF4
-            blocks.
+        ValueError: naming ``r`` below 1.
+        NF4BlockError: naming ``linear`` for a weight that is not whole NF4 blocks.
     """
 
     def __init__(self, linear: nn.Linear, r: int = 8, alpha: float = 16.0, dropout: float = 0.0,
@@ -240,6 +244,7 @@ def apply_nf4_lora(model: nn.Module, r: int = 8, alpha: float = 16.0, dropout: f
     Raises:
         ValueError: if no module matches ``target_modules``, or naming ``adapter_modules``
             where none of them is quantized.
+        NF4BlockError: for a targeted layer whose weight is not whole NF4 blocks.
     """
     if target_modules is None:
         target_modules = adapter_targets(model)

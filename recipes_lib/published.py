@@ -204,9 +204,10 @@ YI_34B = {"model_type": "llama", "vocab_size": 64000, "hidden_size": 7168,
           "intermediate_size": 20480, "num_hidden_layers": 60, "num_attention_heads": 56,
           "num_key_value_heads": 8, "max_position_embeddings": 4096, "rope_theta": 5000000.0,
           "rms_norm_eps": 1e-5, "tie_word_embeddings": False}
+ANSWERAI_LORA_TARGETS = ("k_proj", "q_proj", "v_proj", "up_proj", "down_proj", "gate_proj")
 _ANSWERAI = {"precision": "bf16", "checkpointing": True, "lora_rank": 64, "lora_dropout": 0.1,
              "loss": "transformers-4.46", "autocast_adapter_dtype": False,
-             "lora_targets": ("k_proj", "q_proj", "v_proj", "up_proj", "down_proj", "gate_proj")}
+             "lora_targets": ANSWERAI_LORA_TARGETS}
 _ANSWERAI_FSDP_QLORA = Stack(method="qlora", fsdp_ranks=2, chunked_dequant=True, **_ANSWERAI)
 _ANSWERAI_CONFIG = ("Answer.AI's train.py, 2 GPUs, {how}, batch {b} a GPU, precision bf16 (no "
                     "autocast), LoRA r=64 on the blocks' linear layers but o_proj (its 'all'), "

@@ -159,10 +159,10 @@ def test_fsdp_qlora_adapters_on_some_layers_drop_exactly_the_others_states():
     a layer, halved by the 2 ranks, and the two adapters' step counters fewer; a name matching
     no layer names ``lora_targets``."""
     from conftest import FSDP_FAKE_NF4_CONFIG, FSDP_FAKE_NF4_STACK
+    from recipes_lib.published import ANSWERAI_LORA_TARGETS
 
     every = Stack(**FSDP_FAKE_NF4_STACK)
-    six = replace(every, lora_targets=("k_proj", "q_proj", "v_proj", "up_proj", "down_proj",
-                                       "gate_proj"))
+    six = replace(every, lora_targets=ANSWERAI_LORA_TARGETS)
     full, some = (fake_memory.measure_step(FSDP_FAKE_NF4_CONFIG, s, 64, 4).by_category
                   for s in (every, six))
     hidden, layers = FSDP_FAKE_NF4_CONFIG["hidden_size"], FSDP_FAKE_NF4_CONFIG["num_hidden_layers"]

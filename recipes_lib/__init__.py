@@ -1,9 +1,9 @@
 """recipes_lib: the library behind the course notebooks, in three layers.
 
 Core (every notebook uses these; they never import a recipe or a tooling module):
-    device, timing, memory, results, checks, sweep, data, numerics, calc, grad_accumulation,
-    distributed, train_state, train, evaluation, model, architectures, compare,
-    known_warnings, scale.
+    device, timing, memory, allocator, results, checks, sweep, data, numerics, calc,
+    grad_accumulation, distributed, train_state, train, evaluation, model, architectures,
+    compare, known_warnings, scale.
 Recipes (one module per idea; may import core and other recipes, never tooling):
     quantization, checkpointing, offload, optim8bit, fsdp, fsdp_qlora, data_loading, comm_bench,
     ptq, latency, distillation, chunked_loss, attention, norms, kv_cache, gemm_bench,

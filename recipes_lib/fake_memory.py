@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from recipes_lib import calc
+from recipes_lib.allocator import AllocationLog, CachingAllocator, replay
 from recipes_lib.architectures import (
     adapter_targets,
     architecture_name,
@@ -604,7 +605,7 @@ def _gloo_reduce_scatter():
 
 def build_model(config, stack: Stack, device: torch.device | str, fake: bool = True,
                 attn_implementation: str | None = None,
-                comm_backend: str = "nccl") -> tuple[torch.nn.Module, Any]:
+                comm_backend: str = "nccl", log: Any = None) -> tuple[torch.nn.Module, Any]:
     """Build ``config``'s model with ``stack`` applied, its weights fake (or real) on ``device``.
 
     ``attn_implementation`` None: SDPA where transformers has it for the architecture, else
@@ -619,11 +620,14 @@ def build_model(config, stack: Stack, device: torch.device | str, fake: bool = T
         fake: fake weights (no memory); False builds real ones.
         attn_implementation: transformers' attention implementation (None: as above).
         comm_backend: "nccl" or "gloo" (above).
+        log: an ``allocator.AllocationLog`` that records the weights' allocations (and the
+            storages tying the embeddings frees), one device only (FSDP stacks: not logged).
 
     Returns:
         ``(model, mode)``: ``mode`` is the ``FakeTensorMode`` to run the step in (None if real).
     """
     device = torch.device(device)
+    logged = log or contextlib.nullcontext()
     if stack.method == "qlora" and stack.fsdp_ranks > 1:  # the course's fsdp_qlora
         model, mode = _sharded_nf4_model(config, stack, device, fake, attn_implementation)
     else:
@@ -633,8 +637,8 @@ def build_model(config, stack: Stack, device: torch.device | str, fake: bool = T
         if stack.fsdp_ranks > 1:  # sharded on meta; to_empty then gives each rank its shards
             shard_model(model, "bf16" if stack.precision == "bf16-mixed" else "fp32",
                         device_type=device.type, cpu_offload=stack.fsdp_cpu_offload)
-        mode = materialize(model, nf4_shapes, _compute_dtype(stack), device, fake)
-        with mode or contextlib.nullcontext():
+        mode = materialize(model, nf4_shapes, _compute_dtype(stack), device, fake, log)
+        with mode or contextlib.nullcontext(), logged:
             if stack.fsdp_ranks == 1:  # FSDP keeps one sharded parameter for tied weights
                 model.tie_weights()  # to_empty gives tied weights separate storages
             if not fake:  # fake tensors hold no values to restore
@@ -725,7 +729,7 @@ def _meta_model(config: Any, stack: Stack, attn_implementation: str | None = Non
 
 
 def materialize(model: torch.nn.Module, nf4_shapes: dict[torch.nn.Module, torch.Size],
-                dtype: torch.dtype, device: torch.device, fake: bool) -> Any:
+                dtype: torch.dtype, device: torch.device, fake: bool, log: Any = None) -> Any:
     """Give a model built on the meta device fake (or random) storage on ``device``, its 4-bit
     layers quantized (:func:`quantize_nf4`).
 
@@ -735,6 +739,7 @@ def materialize(model: torch.nn.Module, nf4_shapes: dict[torch.nn.Module, torch.
         dtype: the dtype 4-bit weights are quantized from.
         device: where the weights go.
         fake: fake storage (no memory); False draws random weights.
+        log: an ``allocator.AllocationLog`` to record the allocations in (None: none).
 
     Returns:
         The ``FakeTensorMode`` a step must run in (None if real).
@@ -742,7 +747,7 @@ def materialize(model: torch.nn.Module, nf4_shapes: dict[torch.nn.Module, torch.
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else None
-    with mode or contextlib.nullcontext():
+    with mode or contextlib.nullcontext(), log or contextlib.nullcontext():
         model.to_empty(device=device)
         if not fake:
             with torch.no_grad():
@@ -1236,6 +1241,64 @@ def measure_step(model: Any, stack: Stack = Stack(), seq_len: int = 2048, batch_
                                                                               before)
 
 
+def replay_allocator(model: Any, stack: Stack = Stack(), seq_len: int = 2048,
+                     batch_size: int = 1, device: torch.device | str = "cpu", steps: int = 2,
+                     capacity_bytes: int | None = None, fake: bool = True) -> CachingAllocator:
+    """What CUDA's caching allocator would hold for a training run: its allocations and frees
+    on fake tensors, from the weights' materialisation to the end of step ``steps``, replayed
+    through the allocator's rules (:func:`recipes_lib.allocator.replay`).
+
+    ``peak_allocated`` is :func:`measure_step`'s trace; ``peak_reserved`` adds what the cache
+    holds beyond it (segments rounded up, blocks split, freed space too small or in the wrong
+    place for later requests), in place of a fixed reserve. Checked against an H100's
+    ``max_memory_reserved`` for a 1.2 B model (``tests/test_allocator.py``).
+
+    Args:
+        model: a preset name, a ``config.json`` (or its folder) or a config.
+        stack: the recipes applied, on one device (FSDP is refused: its collectives allocate
+            on streams of their own, which the replay does not model). On a GPU, torch's
+            AdamW defaults to its foreach kernels: ``optimizer="adamw-foreach"`` replays them.
+        seq_len, batch_size: tokens per sequence and sequences per optimizer step.
+        device: the device the trace is for ("cpu": CPU kernels' allocations; "cuda" on a
+            CUDA build, where CUDA attention kernels run on fake tensors).
+        steps: training steps replayed (the first creates the optimizer states).
+        capacity_bytes: the card's bytes for PyTorch (None: unlimited, as on a large card):
+            whole free segments are released when a new one would pass it.
+        fake: fake tensors (no memory); False runs the steps for real on ``device`` and
+            replays what they allocated (the check of the fake trace on a CPU).
+
+    Returns:
+        The allocator after the run: ``peak_allocated``, ``peak_reserved``, ``segments``.
+
+    Raises:
+        ValueError: for an FSDP stack, ``steps`` < 1, or :func:`measure_step`'s bad sizes.
+        SimulatedOutOfMemory: when ``capacity_bytes`` cannot hold the run.
+
+    Example:
+        >>> a = replay_allocator("Llama-3.2-1B", Stack(), 2048, 2)  # doctest: +SKIP
+        >>> a.peak_reserved / a.peak_allocated  # doctest: +SKIP
+        1.02
+    """
+    per_rank = check_sizes(seq_len, batch_size, stack)
+    if stack.fsdp_ranks > 1:
+        raise ValueError(f"stack.fsdp_ranks={stack.fsdp_ranks}: FSDP's collectives allocate on "
+                         "streams of their own, whose cached blocks the replay does not model; "
+                         "replay a one-device stack")
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+        raise ValueError(f"steps={steps!r}: an integer >= 1")
+    config = model_config(model)
+    check_positions(config, seq_len)
+    device = torch.device(device)
+    log = AllocationLog(device.type, fake_only=fake)
+    prepared = _Prepared(config, stack, device, fake, log=log)
+    with prepared.mode or contextlib.nullcontext(), _unpacked_rows(), log:
+        step = prepared.step_fn(seq_len, per_rank)
+        for _ in range(steps):
+            step()
+            gc.collect()  # what reference cycles hold is freed by the collector, as in a run
+    return replay(log.events, capacity_bytes)
+
+
 class _Prepared:
     """A stack's model and optimizer, built once, in the state every step after the first starts
     from (weights and optimizer states, no gradients): each :meth:`measure` is one step at a
@@ -1243,9 +1306,10 @@ class _Prepared:
     and searches over lengths reuse one build (about a third of a fresh measurement's time)."""
 
     def __init__(self, config, stack: Stack, device: torch.device, fake: bool,
-                 comm_backend: str = "nccl"):
+                 comm_backend: str = "nccl", log: Any = None):
         self.config, self.stack, self.device, self.fake = config, stack, device, fake
-        self.net, self.mode = build_model(config, stack, device, fake, comm_backend=comm_backend)
+        self.net, self.mode = build_model(config, stack, device, fake, comm_backend=comm_backend,
+                                          log=log)
         # offloaded states go to the host: on fake tensors a CPU device's host is "meta", so its
         # bytes are counted apart (``MemoryReport.host_by_category``); the copies need fake mode
         self.host = "meta" if fake and device.type == "cpu" else "cpu"
@@ -1256,26 +1320,35 @@ class _Prepared:
                         LitGPTLoss() if stack.loss == "litgpt" else None)
         self.stepped = False
 
-    def measure(self, seq_len: int, per_rank: int,
-                before: tuple[int, int] = (0, 0)) -> MemoryReport:
-        stack, device, net, opt = self.stack, self.device, self.net, self.opt
+    def step_fn(self, seq_len: int, per_rank: int) -> Callable[[], None]:
+        """One training step at ``seq_len`` (its batch made now: call it in ``self.mode``)."""
+        stack, net, opt = self.stack, self.net, self.opt
         targets = per_rank * (seq_len - 1)  # the global count / the ranks, as forward_backward asks
         # FSDP's mixed-precision policy casts the weights; elsewhere bf16-mixed is autocast's
         autocast = "fp32" if stack.fsdp_ranks > 1 else _AUTOCAST.get(stack.precision, "fp32")
+        ids = torch.randint(0, self.config.vocab_size, (per_rank, seq_len), device=self.device)
+        batch = {"input_ids": ids, "labels": ids}
+
+        def step() -> None:
+            with step_context(stack, self.host, net):
+                forward_backward(net, batch, stack.grad_accum_steps, autocast,
+                                 num_target_tokens=targets, loss_fn=self.loss_fn)
+            optimizer_step(net, opt, max_grad_norm=None)
+            if isinstance(self.loss_fn, LitGPTLoss):  # litgpt's loop holds its logits
+                self.loss_fn.release()  # until the next step: a new length's step here
+
+        return step
+
+    def measure(self, seq_len: int, per_rank: int,
+                before: tuple[int, int] = (0, 0)) -> MemoryReport:
+        stack, device, net, opt = self.stack, self.device, self.net, self.opt
         with self.mode or contextlib.nullcontext(), _unpacked_rows():
-            ids = torch.randint(0, self.config.vocab_size, (per_rank, seq_len), device=device)
-            batch = {"input_ids": ids, "labels": ids}
-
-            def step() -> None:
-                with step_context(stack, self.host, net):
-                    forward_backward(net, batch, stack.grad_accum_steps, autocast,
-                                     num_target_tokens=targets, loss_fn=self.loss_fn)
-                optimizer_step(net, opt, max_grad_norm=None)
-                if isinstance(self.loss_fn, LitGPTLoss):  # litgpt's loop holds its logits
-                    self.loss_fn.release()  # until the next step: a new length's step here
-
+            step = self.step_fn(seq_len, per_rank)
             if not self.stepped:
-                if stack.fsdp_ranks > 1:  # FSDP2's first iteration records its prefetch order
+                # FSDP2's first iteration records its prefetch order; on a GPU the allocator's
+                # reserved bytes are a high-water mark since the build, and a real first step
+                # leaves the cache a training run's second step starts from
+                if stack.fsdp_ranks > 1 or not self.fake and device.type == "cuda":
                     step()
                 else:  # the optimizer states, as they exist in every step after the first
                     create_optimizer_states(net, opt)

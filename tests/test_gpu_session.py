@@ -25,6 +25,9 @@ def test_smoke_memory_parts_run_and_the_unsloth_lines_are_fitted(tmp_path, bench
     rows = report["unsloth_8b"]["rows"]
     assert {r["name"] for r in rows} == {"TRL 2024", "fp32 embeddings and head"}
     assert all(r["fake_peak"] == r["real_peak"] for r in rows)  # fake equals real on a CPU
+    # the allocator's replay of each >= 1 B row's run (on a GPU: beside max_memory_reserved)
+    assert all(r["replayed_reserved"] >= r["replayed_allocated"] > 0
+               for r in report["fake_vs_real"])
     lines = report["unsloth_8b"]["lines"]
     # on a CPU only the traces make lines (the allocator's and the driver's counts are CUDA's)
     assert set(lines) == {"TRL 2024: fake_peak", "fp32 embeddings and head: fake_peak"}

@@ -1,0 +1,425 @@
+"""What CUDA's caching allocator reserves for a sequence of allocations: its rules, replayed.
+
+A fake-tensor trace counts the bytes a step *allocates*; a GPU also needs what PyTorch's caching
+allocator keeps *reserved*: whole segments obtained from ``cudaMalloc``, cached when their tensors
+are freed and split to serve later requests, so that freed space too small or in the wrong place
+for the next request stays reserved. How much depends on the order and the sizes of the
+allocations, not on a fixed fraction. This module replays a trace's allocations and frees through
+the allocator's documented rules (``c10/cuda/CUDACachingAllocator.cpp``, default settings: no
+``expandable_segments``, no ``max_split_size_mb``, one stream):
+
+- sizes round up to 512 bytes; requests up to 1 MiB come from the small pool, packed into 2 MiB
+  segments; larger ones from the large pool, where a request under 10 MiB that finds no cached
+  block gets a 20 MiB segment and a larger one a segment rounded up to 2 MiB;
+- a request takes the smallest cached block of its pool that fits (the lowest address among
+  equals) and splits it when what remains is at least 512 bytes (small pool) or over 1 MiB
+  (large pool);
+- a freed block merges with free neighbours of its segment and stays cached: reserved memory
+  only grows, unless a ``cudaMalloc`` would pass the card's capacity, when whole free segments
+  are released first (what ``empty_cache`` releases).
+
+:class:`AllocationLog` records a run's allocations and frees on fake tensors in the order they
+happen; :func:`replay` turns them into ``max_memory_allocated`` and ``max_memory_reserved``.
+Streams are not modelled: FSDP's collectives allocate on streams of their own, whose cached
+blocks serve only that stream, so a replay of an FSDP step is a lower bound.
+"""
+
+from __future__ import annotations
+
+import bisect
+import gzip
+import json
+import weakref
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Self
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.weak import WeakIdKeyDictionary
+
+MIN_BLOCK = 512  # every size is rounded up to a multiple of this
+SMALL_SIZE = 1 << 20  # the largest request the small pool serves
+SMALL_BUFFER = 2 << 20  # the small pool's segments
+MIN_LARGE_ALLOC = 10 << 20  # a large request under this gets a LARGE_BUFFER segment
+LARGE_BUFFER = 20 << 20
+ROUND_LARGE = 2 << 20  # larger segments are rounded up to this
+
+
+class SimulatedOutOfMemory(RuntimeError):
+    """A request the capacity cannot hold, even with every whole free segment released."""
+
+
+def round_size(nbytes: int) -> int:
+    """The block size a request of ``nbytes`` takes (a multiple of 512, at least 512).
+
+    Args:
+        nbytes: the bytes requested.
+
+    Returns:
+        The rounded size.
+
+    Example:
+        >>> round_size(1), round_size(513)
+        (512, 1024)
+    """
+    return max(MIN_BLOCK, -(-nbytes // MIN_BLOCK) * MIN_BLOCK)
+
+
+def segment_size(nbytes: int) -> int:
+    """The segment ``cudaMalloc`` is asked for when no cached block serves a rounded request.
+
+    Args:
+        nbytes: the rounded request.
+
+    Returns:
+        2 MiB for a small request, 20 MiB for one under 10 MiB, else the request rounded up to
+        2 MiB.
+
+    Example:
+        >>> [segment_size(n) // 2**20 for n in (4096, 3 * 2**20, 11 * 2**20)]
+        [2, 20, 12]
+    """
+    if nbytes <= SMALL_SIZE:
+        return SMALL_BUFFER
+    if nbytes < MIN_LARGE_ALLOC:
+        return LARGE_BUFFER
+    return -(-nbytes // ROUND_LARGE) * ROUND_LARGE
+
+
+@dataclass(eq=False)
+class _Block:
+    """A contiguous range of one segment, allocated or cached."""
+
+    addr: int
+    size: int
+    small: bool
+    prev: _Block | None = None
+    next: _Block | None = None
+    allocated: bool = False
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return (self.size, self.addr)
+
+
+@dataclass
+class CachingAllocator:
+    """One device's caching allocator, as PyTorch's default one behaves on one stream.
+
+    Attributes:
+        capacity: the card's bytes for segments (None: unlimited); past it, whole free
+            segments are released before a new one is taken, as on a full GPU.
+        allocated: bytes in allocated blocks (rounded sizes), as ``memory_allocated``.
+        reserved: bytes in segments, as ``memory_reserved``.
+        peak_allocated: ``max_memory_allocated``.
+        peak_reserved: ``max_memory_reserved``.
+        segments: segments taken from ``cudaMalloc`` so far.
+        releases: times whole free segments were released to make room.
+    """
+
+    capacity: int | None = None
+    allocated: int = 0
+    reserved: int = 0
+    peak_allocated: int = 0
+    peak_reserved: int = 0
+    segments: int = 0
+    releases: int = 0
+    _free: dict[bool, list] = field(default_factory=lambda: {True: [], False: []})
+    _next_addr: int = 0
+
+    def malloc(self, nbytes: int) -> _Block:
+        """Serve a request of ``nbytes`` (> 0).
+
+        Args:
+            nbytes: the bytes a tensor's storage asks for.
+
+        Returns:
+            The block that holds it (pass it to :meth:`free`).
+
+        Raises:
+            ValueError: for a request that is not a positive integer.
+            SimulatedOutOfMemory: when ``capacity`` cannot hold it.
+        """
+        if not isinstance(nbytes, int) or nbytes <= 0:
+            raise ValueError(f"nbytes={nbytes!r}: a positive number of bytes")
+        size = round_size(nbytes)
+        small = size <= SMALL_SIZE
+        block = self._take_cached(size, small) or self._new_segment(size, small)
+        if block.size - size >= (MIN_BLOCK if small else SMALL_SIZE + 1):  # split off the rest
+            rest = _Block(block.addr + size, block.size - size, small, prev=block, next=block.next)
+            if block.next is not None:
+                block.next.prev = rest
+            block.next, block.size = rest, size
+            self._cache(rest)
+        block.allocated = True
+        self.allocated += block.size
+        self.peak_allocated = max(self.peak_allocated, self.allocated)
+        return block
+
+    def free(self, block: _Block) -> None:
+        """Return ``block`` to its pool, merged with free neighbours of its segment.
+
+        Args:
+            block: a block :meth:`malloc` returned and not yet freed.
+
+        Raises:
+            ValueError: for a block that is not allocated.
+        """
+        if not block.allocated:
+            raise ValueError("block: not allocated (freed twice?)")
+        block.allocated = False
+        self.allocated -= block.size
+        for neighbour in (block.prev, block.next):
+            if neighbour is not None and not neighbour.allocated:
+                self._uncache(neighbour)
+                if neighbour is block.prev:
+                    block.addr, block.prev = neighbour.addr, neighbour.prev
+                    if block.prev is not None:
+                        block.prev.next = block
+                else:
+                    block.next = neighbour.next
+                    if block.next is not None:
+                        block.next.prev = block
+                block.size += neighbour.size
+        self._cache(block)
+
+    def empty_cache(self) -> int:
+        """Release every whole free segment, as ``torch.cuda.empty_cache``.
+
+        Returns:
+            The bytes released.
+        """
+        released = 0
+        for small in (True, False):
+            for block in [b for _, _, b in self._free[small]
+                          if b.prev is None and b.next is None]:
+                self._uncache(block)
+                released += block.size
+        self.reserved -= released
+        return released
+
+    def _cache(self, block: _Block) -> None:
+        bisect.insort(self._free[block.small], (*block.key, block))
+
+    def _uncache(self, block: _Block) -> None:
+        pool = self._free[block.small]
+        del pool[bisect.bisect_left(pool, block.key, key=lambda e: e[:2])]
+
+    def _take_cached(self, size: int, small: bool) -> _Block | None:
+        pool = self._free[small]
+        i = bisect.bisect_left(pool, (size, -1), key=lambda e: e[:2])
+        if i == len(pool):
+            return None
+        return pool.pop(i)[2]
+
+    def _new_segment(self, size: int, small: bool) -> _Block:
+        nbytes = segment_size(size)
+        if self.capacity is not None and self.reserved + nbytes > self.capacity:
+            if self.empty_cache():
+                self.releases += 1
+            if self.reserved + nbytes > self.capacity:
+                raise SimulatedOutOfMemory(
+                    f"a {size / 2**20:.1f} MiB request needs a {nbytes / 2**20:.0f} MiB segment: "
+                    f"{self.reserved / 2**30:.2f} GiB reserved of {self.capacity / 2**30:.2f}")
+        block = _Block(self._next_addr, nbytes, small)
+        self._next_addr += nbytes
+        self.reserved += nbytes
+        self.segments += 1
+        self.peak_reserved = max(self.peak_reserved, self.reserved)
+        return block
+
+
+# a trace's events: ("alloc", id, nbytes) and ("free", id, 0)
+Event = tuple[str, int, int]
+
+
+def replay(events: Iterable[Event], capacity: int | None = None) -> CachingAllocator:
+    """Run a trace's allocations and frees through a fresh :class:`CachingAllocator`.
+
+    Args:
+        events: ``("alloc", id, nbytes)`` and ``("free", id, 0)`` in the order they happened
+            (:attr:`AllocationLog.events`); an id freed that was never allocated is ignored
+            (a storage that existed before the log started).
+        capacity: the card's bytes for segments (None: unlimited).
+
+    Returns:
+        The allocator after the trace: its ``peak_allocated`` and ``peak_reserved``.
+
+    Raises:
+        ValueError: for an event that is neither "alloc" nor "free".
+        SimulatedOutOfMemory: when ``capacity`` cannot hold the trace.
+
+    Example:
+        >>> a = replay([("alloc", 0, 3 * 2**20), ("alloc", 1, 3 * 2**20), ("free", 0, 0)])
+        >>> a.peak_allocated // 2**20, a.peak_reserved // 2**20  # one 20 MiB segment
+        (6, 20)
+    """
+    alloc = CachingAllocator(capacity)
+    live: dict[int, _Block] = {}
+    for kind, key, nbytes in events:
+        if kind == "alloc":
+            if nbytes > 0:
+                live[key] = alloc.malloc(nbytes)
+        elif kind == "free":
+            if key in live:
+                alloc.free(live.pop(key))
+        else:
+            raise ValueError(f"events: {kind!r} is neither 'alloc' nor 'free'")
+    return alloc
+
+
+def save_traces(path: str, traces: dict[str, list[Event]]) -> None:
+    """Write named traces to a gzipped JSON file, compactly: an allocation as its byte count,
+    a free as minus one plus minus the index of the allocation it frees.
+
+    Args:
+        path: the file (``.json.gz``).
+        traces: name -> events (:attr:`AllocationLog.events`).
+    """
+    compact = {}
+    for name, events in traces.items():
+        index: dict[int, int] = {}
+        out = []
+        for kind, key, nbytes in events:
+            if kind == "alloc":
+                index[key] = len(index)
+                out.append(nbytes)
+            elif key in index:
+                out.append(-1 - index[key])
+        compact[name] = out
+    with gzip.open(path, "wt") as f:
+        json.dump(compact, f, separators=(",", ":"))
+
+
+def load_traces(path: str) -> dict[str, list[Event]]:
+    """Read :func:`save_traces`' file back as events.
+
+    Args:
+        path: the file.
+
+    Returns:
+        name -> events, ready for :func:`replay`.
+    """
+    with gzip.open(path, "rt") as f:
+        compact = json.load(f)
+    traces = {}
+    for name, out in compact.items():
+        events, n = [], 0
+        for v in out:
+            if v >= 0:
+                events.append(("alloc", n, v))
+                n += 1
+            else:
+                events.append(("free", -1 - v, 0))
+        traces[name] = events
+    return traces
+
+
+def _storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
+    """The storages that hold ``t``'s bytes (a wrapper subclass's inner tensors, recursively)."""
+    if type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()
+        return [s for n in names for s in _storages(getattr(t, n))]
+    return [t.untyped_storage()]
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor) or any(isinstance(getattr(t, n), FakeTensor)
+                                            for n in getattr(t, "__tensor_flatten__",
+                                                             lambda: ((), None))()[0])
+
+
+class AllocationLog(TorchDispatchMode):
+    """Record the storages created and freed on one device type, in order, as allocator
+    events for :func:`replay`: every operator's outputs while the mode is active, and the
+    tensors passed to :meth:`track` (those that already exist, in the order given).
+
+    Enter it inside a ``FakeTensorMode`` to log a fake run (no memory used). A storage resized
+    in place (FSDP's unsharded parameters) is logged as a free and a new allocation.
+
+    Attributes:
+        device_type: the device type whose storages are logged ("cuda", "cpu").
+        fake_only: log fake tensors only (a fake run on the CPU beside real CPU tensors).
+        events: ``("alloc", id, nbytes)`` / ``("free", id, 0)`` in order.
+
+    Example:
+        >>> with AllocationLog("cpu") as log:
+        ...     x = torch.ones(1000)
+        ...     del x
+        >>> log.events
+        [('alloc', 0, 4000), ('free', 0, 0)]
+    """
+
+    def __init__(self, device_type: str = "cuda", fake_only: bool = False) -> None:
+        super().__init__()
+        self.device_type, self.fake_only = device_type, fake_only
+        self.events: list[Event] = []
+        self._ids = WeakIdKeyDictionary()
+        self._refs: dict[int, weakref.ref] = {}
+        self._next = 0
+        self._resize = None
+
+    def track(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Log tensors that already exist as allocated now (parameters, optimizer states).
+
+        Args:
+            tensors: any tensors; those on other device types, and storages already logged,
+                are skipped.
+        """
+        for t in tensors:
+            if isinstance(t, torch.Tensor):
+                self._note(t.data if isinstance(t, torch.nn.Parameter) else t)
+
+    def _note(self, t: torch.Tensor) -> None:
+        if t.device.type != self.device_type or self.fake_only and not _is_fake(t):
+            return
+        for st in _storages(t):
+            if st in self._ids:
+                continue
+            key = self._next
+            self._next += 1
+            self._ids[st] = key
+            self.events.append(("alloc", key, st.nbytes()))
+            self._watch(st, key)
+
+    def _watch(self, st: torch.UntypedStorage, key: int) -> None:
+        self._refs[key] = weakref.ref(st, lambda _, key=key: self._freed(key))
+
+    def _freed(self, key: int) -> None:
+        self.events.append(("free", key, 0))
+        self._refs.pop(key, None)
+
+    def __enter__(self) -> Self:
+        log, original = self, torch.UntypedStorage.resize_
+        self._resize = original
+
+        def resize_(st: torch.UntypedStorage, size: int):
+            out = original(st, size)
+            key = log._ids.get(st)
+            if key is not None:  # a new block for the new size; the old one's ref is dropped
+                log.events.append(("free", key, 0))
+                del log._refs[key]
+                log._ids[st] = log._next
+                log._next += 1
+                if st.nbytes():
+                    log.events.append(("alloc", log._ids[st], st.nbytes()))
+                log._watch(st, log._ids[st])
+            return out
+
+        torch.UntypedStorage.resize_ = resize_
+        return super().__enter__()
+
+    def __exit__(self, *args) -> None:
+        torch.UntypedStorage.resize_ = self._resize
+        super().__exit__(*args)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self._note(t)
+        return out

@@ -1,0 +1,174 @@
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from recipes_lib import allocator, fake_memory, planner
+from recipes_lib.allocator import AllocationLog, CachingAllocator, load_traces, replay
+from recipes_lib.fake_memory import Stack
+
+MiB = 2**20
+RAW = Path(__file__).resolve().parents[1] / "results" / "h100" / "raw"
+
+
+def test_small_requests_are_packed_into_2_mib_segments():
+    a = CachingAllocator()
+    blocks = [a.malloc(500_000) for _ in range(5)]  # 500 kB rounds to 500 224: four fit in 2 MiB
+    assert (a.segments, a.reserved) == (2, 4 * MiB)
+    assert a.allocated == 5 * allocator.round_size(500_000)
+    a.free(blocks[4])
+    assert a.reserved == 4 * MiB  # cached, not returned
+
+
+def test_a_request_under_10_mib_takes_a_20_mib_segment_and_splits_it():
+    a = CachingAllocator()
+    first, second = a.malloc(3 * MiB), a.malloc(3 * MiB)
+    assert (a.segments, a.reserved, a.allocated) == (1, 20 * MiB, 6 * MiB)
+    assert second.addr == first.addr + 3 * MiB  # the rest of the same segment
+    big = a.malloc(15 * MiB + 1)  # more than the 14 MiB left: a segment rounded up to 2 MiB,
+    assert (a.segments, big.size) == (2, 16 * MiB)  # handed out whole (< 1 MiB would remain)
+    assert a.reserved == 20 * MiB + 16 * MiB
+
+
+def test_a_large_block_is_split_only_when_more_than_1_mib_would_remain():
+    a = CachingAllocator()
+    a.free(a.malloc(12 * MiB))
+    block = a.malloc(11 * MiB)  # 1 MiB would remain: the whole block is handed out
+    assert block.size == 12 * MiB and a.allocated == 12 * MiB
+    a.free(block)
+    block = a.malloc(10 * MiB)  # 2 MiB remain: split
+    assert block.size == 10 * MiB and a.allocated == 10 * MiB
+
+
+def test_the_smallest_cached_block_that_fits_is_taken():
+    a = CachingAllocator()
+    big, small = a.malloc(30 * MiB), a.malloc(14 * MiB)
+    a.free(big)
+    a.free(small)
+    assert a.malloc(12 * MiB).addr == small.addr
+    assert a.segments == 2
+
+
+def test_freed_neighbours_merge_and_empty_cache_releases_whole_segments_only():
+    a = CachingAllocator()
+    x, y, _ = (a.malloc(4 * MiB) for _ in range(3))  # one 20 MiB segment, 8 MiB left
+    a.free(y)
+    assert a.malloc(5 * MiB).addr != y.addr  # 4 MiB hole too small: the tail serves it
+    a.free(x)
+    assert a.empty_cache() == 0  # the segment still holds z and the 5 MiB block
+    assert a.malloc(8 * MiB).addr == x.addr  # x and y merged into one 8 MiB block
+
+
+def test_fragmentation_makes_reserved_exceed_allocated():
+    a = CachingAllocator()
+    first = a.malloc(12 * MiB)
+    a.malloc(12 * MiB)
+    a.free(first)
+    a.malloc(14 * MiB)  # the freed 12 MiB does not fit: a new segment
+    assert (a.allocated, a.reserved) == (26 * MiB, 38 * MiB)
+
+
+def test_a_cached_block_serves_before_the_capacity_is_asked():
+    a = CachingAllocator(capacity=40 * MiB)
+    a.free(a.malloc(30 * MiB))
+    a.malloc(20 * MiB)  # cached 30 MiB serves it, split: nothing new
+    assert a.segments == 1
+
+
+def test_out_of_memory_after_releasing_what_can_be():
+    a = CachingAllocator(capacity=40 * MiB)
+    a.free(a.malloc(24 * MiB))
+    a.malloc(30 * MiB)  # the cached 24 MiB is too small: released, then 30 MiB fits
+    assert (a.releases, a.reserved) == (1, 30 * MiB)
+    with pytest.raises(allocator.SimulatedOutOfMemory, match="9.0 MiB request needs a 20 MiB"):
+        a.malloc(9 * MiB)
+
+
+def test_bad_input_names_the_parameter():
+    a = CachingAllocator()
+    with pytest.raises(ValueError, match="nbytes=0"):
+        a.malloc(0)
+    block = a.malloc(10)
+    a.free(block)
+    with pytest.raises(ValueError, match="block: not allocated"):
+        a.free(block)
+    with pytest.raises(ValueError, match="events: 'resize'"):
+        replay([("resize", 0, 1)])
+
+
+def test_the_log_records_allocations_and_frees_in_order():
+    kept = torch.zeros(10)
+    with AllocationLog("cpu") as log:
+        log.track([kept, kept])  # an existing storage, once
+        x = torch.ones(100)
+        y = x * 2
+        del x
+        y.untyped_storage().resize_(40)  # logged as a free and a new allocation
+        del y
+    assert log.events == [("alloc", 0, 40), ("alloc", 1, 400), ("alloc", 2, 400),
+                          ("free", 1, 0), ("free", 2, 0), ("alloc", 3, 40), ("free", 3, 0)]
+    assert torch.UntypedStorage.resize_ is not None and "log" not in repr(
+        torch.UntypedStorage.resize_)
+
+
+def test_traces_survive_a_save_and_load(tmp_path):
+    events = [("alloc", 7, 100), ("alloc", 9, 5), ("free", 7, 0), ("free", 42, 0)]
+    allocator.save_traces(tmp_path / "t.json.gz", {"run": events})
+    back = load_traces(tmp_path / "t.json.gz")["run"]
+    assert back == [("alloc", 0, 100), ("alloc", 1, 5), ("free", 0, 0)]
+    assert replay(back).peak_reserved == replay(events).peak_reserved
+
+
+@pytest.fixture(scope="module")
+def config():
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+
+
+@pytest.mark.parametrize("stack", [Stack(precision="fp32"), Stack(checkpointing=True),
+                                   Stack(method="lora", precision="bf16-mixed")],
+                         ids=lambda s: s.label)
+def test_a_fake_run_replays_as_the_same_run_on_real_tensors(config, stack):
+    fake, real = (fake_memory.replay_allocator(config, stack, 128, 2, fake=f)
+                  for f in (True, False))
+    assert (fake.peak_allocated, fake.peak_reserved, fake.segments) == (
+        real.peak_allocated, real.peak_reserved, real.segments)
+    # the trace the replay allocates is the measured step's, rounded to 512-byte blocks
+    measured = fake_memory.measure_step(config, stack, 128, 2).peak_bytes
+    assert measured <= fake.peak_allocated <= measured + 512 * 200
+
+
+def test_replay_refuses_what_it_does_not_model(config):
+    with pytest.raises(ValueError, match="stack.fsdp_ranks=2"):
+        fake_memory.replay_allocator(config, Stack(fsdp_ranks=2), 128, 2)
+    with pytest.raises(ValueError, match="steps=0"):
+        fake_memory.replay_allocator(config, Stack(), 128, 2, steps=0)
+
+
+def test_the_replay_predicts_the_h100s_reserved_memory():
+    """Llama-3.2-1B, 2 x 2048 tokens, five stacks on an H100 (2026-11-23): the allocations of
+    that session's own loop (bench/allocator_traces.py) replayed through the allocator's rules
+    give ``max_memory_reserved`` within 2.5 % in bf16, where a fixed 15 % reserve over the
+    trace misses by 8-13 %. fp32 misses by 11 %, as its trace misses the allocated peak (CUDA's
+    fp32 attention kernel allocates 2 GiB this CPU trace does not see)."""
+    traces = load_traces(RAW / "fake_traces_64663d2.json.gz")
+    real = {r["stack"]: r for r in
+            json.loads((RAW / "gpu_session_memory.json").read_text())["fake_vs_real"]}
+    assert traces.keys() == real.keys()
+    replayed, fixed = [], []
+    for stack, events in traces.items():
+        a, r = replay(events), real[stack]
+        if "fp32" in stack:
+            shortfall = a.peak_allocated / r["allocated_peak"]
+            assert shortfall < 0.92
+            assert abs(a.peak_reserved / r["reserved_peak"] - shortfall) < 0.03
+            continue
+        assert abs(a.peak_allocated / r["allocated_peak"] - 1) < 0.01, stack
+        replayed.append(abs(a.peak_reserved / r["reserved_peak"] - 1))
+        fixed.append(abs((1 + planner.ALLOCATOR_RESERVE) * a.peak_allocated
+                         / r["reserved_peak"] - 1))
+    assert len(replayed) == 4 and max(replayed) < 0.025
+    assert max(fixed) > 0.08

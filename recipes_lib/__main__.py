@@ -603,6 +603,9 @@ def main(argv: list[str] | None = None) -> int:
     pl.add_argument("--gpus", type=int, default=1, help="GPUs for the FSDP row (default: 1)")
     pl.add_argument("--measure", action="store_true",
                     help="also measure each row that can be on fake tensors")
+    pl.add_argument("--replay-allocator", action="store_true",
+                    help="with --measure: replay each one-device row's run through CUDA's "
+                    "caching allocator instead of a fixed 15%% reserve")
     pl.add_argument("--max-context", action="store_true",
                     help="the longest sequence that fits under each step, by measurement")
     pl.add_argument("--attention-mask", action="store_true",
@@ -634,6 +637,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             planned = plan(args.model, args.gpu_mem, args.seq, args.batch, args.gpus,
                            measure=args.measure, attention_mask=args.attention_mask,
+                           replay=args.replay_allocator,
                            progress=True)
             print(format_plan(planned))
             if args.max_context:  # the same rows: the plan's micro-batches

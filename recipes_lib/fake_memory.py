@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from recipes_lib import calc
-from recipes_lib.allocator import AllocationLog, CachingAllocator, replay
+from recipes_lib.allocator import AllocationLog, CachingAllocator, Event, replay
 from recipes_lib.architectures import (
     adapter_targets,
     architecture_name,
@@ -1245,8 +1245,8 @@ def replay_allocator(model: Any, stack: Stack = Stack(), seq_len: int = 2048,
                      batch_size: int = 1, device: torch.device | str = "cpu", steps: int = 2,
                      capacity_bytes: int | None = None, fake: bool = True) -> CachingAllocator:
     """What CUDA's caching allocator would hold for a training run: its allocations and frees
-    on fake tensors, from the weights' materialisation to the end of step ``steps``, replayed
-    through the allocator's rules (:func:`recipes_lib.allocator.replay`).
+    (:func:`allocation_trace`) replayed through the allocator's rules
+    (:func:`recipes_lib.allocator.replay`).
 
     ``peak_allocated`` is :func:`measure_step`'s trace; ``peak_reserved`` adds what the cache
     holds beyond it (segments rounded up, blocks split, freed space too small or in the wrong
@@ -1254,30 +1254,49 @@ def replay_allocator(model: Any, stack: Stack = Stack(), seq_len: int = 2048,
     ``max_memory_reserved`` for a 1.2 B model (``tests/test_allocator.py``).
 
     Args:
-        model: a preset name, a ``config.json`` (or its folder) or a config.
-        stack: the recipes applied, on one device (FSDP is refused: its collectives allocate
-            on streams of their own, which the replay does not model). On a GPU, torch's
-            AdamW defaults to its foreach kernels: ``optimizer="adamw-foreach"`` replays them.
-        seq_len, batch_size: tokens per sequence and sequences per optimizer step.
-        device: the device the trace is for ("cpu": CPU kernels' allocations; "cuda" on a
-            CUDA build, where CUDA attention kernels run on fake tensors).
-        steps: training steps replayed (the first creates the optimizer states).
+        model, stack, seq_len, batch_size, device, steps, fake: as :func:`allocation_trace`.
         capacity_bytes: the card's bytes for PyTorch (None: unlimited, as on a large card):
             whole free segments are released when a new one would pass it.
-        fake: fake tensors (no memory); False runs the steps for real on ``device`` and
-            replays what they allocated (the check of the fake trace on a CPU).
 
     Returns:
         The allocator after the run: ``peak_allocated``, ``peak_reserved``, ``segments``.
 
     Raises:
-        ValueError: for an FSDP stack, ``steps`` < 1, or :func:`measure_step`'s bad sizes.
+        ValueError: as :func:`allocation_trace`.
         SimulatedOutOfMemory: when ``capacity_bytes`` cannot hold the run.
 
     Example:
         >>> a = replay_allocator("Llama-3.2-1B", Stack(), 2048, 2)  # doctest: +SKIP
         >>> a.peak_reserved / a.peak_allocated  # doctest: +SKIP
         1.02
+    """
+    return replay(allocation_trace(model, stack, seq_len, batch_size, device, steps, fake),
+                  capacity_bytes)
+
+
+def allocation_trace(model: Any, stack: Stack = Stack(), seq_len: int = 2048,
+                     batch_size: int = 1, device: torch.device | str = "cpu", steps: int = 2,
+                     fake: bool = True) -> list[Event]:
+    """A training run's allocations and frees on ``device``, in order, from the weights'
+    materialisation to the end of step ``steps`` (``allocator.AllocationLog``).
+
+    Args:
+        model: a preset name, a ``config.json`` (or its folder) or a config.
+        stack: the recipes applied, on one device (FSDP is refused: its collectives allocate
+            on streams of their own, which the replay does not model). On a GPU, torch's
+            AdamW defaults to its foreach kernels: ``optimizer="adamw-foreach"`` traces them.
+        seq_len, batch_size: tokens per sequence and sequences per optimizer step.
+        device: the device the trace is for ("cpu": CPU kernels' allocations; "cuda" on a
+            CUDA build, where CUDA attention kernels run on fake tensors).
+        steps: training steps run (the first creates the optimizer states).
+        fake: fake tensors (no memory); False runs the steps for real on ``device`` (the check
+            of the fake trace on a CPU).
+
+    Returns:
+        ``("alloc", id, nbytes)`` and ``("free", id, 0)`` events, for ``allocator.replay``.
+
+    Raises:
+        ValueError: for an FSDP stack, ``steps`` < 1, or :func:`measure_step`'s bad sizes.
     """
     per_rank = check_sizes(seq_len, batch_size, stack)
     if stack.fsdp_ranks > 1:
@@ -1296,7 +1315,7 @@ def replay_allocator(model: Any, stack: Stack = Stack(), seq_len: int = 2048,
         for _ in range(steps):
             step()
             gc.collect()  # what reference cycles hold is freed by the collector, as in a run
-    return replay(log.events, capacity_bytes)
+    return log.events
 
 
 class _Prepared:

@@ -35,6 +35,8 @@ from recipes_lib.max_context import check_positions
 # max_memory_allocated). Library workspaces (cuBLAS, attention kernels) come on top. Under FSDP1
 # with bitsandbytes and a reserved peak counted since loading, Answer.AI's figures read 1.30-1.47x
 # the fake trace, 1.35-1.69x with CPU offload (README, published.REASONS): 15 % is no ceiling.
+# plan(replay=True) replaces it on one-device rows by the run replayed through the allocator's
+# rules (recipes_lib.allocator: within 2.4 % of the H100's reserved peaks in bf16).
 CUDA_CONTEXT_BYTES = 0.5 * 2**30
 ALLOCATOR_RESERVE = 0.15
 
@@ -656,7 +658,8 @@ def _unpredicted(err: calc.NotDescribedError, steps: list[str]) -> dict[str, Any
 
 def plan(model: str, gpu_mem: str | float, seq_len: int = 2048, batch_size: int = 8,
          gpus: int = 1, grad_accum_steps: int | None = None, measure: bool = False,
-         attention_mask: bool = False, progress: bool = False) -> dict[str, Any]:
+         attention_mask: bool = False, progress: bool = False,
+         replay: bool = False) -> dict[str, Any]:
     """Predicted per-GPU memory of each escalation step and the cheapest one that fits.
 
     Args:
@@ -686,6 +689,13 @@ def plan(model: str, gpu_mem: str | float, seq_len: int = 2048, batch_size: int 
             documents kept apart (``fake_memory.Stack.attention_mask``); default: full rows, as
             the formulas have them.
         progress: with ``measure``, a progress bar over the rows, on stderr.
+        replay: with ``measure``, each one-device row's run (the weights' materialisation and
+            two steps) replayed through CUDA's caching allocator (``fake_memory.
+            replay_allocator``) instead of the fixed reserve: ``reserved_GiB`` (its reserved
+            peak on a card of ``gpu_mem`` less the CUDA context, or on an unlimited one where
+            it runs out there), ``cache_released`` (times whole free segments were released
+            to fit), and ``gpu_GiB`` / ``measured_fits`` from it. FSDP rows keep the fixed
+            reserve (the replay models one stream).
 
     Returns:
         ``{"model", "params_B", "gpu_bytes", "gpu", "rows", "cheapest", "notes", "trainer",
@@ -725,6 +735,9 @@ def plan(model: str, gpu_mem: str | float, seq_len: int = 2048, batch_size: int 
         'QLoRA (NF4 base)'
     """
     _check_counts(seq_len=seq_len, batch_size=batch_size, gpus=gpus)
+    if replay and not measure:
+        raise ValueError("replay=True: replays the measured rows' runs; set measure=True too "
+                         "(--measure)")
     if not isinstance(attention_mask, bool):
         raise TypeError(f"attention_mask={attention_mask!r}: True (padded or packed rows, "
                          "which need a mask) or False (full rows)")
@@ -791,6 +804,10 @@ def plan(model: str, gpu_mem: str | float, seq_len: int = 2048, batch_size: int 
                        host_GiB=report.host_bytes / 2**30,
                        gpu_GiB=(peak + gpu_overhead(peak)) / 2**30,
                        measured_fits=peak + gpu_overhead(peak) <= budget)
+            if replay and stack.fsdp_ranks == 1:
+                row.update(replayed_reserve(model, stack, seq_len, _whole_shares(stack,
+                                                                                batch_size),
+                                            budget))
             if row is rows[0]:  # the full fine-tune: how a GPU runs AdamW moves its peak
                 row["adamw_GiB"] = {"for-loop (as measured)": peak / 2**30} | {
                     impl: fake_memory.measure_step(
@@ -822,6 +839,37 @@ def plan(model: str, gpu_mem: str | float, seq_len: int = 2048, batch_size: int 
                                            attention_mask, bf16=not card or card.bf16)
     out["grad_accum_steps"] = grad_accum_steps
     return out
+
+
+def replayed_reserve(model: Any, stack: Any, seq_len: int, batch_size: int,
+                     budget: float) -> dict[str, Any]:
+    """One row's run replayed through CUDA's caching allocator on a card of ``budget`` bytes
+    (``fake_memory.allocation_trace``, ``allocator.replay``), the CUDA context set apart.
+
+    Args:
+        model: the model planned.
+        stack: the row's measured stack (one device).
+        seq_len, batch_size: the row's sizes (sequences on the GPU).
+        budget: the card's bytes.
+
+    Returns:
+        ``reserved_GiB``: the reserved peak the card reaches, or, where the run does not fit
+        even with the cache released, the peak on an unlimited card; ``cache_released``: times
+        whole free segments were released to fit; ``gpu_GiB``: the reserved peak plus the CUDA
+        context; ``measured_fits``.
+    """
+    from recipes_lib import allocator, fake_memory
+
+    events = fake_memory.allocation_trace(model, stack, seq_len, batch_size)
+    capacity = max(0, int(budget - CUDA_CONTEXT_BYTES))
+    try:
+        card = allocator.replay(events, capacity)
+    except allocator.SimulatedOutOfMemory:
+        card, fits = allocator.replay(events), False
+    else:
+        fits = True
+    return {"reserved_GiB": card.peak_reserved / 2**30, "cache_released": card.releases,
+            "gpu_GiB": (card.peak_reserved + CUDA_CONTEXT_BYTES) / 2**30, "measured_fits": fits}
 
 
 def note_eager_attention(model: Any, seq_len: int, notes: list[str]) -> None:
@@ -1168,13 +1216,18 @@ def format_plan(result: dict[str, Any]) -> str:
     lines.append(f"cheapest that fits: {result['cheapest']}")
     lines += result.get("notes", [])
     if "cheapest_measured" in result:
+        replayed = any("reserved_GiB" in r for r in result["rows"])
+        reserve = ("the caching allocator's replayed reserve; FSDP rows a fixed "
+                   f"{ALLOCATOR_RESERVE:.0%}" if replayed else
+                   f"{ALLOCATOR_RESERVE:.0%} allocator reserve")
         lines += ["", ("measured on fake tensors (peak + modelled GPU overhead: "
-                       f"{CUDA_CONTEXT_BYTES / 2**30:.1f} GiB context + {ALLOCATOR_RESERVE:.0%} "
-                       "allocator reserve):"),
+                       f"{CUDA_CONTEXT_BYTES / 2**30:.1f} GiB context + {reserve}):"),
                   f"{'step':<52} {'trace':>8} {'on GPU':>8}  fits  stack measured"]
         for r in result["rows"]:
             if "measured_GiB" in r:
                 host = f" (+{r['host_GiB']:.1f}G in CPU RAM)" if r.get("host_GiB") else ""
+                if r.get("cache_released"):
+                    host += f" (fits with its cache released {r['cache_released']}x)"
                 lines.append(f"{r['step']:<52} {r['measured_GiB']:>7.1f}G {r['gpu_GiB']:>7.1f}G"
                              f"  {'yes' if r['measured_fits'] else 'no ':<4} {r['measured_stack']}"
                              f"{host}")

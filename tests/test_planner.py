@@ -958,3 +958,32 @@ def test_fp16_holds_the_bytes_bf16_does_in_a_step():
                       for p in ("bf16", "fp16"))
         assert bf16.peak_bytes == fp16.peak_bytes, kw
         assert bf16.by_category == fp16.by_category, kw
+
+
+def test_replay_puts_the_caching_allocator_in_place_of_the_fixed_reserve(tmp_path, small_llama):
+    from recipes_lib import allocator, fake_memory
+
+    small_llama.config.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"replay=True: .*measure=True"):
+        planner.plan(str(tmp_path), "1GB", 64, 2, replay=True)
+    out = planner.plan(str(tmp_path), "1GB", 64, 2, gpus=2, measure=True, replay=True)
+    measured = [r for r in out["rows"] if "measured_GiB" in r]
+    one_device = [r for r in measured if "FSDP" not in r["measured_stack"]]
+    assert one_device and len(one_device) < len(measured)  # FSDP rows keep the fixed reserve
+    for r in measured:
+        if r in one_device:
+            assert r["measured_GiB"] <= r["reserved_GiB"]  # what is cached holds what is handed out
+            assert r["gpu_GiB"] == pytest.approx(r["reserved_GiB"]
+                                                 + planner.CUDA_CONTEXT_BYTES / 2**30)
+            assert r["measured_fits"] and r["cache_released"] == 0
+        else:
+            assert "reserved_GiB" not in r
+            assert r["gpu_GiB"] * 2**30 == pytest.approx(
+                r["measured_GiB"] * 2**30 + planner.gpu_overhead(r["measured_GiB"] * 2**30))
+    assert "the caching allocator's replayed reserve" in planner.format_plan(out)
+    # a card too small for the run: not fitting, with the reserved peak an unlimited card reaches
+    stack = fake_memory.Stack(precision="fp32")
+    small = planner.replayed_reserve(str(tmp_path), stack, 64, 2,
+                                     planner.CUDA_CONTEXT_BYTES + 2**20)
+    whole = allocator.replay(fake_memory.allocation_trace(str(tmp_path), stack, 64, 2))
+    assert not small["measured_fits"] and small["reserved_GiB"] == whole.peak_reserved / 2**30

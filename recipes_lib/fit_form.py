@@ -2,9 +2,11 @@
 training step measured on fake tensors out, as a chart of its anatomy and a verdict.
 
 The HF Ultra-Scale Playbook's memory widget computes from formulas; this one measures
-(``fake_memory.measure_step``), then adds the modelled GPU overhead (``planner.gpu_overhead``)
-as its own bar. In JupyterLab and Colab the form is interactive; headless runs (papermill,
-nbval) call :func:`verdict` with the parameters cell's values instead.
+(``fake_memory.measure_step``), then adds the GPU's overhead as its own bar: the CUDA context
+and the caching allocator's cache, the run replayed through its rules
+(``planner.replayed_reserve``), or a fixed 15 % (``planner.gpu_overhead``). In JupyterLab and
+Colab the form is interactive; headless runs (papermill, nbval) call :func:`verdict` with the
+parameters cell's values instead.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ def make_stack(method: str = "qlora", checkpointing: bool = True, adamw_8bit: bo
 
 
 def verdict(model: str, gpu_mem: str | float, seq_len: int, batch_size: int,
-            stack: Stack) -> dict[str, Any]:
+            stack: Stack, replay: bool = False) -> dict[str, Any]:
     """Measure one step and say whether it fits one GPU of ``gpu_mem``.
 
     Args:
@@ -55,6 +57,9 @@ def verdict(model: str, gpu_mem: str | float, seq_len: int, batch_size: int,
         seq_len: tokens per sequence.
         batch_size: sequences per step.
         stack: the recipes applied.
+        replay: the overhead is the CUDA context plus the run replayed through CUDA's caching
+            allocator on the card (``planner.replayed_reserve``: two more fake steps), instead
+            of the fixed reserve (``planner.gpu_overhead``).
 
     Returns:
         ``{"report", "overhead_bytes", "need_bytes", "budget_bytes", "fits", "text",
@@ -80,12 +85,20 @@ def verdict(model: str, gpu_mem: str | float, seq_len: int, batch_size: int,
                     f"{stack.label!r}, the nearest stack transformers' grouped GEMM runs")
         stack = err.substitute
         report = measure_step(model, stack, seq_len, batch_size)
-    overhead = planner.gpu_overhead(report.peak_bytes)
-    need = report.peak_bytes + overhead
-    fits = need <= budget
+    if replay:
+        replayed = planner.replayed_reserve(model, stack, seq_len, batch_size, budget)
+        need, fits = replayed["gpu_GiB"] * 2**30, replayed["measured_fits"]
+        overhead, how = need - report.peak_bytes, "CUDA context and allocator cache, replayed"
+        if replayed["cache_released"]:
+            said.append(f"fits once the allocator releases its cache "
+                        f"({replayed['cache_released']}x), as a full card does")
+    else:
+        overhead = planner.gpu_overhead(report.peak_bytes)
+        need, how = report.peak_bytes + overhead, "modelled overhead"
+        fits = need <= budget
     text = (f"{model}, {seq_len} x {batch_size} tokens, {stack.label}: "
             f"{need / 2**30:.1f} GiB on the GPU ({report.peak_bytes / 2**30:.1f} measured + "
-            f"{overhead / 2**30:.1f} modelled overhead) of {budget / 2**30:.1f} GiB: "
+            f"{overhead / 2**30:.1f} {how}) of {budget / 2**30:.1f} GiB: "
             f"{'fits' if fits else 'does NOT fit'}")
     notes: dict[str, Any] = {"notes": said}  # then an MoE's adapters, as the planner says
     planner.note_expert_adapters(model, {"step": stack.label,
@@ -168,6 +181,8 @@ def form(model: str = "Llama-3.1-8B", gpu_mem: str = "24GB", seq_len: int = 2048
         "chunked": w.Checkbox(value=False, description="chunked cross-entropy"),
         # a padding collator's rows, or packed documents kept apart: SDPA gets a mask a layer
         "attention_mask": w.Checkbox(value=False, description="padded or packed rows"),
+        # the allocator's cache replayed (two more fake steps) instead of a fixed 15 %
+        "replay": w.Checkbox(value=True, description="replay the caching allocator"),
     }
     button = w.Button(description="Measure", button_style="primary")
     out = w.Output()
@@ -185,7 +200,8 @@ def form(model: str = "Llama-3.1-8B", gpu_mem: str = "24GB", seq_len: int = 2048
                                    1024 if fields["chunked"].value else 0,
                                    fields["precision"].value, fields["attention_mask"].value)
                 result = verdict(fields["model"].value, fields["gpu_mem"].value,
-                                 fields["seq_len"].value, fields["batch_size"].value, stack)
+                                 fields["seq_len"].value, fields["batch_size"].value, stack,
+                                 fields["replay"].value)
             except ValueError as err:
                 out.clear_output(wait=True)
                 print(f"error: {err}")

@@ -33,6 +33,19 @@ def test_the_verdict_is_the_measured_step_plus_the_modelled_overhead(config_dir)
     assert fig.axes[0].get_ylabel() == "GiB at peak"
 
 
+def test_the_verdict_can_replay_the_caching_allocator_instead_of_a_fixed_reserve(config_dir):
+    from recipes_lib import planner
+
+    stack = fit_form.make_stack("lora", checkpointing=True)
+    fixed = fit_form.verdict(config_dir, "1GiB", 128, 2, stack)
+    replayed = fit_form.verdict(config_dir, "1GiB", 128, 2, stack, replay=True)
+    expected = planner.replayed_reserve(config_dir, stack, 128, 2, 2**30)
+    assert replayed["report"].peak_bytes == fixed["report"].peak_bytes
+    assert replayed["need_bytes"] == pytest.approx(expected["gpu_GiB"] * 2**30)
+    assert replayed["fits"] and "allocator cache, replayed) of 1.0 GiB: fits" in replayed["text"]
+    assert not fit_form.verdict(config_dir, "0.5GiB", 128, 2, stack, replay=True)["fits"]
+
+
 def test_the_verdict_on_a_mixture_of_experts_says_what_lora_does_to_its_experts(tmp_path):
     """The planner's note (planner.note_expert_adapters) under the form's verdict: LoRA adapts
     the experts whole, with the step measured again with adapters on the attention only."""

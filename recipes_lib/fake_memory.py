@@ -1315,7 +1315,7 @@ def allocation_trace(model: Any, stack: Stack = Stack(), seq_len: int = 2048,
         for _ in range(steps):
             step()
             gc.collect()  # what reference cycles hold is freed by the collector, as in a run
-    return log.events
+    return list(log.events)  # a copy: frees after the run would go on appending to the log
 
 
 class _Prepared:

@@ -21,7 +21,8 @@ the allocator's documented rules (``c10/cuda/CUDACachingAllocator.cpp``, default
 :class:`AllocationLog` records a run's allocations and frees on fake tensors in the order they
 happen; :func:`replay` turns them into ``max_memory_allocated`` and ``max_memory_reserved``.
 Streams are not modelled: FSDP's collectives allocate on streams of their own, whose cached
-blocks serve only that stream, so a replay of an FSDP step is a lower bound.
+blocks serve only that stream, so an FSDP step replayed as one stream is an estimate below what
+those pools take.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Self
 
 import torch
+from torch._guards import active_fake_mode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
@@ -362,6 +364,7 @@ class AllocationLog(TorchDispatchMode):
         self._refs: dict[int, weakref.ref] = {}
         self._next = 0
         self._resize = None
+        self._mode_on_entry = None
 
     def track(self, tensors: Iterable[torch.Tensor]) -> None:
         """Log tensors that already exist as allocated now (parameters, optimizer states).
@@ -394,6 +397,7 @@ class AllocationLog(TorchDispatchMode):
         self._refs.pop(key, None)
 
     def __enter__(self) -> Self:
+        self._mode_on_entry = active_fake_mode()
         log, original = self, torch.UntypedStorage.resize_
         self._resize = original
 
@@ -418,8 +422,14 @@ class AllocationLog(TorchDispatchMode):
         super().__exit__(*args)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.distributed.tensor import DTensor
+
+        if any(t is DTensor for t in types):  # let DTensor run its local ops, which come back
+            return NotImplemented
         out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                self._note(t)
+        # DTensor's sharding propagation runs ops in a fake mode of its own: metadata, no memory
+        if active_fake_mode() is self._mode_on_entry:
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor):
+                    self._note(t)
         return out

@@ -1243,7 +1243,8 @@ def measure_step(model: Any, stack: Stack = Stack(), seq_len: int = 2048, batch_
 
 def replay_allocator(model: Any, stack: Stack = Stack(), seq_len: int = 2048,
                      batch_size: int = 1, device: torch.device | str = "cpu", steps: int = 2,
-                     capacity_bytes: int | None = None, fake: bool = True) -> CachingAllocator:
+                     capacity_bytes: int | None = None, fake: bool = True,
+                     fsdp_one_stream: bool = False) -> CachingAllocator:
     """What CUDA's caching allocator would hold for a training run: its allocations and frees
     (:func:`allocation_trace`) replayed through the allocator's rules
     (:func:`recipes_lib.allocator.replay`).
@@ -1254,7 +1255,8 @@ def replay_allocator(model: Any, stack: Stack = Stack(), seq_len: int = 2048,
     ``max_memory_reserved`` for a 1.2 B model (``tests/test_allocator.py``).
 
     Args:
-        model, stack, seq_len, batch_size, device, steps, fake: as :func:`allocation_trace`.
+        model, stack, seq_len, batch_size, device, steps, fake, fsdp_one_stream: as
+            :func:`allocation_trace`.
         capacity_bytes: the card's bytes for PyTorch (None: unlimited, as on a large card):
             whole free segments are released when a new one would pass it.
 
@@ -1270,51 +1272,62 @@ def replay_allocator(model: Any, stack: Stack = Stack(), seq_len: int = 2048,
         >>> a.peak_reserved / a.peak_allocated  # doctest: +SKIP
         1.02
     """
-    return replay(allocation_trace(model, stack, seq_len, batch_size, device, steps, fake),
-                  capacity_bytes)
+    return replay(allocation_trace(model, stack, seq_len, batch_size, device, steps, fake,
+                                   fsdp_one_stream), capacity_bytes)
 
 
 def allocation_trace(model: Any, stack: Stack = Stack(), seq_len: int = 2048,
                      batch_size: int = 1, device: torch.device | str = "cpu", steps: int = 2,
-                     fake: bool = True) -> list[Event]:
+                     fake: bool = True, fsdp_one_stream: bool = False) -> list[Event]:
     """A training run's allocations and frees on ``device``, in order, from the weights'
     materialisation to the end of step ``steps`` (``allocator.AllocationLog``).
 
     Args:
         model: a preset name, a ``config.json`` (or its folder) or a config.
-        stack: the recipes applied, on one device (FSDP is refused: its collectives allocate
-            on streams of their own, which the replay does not model). On a GPU, torch's
-            AdamW defaults to its foreach kernels: ``optimizer="adamw-foreach"`` traces them.
+        stack: the recipes applied. On a GPU, torch's AdamW defaults to its foreach kernels:
+            ``optimizer="adamw-foreach"`` traces them.
         seq_len, batch_size: tokens per sequence and sequences per optimizer step.
         device: the device the trace is for ("cpu": CPU kernels' allocations; "cuda" on a
             CUDA build, where CUDA attention kernels run on fake tensors).
         steps: training steps run (the first creates the optimizer states).
         fake: fake tensors (no memory); False runs the steps for real on ``device`` (the check
             of the fake trace on a CPU).
+        fsdp_one_stream: trace an FSDP stack (rank 0 of a fake process group) as if its
+            collectives allocated on the step's own stream: on a GPU they allocate on streams
+            of their own, whose cached blocks serve only them, so its replay is an estimate
+            below what those pools take. False refuses FSDP stacks.
 
     Returns:
         ``("alloc", id, nbytes)`` and ``("free", id, 0)`` events, for ``allocator.replay``.
 
     Raises:
-        ValueError: for an FSDP stack, ``steps`` < 1, or :func:`measure_step`'s bad sizes.
+        ValueError: for an FSDP stack without ``fsdp_one_stream``, FSDP's CPU offload (its
+            host's shards share the trace's CPU device), ``steps`` < 1, or
+            :func:`measure_step`'s bad sizes.
     """
     per_rank = check_sizes(seq_len, batch_size, stack)
-    if stack.fsdp_ranks > 1:
+    if stack.fsdp_ranks > 1 and not fsdp_one_stream:
         raise ValueError(f"stack.fsdp_ranks={stack.fsdp_ranks}: FSDP's collectives allocate on "
                          "streams of their own, whose cached blocks the replay does not model; "
-                         "replay a one-device stack")
+                         "replay a one-device stack, or set fsdp_one_stream=True for an "
+                         "estimate below what those streams' pools take")
+    if stack.fsdp_cpu_offload:
+        raise ValueError("stack.fsdp_cpu_offload=True: on fake tensors the shards FSDP keeps "
+                         "on the host share the CPU device with what the GPU would hold, which "
+                         "an allocation log cannot tell apart")
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
         raise ValueError(f"steps={steps!r}: an integer >= 1")
     config = model_config(model)
     check_positions(config, seq_len)
     device = torch.device(device)
     log = AllocationLog(device.type, fake_only=fake)
-    prepared = _Prepared(config, stack, device, fake, log=log)
-    with prepared.mode or contextlib.nullcontext(), _unpacked_rows(), log:
-        step = prepared.step_fn(seq_len, per_rank)
-        for _ in range(steps):
-            step()
-            gc.collect()  # what reference cycles hold is freed by the collector, as in a run
+    with _process_group(stack.fsdp_ranks, fake):
+        prepared = _Prepared(config, stack, device, fake, log=log)
+        with prepared.mode or contextlib.nullcontext(), _unpacked_rows(), log:
+            step = prepared.step_fn(seq_len, per_rank)
+            for _ in range(steps):
+                step()
+                gc.collect()  # what reference cycles hold is freed by the collector, as in a run
     return list(log.events)  # a copy: frees after the run would go on appending to the log
 
 

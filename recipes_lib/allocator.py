@@ -37,9 +37,12 @@ from typing import Self
 
 import torch
 from torch._guards import active_fake_mode
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
+
+from recipes_lib.memory import plain_tensors
 
 MIN_BLOCK = 512  # every size is rounded up to a multiple of this
 SMALL_SIZE = 1 << 20  # the largest request the small pool serves
@@ -319,22 +322,6 @@ def load_traces(path: str) -> dict[str, list[Event]]:
     return traces
 
 
-def _storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
-    """The storages that hold ``t``'s bytes (a wrapper subclass's inner tensors, recursively)."""
-    if type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__"):
-        names, _ = t.__tensor_flatten__()
-        return [s for n in names for s in _storages(getattr(t, n))]
-    return [t.untyped_storage()]
-
-
-def _is_fake(t: torch.Tensor) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    return isinstance(t, FakeTensor) or any(isinstance(getattr(t, n), FakeTensor)
-                                            for n in getattr(t, "__tensor_flatten__",
-                                                             lambda: ((), None))()[0])
-
-
 class AllocationLog(TorchDispatchMode):
     """Record the storages created and freed on one device type, in order, as allocator
     events for :func:`replay`: every operator's outputs while the mode is active, and the
@@ -375,12 +362,15 @@ class AllocationLog(TorchDispatchMode):
         """
         for t in tensors:
             if isinstance(t, torch.Tensor):
-                self._note(t.data if isinstance(t, torch.nn.Parameter) else t)
+                self._note(t)
 
     def _note(self, t: torch.Tensor) -> None:
-        if t.device.type != self.device_type or self.fake_only and not _is_fake(t):
+        if t.device.type != self.device_type:
             return
-        for st in _storages(t):
+        for inner in plain_tensors(t):
+            if self.fake_only and not isinstance(inner, FakeTensor):
+                continue
+            st = inner.untyped_storage()
             if st in self._ids:
                 continue
             key = self._next

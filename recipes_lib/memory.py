@@ -288,13 +288,20 @@ def allocator_peak(fn: Callable[[], Any], device: torch.device | str) -> tuple[i
     return torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)
 
 
-def _plain_tensors(t: torch.Tensor) -> list[torch.Tensor]:
-    """The tensors that hold ``t``'s bytes: itself, or a wrapper subclass's inner tensors (e.g.
-    torchao's NF4Tensor: packed data, quantized scales, ...), looked into recursively."""
+def plain_tensors(t: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors that hold ``t``'s bytes.
+
+    Args:
+        t: a tensor or parameter.
+
+    Returns:
+        ``t`` itself (a parameter's data), or a wrapper subclass's inner tensors (e.g.
+        torchao's NF4Tensor: packed data, quantized scales, ...), looked into recursively.
+    """
     data = t.data if isinstance(t, torch.nn.Parameter) else t
     if type(data) is not torch.Tensor and hasattr(data, "__tensor_flatten__"):
         names, _ = data.__tensor_flatten__()
-        return [x for n in names for x in _plain_tensors(getattr(data, n))]
+        return [x for n in names for x in plain_tensors(getattr(data, n))]
     return [data]
 
 
@@ -315,7 +322,7 @@ def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """
     seen: set[tuple[int, str]] = set()
     total = 0
-    plain = [p for t in tensors if isinstance(t, torch.Tensor) for p in _plain_tensors(t)]
+    plain = [p for t in tensors if isinstance(t, torch.Tensor) for p in plain_tensors(t)]
     for t in plain:
         storage = t.untyped_storage()
         key = (storage.data_ptr(), str(t.device))

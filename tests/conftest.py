@@ -6,6 +6,8 @@ import numpy as np
 import pytest
 import torch
 
+from recipes_lib.published import ANSWERAI_LORA_TARGETS
+
 
 @pytest.fixture(autouse=True)
 def _seed():
@@ -131,8 +133,7 @@ FSDP_FAKE_NF4_VARIANTS = {"": {}, "_chunked": {"chunked_dequant": True},
                           # seven projections (not o_proj), dropout
                           "_answerai": {"precision": "bf16", "chunked_dequant": True,
                                         "autocast_adapter_dtype": False, "lora_dropout": 0.1,
-                                        "lora_targets": ("k_proj", "q_proj", "v_proj", "up_proj",
-                                                         "down_proj", "gate_proj")}}
+                                        "lora_targets": ANSWERAI_LORA_TARGETS}}
 FSDP_FAKE_STACKS = [{"precision": "fp32", "fsdp_ranks": 2},
                     {"precision": "bf16-mixed", "fsdp_ranks": 2, "checkpointing": True},
                     {"method": "lora", "precision": "bf16-mixed", "fsdp_ranks": 2}]

@@ -76,20 +76,38 @@ def outside_allocator() -> dict:
     return out
 
 
-def fake_vs_real(model, stacks, seq_len, batch, device, replay=False) -> list[dict]:
+def allocator_settings(expandable: bool) -> None:
+    """Switch CUDA's caching allocator to or from expandable segments for what follows (as
+    ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` does at start-up), its cache emptied
+    first so that no segment of the other kind serves the next run."""
+    if torch.cuda.is_available():
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.memory._set_allocator_settings(f"expandable_segments:{expandable}")
+
+
+def fake_vs_real(model, stacks, seq_len, batch, device, replay=False,
+                 expandable=False) -> list[dict]:
     """Each stack's fake step beside the real one; ``replay``: also the caching allocator's
     replay of the same run on fake tensors (``fake_memory.replay_allocator``: build, then two
-    steps, as the real measurement runs them), beside the real ``max_memory_reserved``."""
+    steps, as the real measurement runs them), beside the real ``max_memory_reserved``;
+    ``expandable``: the real runs with expandable segments, and the replay as they run."""
     rows = []
     for stack in stacks:
         gc.collect()
-        replayed = (fake_memory.replay_allocator(model, stack, seq_len, batch, device)
+        replayed = (fake_memory.replay_allocator(model, stack, seq_len, batch, device,
+                                                 expandable_segments=expandable)
                     if replay else None)
+        allocator_settings(expandable)
         start = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
-        r = fake_memory.fake_vs_real(model, stack, seq_len, batch, device)
+        try:
+            r = fake_memory.fake_vs_real(model, stack, seq_len, batch, device)
+        finally:
+            allocator_settings(False)
         used = device_used()  # the step's blocks are still cached: context + reserved
         rows.append({"stack": stack.label, "model": model if isinstance(model, str) else
                      type(model).__name__, "seq_len": seq_len, "batch": batch,
+                     "expandable_segments": expandable,
                      "fake": r["fake"].by_category, "fake_peak": r["fake"].peak_bytes,
                      "real": r["real"].by_category, "real_peak": r["real"].peak_bytes,
                      "allocated_peak": r["real"].allocator_peak_bytes,
@@ -237,6 +255,9 @@ def main(out_dir: str, smoke: bool) -> None:
     stacks = [S(), S(checkpointing=True), S(method="lora", checkpointing=True),
               S(precision="fp32", checkpointing=True), S(grad_accum_steps=2)]
     part("fake_vs_real", lambda: fake_vs_real(model, stacks, seq, batch, device, replay=True))
+    # the replay's prediction with expandable segments (torchtitan's setting), checked
+    part("fake_vs_real_expandable", lambda: fake_vs_real(model, stacks[:3], seq, batch, device,
+                                                         replay=True, expandable=True))
     part("unsloth_8b", lambda: unsloth_rows(big, lengths, device))
     if "--memory-only" in sys.argv:
         return
@@ -293,12 +314,20 @@ def record(device_dir: str = "h100", results_dir: Path | None = None) -> Path:
     # runs of an older loop, traced afterwards on fake tensors (bench/allocator_traces.py)
     traced = {stack: replay(events) for f in sorted((folder / "raw").glob("fake_traces_*.json.gz"))
               for stack, events in load_traces(f).items()}
-    for row in part.get("fake_vs_real", []):
+    for row in part.get("fake_vs_real", []) + part.get("fake_vs_real_expandable", []):
         if not row["allocated_peak"]:
             continue
         if not row.get("replayed_reserved") and row["stack"] in traced:
             row["replayed_reserved"] = traced[row["stack"]].peak_reserved
         slug = row["stack"].replace(", ", "_").replace(" ", "").replace("=", "")
+        if row.get("expandable_segments"):  # the same stacks again, with expandable segments
+            if row.get("replayed_reserved") and row["reserved_peak"]:
+                out.add("fake_memory", f"replayed_over_reserved_expandable_{slug}",
+                        row["replayed_reserved"] / row["reserved_peak"], baseline=1.0,
+                        unit="x max_memory_reserved with expandable_segments:True: the run's "
+                             "allocations on fake tensors through the allocator's rules "
+                             "(recipes_lib.allocator)")
+            continue
         out.add("fake_memory", f"fake_over_allocated_{slug}",
                 row["fake_peak"] / row["allocated_peak"],
                 baseline=1.0, unit=f"x max_memory_allocated, {row.get('model', 'Llama-3.2-1B')}, "

@@ -606,6 +606,9 @@ def main(argv: list[str] | None = None) -> int:
     pl.add_argument("--replay-allocator", action="store_true",
                     help="with --measure: replay each one-device row's run through CUDA's "
                     "caching allocator instead of a fixed 15%% reserve")
+    pl.add_argument("--expandable-segments", action="store_true",
+                    help="with --replay-allocator: replay the allocator as "
+                    "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True runs it")
     pl.add_argument("--max-context", action="store_true",
                     help="the longest sequence that fits under each step, by measurement")
     pl.add_argument("--attention-mask", action="store_true",
@@ -638,6 +641,7 @@ def main(argv: list[str] | None = None) -> int:
             planned = plan(args.model, args.gpu_mem, args.seq, args.batch, args.gpus,
                            measure=args.measure, attention_mask=args.attention_mask,
                            replay=args.replay_allocator,
+                           expandable_segments=args.expandable_segments,
                            progress=True)
             print(format_plan(planned))
             if args.max_context:  # the same rows: the plan's micro-batches

@@ -20,6 +20,21 @@ the allocator's documented rules (``c10/cuda/CUDACachingAllocator.cpp``, default
 
 :class:`AllocationLog` records a run's allocations and frees on fake tensors in the order they
 happen; :func:`replay` turns them into ``max_memory_allocated`` and ``max_memory_reserved``.
+
+``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` (``expandable_segments=True``; torchtitan's
+launch script sets it, and PyTorch's out-of-memory message suggests it) changes where memory
+comes from: each pool has one segment of virtual addresses, into which physical pages (2 MiB
+for the small pool, 20 MiB for the large one) are mapped as needed:
+
+- a request that no cached block serves extends the lowest free range that can grow into
+  enough unmapped space (normally the free block at the segment's end), mapping only the
+  missing pages; best fit among cached blocks passes over a block that could grow, as long
+  as another fits;
+- any block is split when at least 512 bytes would remain;
+- where mapping would pass the capacity, every whole free page is unmapped, wherever it lies,
+  and a later request can map pages back into those holes: free space is never stranded in
+  the wrong segment.
+
 Streams are not modelled: FSDP's collectives allocate on streams of their own, whose cached
 blocks serve only that stream, so an FSDP step replayed as one stream is an estimate below what
 those pools take.
@@ -103,6 +118,7 @@ class _Block:
     prev: _Block | None = None
     next: _Block | None = None
     allocated: bool = False
+    mapped: bool = True  # False: virtual addresses of an expandable segment, no pages behind
 
     @property
     def key(self) -> tuple[int, int]:
@@ -111,20 +127,23 @@ class _Block:
 
 @dataclass
 class CachingAllocator:
-    """One device's caching allocator, as PyTorch's default one behaves on one stream.
+    """One device's caching allocator, as PyTorch's behaves on one stream.
 
     Attributes:
         capacity: the card's bytes for segments (None: unlimited); past it, whole free
-            segments are released before a new one is taken, as on a full GPU.
+            segments (with ``expandable_segments``: whole free pages) are released before
+            more is taken, as on a full GPU.
+        expandable_segments: as ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``.
         allocated: bytes in allocated blocks (rounded sizes), as ``memory_allocated``.
-        reserved: bytes in segments, as ``memory_reserved``.
+        reserved: bytes in segments (mapped pages), as ``memory_reserved``.
         peak_allocated: ``max_memory_allocated``.
         peak_reserved: ``max_memory_reserved``.
-        segments: segments taken from ``cudaMalloc`` so far.
-        releases: times whole free segments were released to make room.
+        segments: segments taken from ``cudaMalloc`` so far (expandable: address ranges).
+        releases: times cached memory was released to make room.
     """
 
     capacity: int | None = None
+    expandable_segments: bool = False
     allocated: int = 0
     reserved: int = 0
     peak_allocated: int = 0
@@ -132,6 +151,7 @@ class CachingAllocator:
     segments: int = 0
     releases: int = 0
     _free: dict[bool, list] = field(default_factory=lambda: {True: [], False: []})
+    _unmapped: dict[bool, list] = field(default_factory=lambda: {True: [], False: []})
     _next_addr: int = 0
 
     def malloc(self, nbytes: int) -> _Block:
@@ -151,8 +171,12 @@ class CachingAllocator:
             raise ValueError(f"nbytes={nbytes!r}: a positive number of bytes")
         size = round_size(nbytes)
         small = size <= SMALL_SIZE
-        block = self._take_cached(size, small) or self._new_segment(size, small)
-        if block.size - size >= (MIN_BLOCK if small else SMALL_SIZE + 1):  # split off the rest
+        if self.expandable_segments:
+            block = self._take_cached_expandable(size, small) or self._grow(size, small)
+        else:
+            block = self._take_cached(size, small) or self._new_segment(size, small)
+        least = MIN_BLOCK if small or self.expandable_segments else SMALL_SIZE + 1
+        if block.size - size >= least:  # split off the rest
             rest = _Block(block.addr + size, block.size - size, small, prev=block, next=block.next)
             if block.next is not None:
                 block.next.prev = rest
@@ -176,47 +200,77 @@ class CachingAllocator:
             raise ValueError("block: not allocated (freed twice?)")
         block.allocated = False
         self.allocated -= block.size
-        for neighbour in (block.prev, block.next):
-            if neighbour is not None and not neighbour.allocated:
-                self._uncache(neighbour)
-                if neighbour is block.prev:
-                    block.addr, block.prev = neighbour.addr, neighbour.prev
-                    if block.prev is not None:
-                        block.prev.next = block
-                else:
-                    block.next = neighbour.next
-                    if block.next is not None:
-                        block.next.prev = block
-                block.size += neighbour.size
+        self._merge_neighbours(block)
         self._cache(block)
 
     def empty_cache(self) -> int:
-        """Release every whole free segment, as ``torch.cuda.empty_cache``.
+        """Release what the cache holds, as ``torch.cuda.empty_cache``: every whole free
+        segment, or with ``expandable_segments`` every whole free page.
 
         Returns:
             The bytes released.
         """
         released = 0
         for small in (True, False):
-            for block in [b for _, _, b in self._free[small]
-                          if b.prev is None and b.next is None]:
-                self._uncache(block)
-                released += block.size
+            for _, _, block in list(self._free[small]):
+                if self.expandable_segments:
+                    released += self._unmap(block)
+                elif block.prev is None and block.next is None:
+                    self._uncache(block)
+                    released += block.size
         self.reserved -= released
         return released
 
+    def _merge_neighbours(self, block: _Block) -> None:
+        """Absorb the free neighbours of ``block`` that are mapped as it is."""
+        for neighbour in (block.prev, block.next):
+            if neighbour is None or neighbour.allocated or neighbour.mapped != block.mapped:
+                continue
+            self._uncache(neighbour)
+            if neighbour is block.prev:
+                block.addr, block.prev = neighbour.addr, neighbour.prev
+                if block.prev is not None:
+                    block.prev.next = block
+            else:
+                block.next = neighbour.next
+                if block.next is not None:
+                    block.next.prev = block
+            block.size += neighbour.size
+
     def _cache(self, block: _Block) -> None:
-        bisect.insort(self._free[block.small], (*block.key, block))
+        if block.mapped:
+            bisect.insort(self._free[block.small], (*block.key, block))
+        else:
+            bisect.insort(self._unmapped[block.small], (block.addr, block))
 
     def _uncache(self, block: _Block) -> None:
-        pool = self._free[block.small]
-        del pool[bisect.bisect_left(pool, block.key, key=lambda e: e[:2])]
+        if block.mapped:
+            pool = self._free[block.small]
+            del pool[bisect.bisect_left(pool, block.key, key=lambda e: e[:2])]
+        else:
+            pool = self._unmapped[block.small]
+            del pool[bisect.bisect_left(pool, block.addr, key=lambda e: e[0])]
 
     def _take_cached(self, size: int, small: bool) -> _Block | None:
         pool = self._free[small]
         i = bisect.bisect_left(pool, (size, -1), key=lambda e: e[:2])
         if i == len(pool):
             return None
+        return pool.pop(i)[2]
+
+    def _take_cached_expandable(self, size: int, small: bool) -> _Block | None:
+        """Best fit, where a block that could grow into unmapped space counts as that large."""
+        pool = self._free[small]
+        i = bisect.bisect_left(pool, (size, -1), key=lambda e: e[:2])
+        if i == len(pool):
+            return None
+
+        def reach(block: _Block) -> int:
+            after = block.next
+            return block.size + (after.size if after is not None and not after.mapped else 0)
+
+        while i + 1 < len(pool) and reach(pool[i + 1][2]) < reach(pool[i][2]):
+            i += 1
         return pool.pop(i)[2]
 
     def _new_segment(self, size: int, small: bool) -> _Block:
@@ -235,12 +289,113 @@ class CachingAllocator:
         self.peak_reserved = max(self.peak_reserved, self.reserved)
         return block
 
+    def _grow(self, size: int, small: bool) -> _Block:
+        """A block of at least ``size`` made of free and newly mapped space: first as things
+        are, then with every whole free page unmapped."""
+        block = self._try_grow(size, small)
+        if block is None:
+            if self.empty_cache():
+                self.releases += 1
+            block = self._try_grow(size, small)
+            if block is None:
+                raise SimulatedOutOfMemory(
+                    f"a {size / 2**20:.1f} MiB request needs more pages mapped: "
+                    f"{self.reserved / 2**30:.2f} GiB reserved of {self.capacity / 2**30:.2f}")
+        return block
+
+    def _try_grow(self, size: int, small: bool) -> _Block | None:
+        candidate = self._room(size, small)
+        if not candidate.mapped and not self._map(candidate, min(candidate.size, size)):
+            return None
+        while candidate.size < size:  # free, then unmapped: map what is missing, merged
+            after = candidate.next
+            if not self._map(after, min(size - candidate.size, after.size)):
+                return None
+            candidate = after
+        self._uncache(candidate)
+        return candidate
+
+    def _room(self, size: int, small: bool) -> _Block:
+        """The lowest-addressed run of free and unmapped blocks that holds ``size``, where it
+        starts; a new segment's address range where none does."""
+        for _, unmapped in self._unmapped[small]:
+            start = unmapped
+            if unmapped.prev is not None and not unmapped.prev.allocated:
+                start = unmapped.prev
+            room, block = 0, start
+            while room < size and block is not None and not block.allocated:
+                room, block = room + block.size, block.next
+            if room >= size:
+                return start
+        page = SMALL_BUFFER if small else LARGE_BUFFER
+        total = self.capacity if self.capacity is not None else 1 << 46
+        # PyTorch reserves addresses for 9/8 of the card's memory, in pages (a request larger
+        # than that runs out of memory when its pages are mapped)
+        block = _Block(-(-self._next_addr // LARGE_BUFFER) * LARGE_BUFFER,
+                       -(-max(total + total // 8, size) // page) * page, small, mapped=False)
+        self._next_addr = block.addr + block.size
+        self.segments += 1
+        self._cache(block)
+        return block
+
+    def _map(self, block: _Block, nbytes: int) -> bool:
+        """Map the pages that hold the first ``nbytes`` of unmapped ``block``; False where the
+        capacity cannot hold them."""
+        page = SMALL_BUFFER if block.small else LARGE_BUFFER
+        mapped = -(-nbytes // page) * page
+        if self.capacity is not None and self.reserved + mapped > self.capacity:
+            return False
+        self._uncache(block)
+        block.mapped = True
+        if mapped < block.size:
+            rest = _Block(block.addr + mapped, block.size - mapped, block.small, prev=block,
+                          next=block.next, mapped=False)
+            if block.next is not None:
+                block.next.prev = rest
+            block.next, block.size = rest, mapped
+            self._cache(rest)
+        self._merge_neighbours(block)
+        self._cache(block)
+        self.reserved += mapped
+        self.peak_reserved = max(self.peak_reserved, self.reserved)
+        return True
+
+    def _unmap(self, block: _Block) -> int:
+        """Unmap the whole pages inside free ``block`` (the caller lowers ``reserved``); a
+        segment left with no pages mapped goes back. Returns the bytes unmapped."""
+        page = SMALL_BUFFER if block.small else LARGE_BUFFER
+        start = -(-block.addr // page) * page
+        end = (block.addr + block.size) // page * page
+        if start >= end:
+            return 0
+        self._uncache(block)
+        if start > block.addr:  # a partial page before stays mapped and free
+            before = _Block(block.addr, start - block.addr, block.small, prev=block.prev,
+                            next=block)
+            if block.prev is not None:
+                block.prev.next = before
+            block.prev = before
+            self._cache(before)
+        if end < block.addr + block.size:  # and one after
+            after = _Block(end, block.addr + block.size - end, block.small, prev=block,
+                           next=block.next)
+            if block.next is not None:
+                block.next.prev = after
+            block.next = after
+            self._cache(after)
+        block.addr, block.size, block.mapped = start, end - start, False
+        self._merge_neighbours(block)
+        if block.prev is not None or block.next is not None:  # else the whole range goes back
+            self._cache(block)
+        return end - start
+
 
 # a trace's events: ("alloc", id, nbytes) and ("free", id, 0)
 Event = tuple[str, int, int]
 
 
-def replay(events: Iterable[Event], capacity: int | None = None) -> CachingAllocator:
+def replay(events: Iterable[Event], capacity: int | None = None,
+           expandable_segments: bool = False) -> CachingAllocator:
     """Run a trace's allocations and frees through a fresh :class:`CachingAllocator`.
 
     Args:
@@ -248,6 +403,7 @@ def replay(events: Iterable[Event], capacity: int | None = None) -> CachingAlloc
             (:attr:`AllocationLog.events`); an id freed that was never allocated is ignored
             (a storage that existed before the log started).
         capacity: the card's bytes for segments (None: unlimited).
+        expandable_segments: as ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``.
 
     Returns:
         The allocator after the trace: its ``peak_allocated`` and ``peak_reserved``.
@@ -261,7 +417,7 @@ def replay(events: Iterable[Event], capacity: int | None = None) -> CachingAlloc
         >>> a.peak_allocated // 2**20, a.peak_reserved // 2**20  # one 20 MiB segment
         (6, 20)
     """
-    alloc = CachingAllocator(capacity)
+    alloc = CachingAllocator(capacity, expandable_segments)
     live: dict[int, _Block] = {}
     for kind, key, nbytes in events:
         if kind == "alloc":

@@ -47,7 +47,8 @@ def make_stack(method: str = "qlora", checkpointing: bool = True, adamw_8bit: bo
 
 
 def verdict(model: str, gpu_mem: str | float, seq_len: int, batch_size: int,
-            stack: Stack, replay: bool = False) -> dict[str, Any]:
+            stack: Stack, replay: bool = False,
+            expandable_segments: bool = False) -> dict[str, Any]:
     """Measure one step and say whether it fits one GPU of ``gpu_mem``.
 
     Args:
@@ -59,7 +60,10 @@ def verdict(model: str, gpu_mem: str | float, seq_len: int, batch_size: int,
         stack: the recipes applied.
         replay: the overhead is the CUDA context plus the run replayed through CUDA's caching
             allocator on the card (``planner.replayed_reserve``: two more fake steps), instead
-            of the fixed reserve (``planner.gpu_overhead``).
+            of the fixed reserve (``planner.gpu_overhead``); the text says where the other
+            ``expandable_segments`` setting changes the verdict.
+        expandable_segments: with ``replay``, replay as
+            ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` runs.
 
     Returns:
         ``{"report", "overhead_bytes", "need_bytes", "budget_bytes", "fits", "text",
@@ -74,6 +78,9 @@ def verdict(model: str, gpu_mem: str | float, seq_len: int, batch_size: int,
         ValueError: naming the parameter, for what ``fake_memory`` or ``planner.parse_bytes``
             refuse (``UnmeasuredStackError`` where no stack near it can be measured).
     """
+    if expandable_segments and not replay:
+        raise ValueError("expandable_segments=True: an allocator setting the replay models; set "
+                         "replay=True too")
     budget = planner.parse_bytes(gpu_mem)
     said = []
     try:
@@ -86,12 +93,17 @@ def verdict(model: str, gpu_mem: str | float, seq_len: int, batch_size: int,
         stack = err.substitute
         report = measure_step(model, stack, seq_len, batch_size)
     if replay:
-        replayed = planner.replayed_reserve(model, stack, seq_len, batch_size, budget)
+        replayed = planner.replayed_reserve(model, stack, seq_len, batch_size, budget,
+                                            expandable_segments)
         need, fits = replayed["gpu_GiB"] * 2**30, replayed["measured_fits"]
         overhead, how = need - report.peak_bytes, "CUDA context and allocator cache, replayed"
-        if replayed["cache_released"]:
+        if expandable_segments:
+            how += " with expandable segments"
+        if replayed["cache_released"] and fits:
             said.append(f"fits once the allocator releases its cache "
                         f"({replayed['cache_released']}x), as a full card does")
+        if replayed["advice"]:
+            said.append(replayed["advice"])
     else:
         overhead = planner.gpu_overhead(report.peak_bytes)
         need, how = report.peak_bytes + overhead, "modelled overhead"
@@ -183,6 +195,8 @@ def form(model: str = "Llama-3.1-8B", gpu_mem: str = "24GB", seq_len: int = 2048
         "attention_mask": w.Checkbox(value=False, description="padded or packed rows"),
         # the allocator's cache replayed (two more fake steps) instead of a fixed 15 %
         "replay": w.Checkbox(value=True, description="replay the caching allocator"),
+        # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, as torchtitan launches
+        "expandable_segments": w.Checkbox(value=False, description="expandable segments"),
     }
     button = w.Button(description="Measure", button_style="primary")
     out = w.Output()
@@ -201,7 +215,8 @@ def form(model: str = "Llama-3.1-8B", gpu_mem: str = "24GB", seq_len: int = 2048
                                    fields["precision"].value, fields["attention_mask"].value)
                 result = verdict(fields["model"].value, fields["gpu_mem"].value,
                                  fields["seq_len"].value, fields["batch_size"].value, stack,
-                                 fields["replay"].value)
+                                 fields["replay"].value,
+                                 fields["expandable_segments"].value)
             except ValueError as err:
                 out.clear_output(wait=True)
                 print(f"error: {err}")

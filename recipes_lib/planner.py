@@ -659,7 +659,7 @@ def _unpredicted(err: calc.NotDescribedError, steps: list[str]) -> dict[str, Any
 def plan(model: str, gpu_mem: str | float, seq_len: int = 2048, batch_size: int = 8,
          gpus: int = 1, grad_accum_steps: int | None = None, measure: bool = False,
          attention_mask: bool = False, progress: bool = False,
-         replay: bool = False) -> dict[str, Any]:
+         replay: bool = False, expandable_segments: bool = False) -> dict[str, Any]:
     """Predicted per-GPU memory of each escalation step and the cheapest one that fits.
 
     Args:
@@ -694,8 +694,11 @@ def plan(model: str, gpu_mem: str | float, seq_len: int = 2048, batch_size: int 
             replay_allocator``) instead of the fixed reserve: ``reserved_GiB`` (its reserved
             peak on a card of ``gpu_mem`` less the CUDA context, or on an unlimited one where
             it runs out there), ``cache_released`` (times whole free segments were released
-            to fit), and ``gpu_GiB`` / ``measured_fits`` from it. FSDP rows keep the fixed
-            reserve (the replay models one stream).
+            to fit), and ``gpu_GiB`` / ``measured_fits`` from it, with ``other_allocator``:
+            the other allocator setting's replay (:func:`replayed_reserve`). FSDP rows keep the
+            fixed reserve (the replay models one stream).
+        expandable_segments: with ``replay``, replay as
+            ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` runs.
 
     Returns:
         ``{"model", "params_B", "gpu_bytes", "gpu", "rows", "cheapest", "notes", "trainer",
@@ -738,6 +741,9 @@ def plan(model: str, gpu_mem: str | float, seq_len: int = 2048, batch_size: int 
     if replay and not measure:
         raise ValueError("replay=True: replays the measured rows' runs; set measure=True too "
                          "(--measure)")
+    if expandable_segments and not replay:
+        raise ValueError("expandable_segments=True: an allocator setting the replay models; set "
+                         "replay=True too (--replay-allocator)")
     if not isinstance(attention_mask, bool):
         raise TypeError(f"attention_mask={attention_mask!r}: True (padded or packed rows, "
                          "which need a mask) or False (full rows)")
@@ -805,9 +811,9 @@ def plan(model: str, gpu_mem: str | float, seq_len: int = 2048, batch_size: int 
                        gpu_GiB=(peak + gpu_overhead(peak)) / 2**30,
                        measured_fits=peak + gpu_overhead(peak) <= budget)
             if replay and stack.fsdp_ranks == 1:
-                row.update(replayed_reserve(model, stack, seq_len, _whole_shares(stack,
-                                                                                batch_size),
-                                            budget))
+                row.update(replayed_reserve(model, stack, seq_len,
+                                            _whole_shares(stack, batch_size), budget,
+                                            expandable_segments))
             if row is rows[0]:  # the full fine-tune: how a GPU runs AdamW moves its peak
                 row["adamw_GiB"] = {"for-loop (as measured)": peak / 2**30} | {
                     impl: fake_memory.measure_step(
@@ -842,34 +848,72 @@ def plan(model: str, gpu_mem: str | float, seq_len: int = 2048, batch_size: int 
 
 
 def replayed_reserve(model: Any, stack: Any, seq_len: int, batch_size: int,
-                     budget: float) -> dict[str, Any]:
+                     budget: float, expandable_segments: bool = False) -> dict[str, Any]:
     """One row's run replayed through CUDA's caching allocator on a card of ``budget`` bytes
-    (``fake_memory.allocation_trace``, ``allocator.replay``), the CUDA context set apart.
+    (``fake_memory.allocation_trace``, ``allocator.replay``), the CUDA context set apart, with
+    the allocator as set and with the other ``expandable_segments`` setting beside it.
 
     Args:
         model: the model planned.
         stack: the row's measured stack (one device).
         seq_len, batch_size: the row's sizes (sequences on the GPU).
         budget: the card's bytes.
+        expandable_segments: replay as ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``.
 
     Returns:
         ``reserved_GiB``: the reserved peak the card reaches, or, where the run does not fit
         even with the cache released, the peak on an unlimited card; ``cache_released``: times
-        whole free segments were released to fit; ``gpu_GiB``: the reserved peak plus the CUDA
-        context; ``measured_fits``.
+        cached memory was released to fit; ``gpu_GiB``: the reserved peak plus the CUDA
+        context; ``measured_fits``; ``expandable_segments``; ``other_allocator``: the same
+        keys (but ``gpu_GiB``) for the other setting, from the same trace; ``advice``: what
+        the other setting changes in the verdict (:func:`allocator_advice`), or None.
     """
     from recipes_lib import allocator, fake_memory
 
     events = fake_memory.allocation_trace(model, stack, seq_len, batch_size)
     capacity = max(0, int(budget - CUDA_CONTEXT_BYTES))
-    try:
-        card = allocator.replay(events, capacity)
-    except allocator.SimulatedOutOfMemory:
-        card, fits = allocator.replay(events), False
-    else:
-        fits = True
-    return {"reserved_GiB": card.peak_reserved / 2**30, "cache_released": card.releases,
-            "gpu_GiB": (card.peak_reserved + CUDA_CONTEXT_BYTES) / 2**30, "measured_fits": fits}
+
+    def on_card(expandable: bool) -> dict[str, Any]:
+        try:
+            card, fits = allocator.replay(events, capacity, expandable), True
+        except allocator.SimulatedOutOfMemory:
+            card, fits = allocator.replay(events, None, expandable), False
+        return {"reserved_GiB": card.peak_reserved / 2**30, "cache_released": card.releases,
+                "measured_fits": fits, "expandable_segments": expandable}
+
+    out = on_card(expandable_segments)
+    out["gpu_GiB"] = out["reserved_GiB"] + CUDA_CONTEXT_BYTES / 2**30
+    out["other_allocator"] = on_card(not expandable_segments)
+    out["advice"] = allocator_advice(out)
+    return out
+
+
+def allocator_advice(replayed: dict[str, Any]) -> str | None:
+    """What the other ``expandable_segments`` setting changes in a replayed verdict.
+
+    Args:
+        replayed: :func:`replayed_reserve`'s result.
+
+    Returns:
+        A sentence where one setting fits and the other does not, else None.
+
+    Example:
+        >>> allocator_advice({"measured_fits": False, "expandable_segments": False,
+        ...                   "other_allocator": {"measured_fits": True, "reserved_GiB": 22.5}})
+        'fits with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (22.5 GiB reserved, replayed)'
+    """
+    other = replayed["other_allocator"]
+    if replayed["measured_fits"] == other["measured_fits"]:
+        return None
+    if other["measured_fits"]:
+        setting = ("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
+                   if not replayed["expandable_segments"] else "the default allocator settings")
+        return f"fits with {setting} ({other['reserved_GiB']:.1f} GiB reserved, replayed)"
+    if replayed["expandable_segments"]:
+        return (f"fits only with expandable segments: the default allocator runs out "
+                f"({other['reserved_GiB']:.1f} GiB reserved on an unlimited card)")
+    return ("fits only with the default allocator: expandable segments run out "
+            f"({other['reserved_GiB']:.1f} GiB reserved on an unlimited card)")
 
 
 def note_eager_attention(model: Any, seq_len: int, notes: list[str]) -> None:
@@ -1217,7 +1261,9 @@ def format_plan(result: dict[str, Any]) -> str:
     lines += result.get("notes", [])
     if "cheapest_measured" in result:
         replayed = any("reserved_GiB" in r for r in result["rows"])
-        reserve = ("the caching allocator's replayed reserve; FSDP rows a fixed "
+        setting = next((" with expandable segments" for r in result["rows"]
+                        if r.get("expandable_segments")), "")
+        reserve = (f"the caching allocator's replayed reserve{setting}; FSDP rows a fixed "
                    f"{ALLOCATOR_RESERVE:.0%}" if replayed else
                    f"{ALLOCATOR_RESERVE:.0%} allocator reserve")
         lines += ["", ("measured on fake tensors (peak + modelled GPU overhead: "
@@ -1226,8 +1272,10 @@ def format_plan(result: dict[str, Any]) -> str:
         for r in result["rows"]:
             if "measured_GiB" in r:
                 host = f" (+{r['host_GiB']:.1f}G in CPU RAM)" if r.get("host_GiB") else ""
-                if r.get("cache_released"):
+                if r.get("cache_released") and r["measured_fits"]:
                     host += f" (fits with its cache released {r['cache_released']}x)"
+                if r.get("advice"):
+                    host += f" ({r['advice']})"
                 lines.append(f"{r['step']:<52} {r['measured_GiB']:>7.1f}G {r['gpu_GiB']:>7.1f}G"
                              f"  {'yes' if r['measured_fits'] else 'no ':<4} {r['measured_stack']}"
                              f"{host}")

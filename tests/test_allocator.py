@@ -85,6 +85,109 @@ def test_out_of_memory_after_releasing_what_can_be():
         a.malloc(9 * MiB)
 
 
+def test_expandable_segments_grow_one_segment_by_20_mib_pages():
+    a = CachingAllocator(expandable_segments=True)
+    first, second = a.malloc(3 * MiB), a.malloc(3 * MiB)
+    assert second.addr == first.addr + 3 * MiB
+    assert (a.segments, a.reserved) == (1, 20 * MiB)  # one page mapped
+    big = a.malloc(30 * MiB)  # the free 14 MiB at the end grows by one more page
+    assert (big.addr, big.size) == (second.addr + 3 * MiB, 30 * MiB)
+    assert (a.segments, a.reserved) == (1, 40 * MiB)  # the default: 20 + 30 MiB segments
+
+
+def test_expandable_segments_split_any_block_with_512_bytes_left():
+    a = CachingAllocator(expandable_segments=True)
+    a.free(a.malloc(12 * MiB))
+    assert a.malloc(11 * MiB).size == 11 * MiB  # the default hands out all 12 MiB
+
+
+def test_expandable_best_fit_passes_over_the_block_that_can_grow():
+    a = CachingAllocator(expandable_segments=True)
+    hole, _, _ = a.malloc(6 * MiB), a.malloc(2 * MiB), a.malloc(9 * MiB)  # 3 MiB left at the end
+    a.free(hole)
+    assert a.malloc(5 * MiB // 2).addr == hole.addr  # not the smaller block at the end
+    assert a.reserved == 20 * MiB
+
+
+def test_expandable_segments_fit_where_a_split_segment_strands_its_rest():
+    """A 40 MiB segment that serves 10 MiB keeps 30 MiB nothing larger can use and nothing can
+    release: the default runs out at 60 MiB where expandable segments map one more page."""
+    for expandable, fits in ((False, False), (True, True)):
+        a = CachingAllocator(capacity=60 * MiB, expandable_segments=expandable)
+        a.free(a.malloc(40 * MiB))
+        a.malloc(10 * MiB)
+        if fits:
+            a.malloc(35 * MiB)
+            assert a.reserved == 60 * MiB
+        else:
+            with pytest.raises(allocator.SimulatedOutOfMemory):
+                a.malloc(35 * MiB)
+
+
+def test_expandable_segments_unmap_free_pages_and_map_them_back_lowest_first():
+    a = CachingAllocator(capacity=80 * MiB, expandable_segments=True)
+    x, _, _ = (a.malloc(20 * MiB) for _ in range(3))
+    a.free(x)
+    a.malloc(30 * MiB)  # two more pages pass 80 MiB: x's page is unmapped first
+    assert (a.releases, a.reserved, a.allocated) == (1, 80 * MiB, 70 * MiB)
+    assert a.empty_cache() == 0  # the 10 MiB after the 30 MiB block is no whole page
+    with pytest.raises(allocator.SimulatedOutOfMemory, match="20.0 MiB request needs more pages"):
+        a.malloc(20 * MiB)
+    b = CachingAllocator(expandable_segments=True)
+    x, _ = b.malloc(20 * MiB), b.malloc(20 * MiB)
+    b.free(x)
+    assert b.empty_cache() == 20 * MiB and b.reserved == 20 * MiB
+    assert b.malloc(4 * MiB).addr == x.addr  # the hole is mapped back, not the segment's end
+    assert b.reserved == 40 * MiB
+    with pytest.raises(allocator.SimulatedOutOfMemory):  # no card at all
+        CachingAllocator(capacity=0, expandable_segments=True).malloc(1)
+
+
+def _check_tiling(a: CachingAllocator, live: list) -> None:
+    """Every segment's blocks tile its addresses; reserved is the mapped bytes; free
+    neighbours mapped alike are merged; unmapped ranges are whole pages; the pools hold
+    exactly the free blocks."""
+    cached = [b for pool in a._free.values() for *_, b in pool]
+    unmapped = [b for pool in a._unmapped.values() for _, b in pool]
+    assert all(b.mapped for b in cached) and not any(b.mapped for b in unmapped)
+    blocks, seen = set(cached) | set(unmapped) | set(live), set()
+    for block in (b for b in blocks if b.prev is None):
+        while block is not None:
+            seen.add(block)
+            after = block.next
+            if after is not None:
+                assert after.prev is block and after.addr == block.addr + block.size
+                assert block.allocated or after.allocated or block.mapped != after.mapped
+            if not block.mapped:
+                page = allocator.SMALL_BUFFER if block.small else allocator.LARGE_BUFFER
+                assert block.addr % page == 0 and block.size % page == 0
+            block = after
+    assert seen == blocks
+    assert a.reserved == sum(b.size for b in seen if b.mapped)
+    assert a.allocated == sum(b.size for b in live)
+
+
+@pytest.mark.parametrize("expandable", [False, True])
+@pytest.mark.parametrize("capacity", [None, 300 * MiB])
+def test_random_requests_keep_the_segments_consistent(expandable, capacity):
+    import random
+
+    rng, a, live = random.Random(0), CachingAllocator(capacity, expandable), []
+    for _ in range(1500):
+        if live and rng.random() < 0.45:
+            a.free(live.pop(rng.randrange(len(live))))
+        elif rng.random() < 0.01:
+            a.empty_cache()
+        else:
+            try:
+                live.append(a.malloc(rng.choice([rng.randint(1, 5000), rng.randint(1, 2 * MiB),
+                                                 rng.randint(1, 40 * MiB)])))
+            except allocator.SimulatedOutOfMemory:
+                assert capacity is not None
+        _check_tiling(a, live)
+    assert a.peak_reserved <= (capacity or float("inf"))
+
+
 def test_bad_input_names_the_parameter():
     a = CachingAllocator()
     with pytest.raises(ValueError, match="nbytes=0"):

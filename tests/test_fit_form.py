@@ -44,6 +44,8 @@ def test_the_verdict_can_replay_the_caching_allocator_instead_of_a_fixed_reserve
     assert replayed["need_bytes"] == pytest.approx(expected["gpu_GiB"] * 2**30)
     assert replayed["fits"] and "allocator cache, replayed) of 1.0 GiB: fits" in replayed["text"]
     assert not fit_form.verdict(config_dir, "0.5GiB", 128, 2, stack, replay=True)["fits"]
+    with pytest.raises(ValueError, match="expandable_segments=True: .*replay=True"):
+        fit_form.verdict(config_dir, "1GiB", 128, 2, stack, expandable_segments=True)
 
 
 def test_the_verdict_on_a_mixture_of_experts_says_what_lora_does_to_its_experts(tmp_path):
@@ -96,6 +98,8 @@ def test_the_form_measures_on_click_and_shows_bad_input_as_an_error(config_dir):
     box.children[1].value = "T4"  # GPU memory: a card, its total; fp16 where it has no bf16
     shown = box.run()
     assert "of 15.0 GiB: fits" in shown and "fp16=True" in shown and "bf16=True" not in shown
+    box.children[11].value = True  # expandable segments
+    assert "allocator cache, replayed with expandable segments) of 15.0 GiB: fits" in box.run()
     box.children[1].value = "lots"
     assert box.run().startswith("error: gpu_mem='lots'")
     button = box.children[-2]  # disabled while it measures, clickable again after an error too

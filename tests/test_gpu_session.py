@@ -21,13 +21,15 @@ def test_smoke_memory_parts_run_and_the_unsloth_lines_are_fitted(tmp_path, bench
                     "--smoke", "--memory-only"], check=True, cwd=ROOT, capture_output=True)
     report = json.loads((tmp_path / "gpu_session.json").read_text())
     assert "needs CUDA" in report["outside_allocator"]["skipped"]
-    assert all("error" not in report[p] for p in ("fake_vs_real", "unsloth_8b")), report
+    assert all("error" not in report[p] for p in ("fake_vs_real", "fake_vs_real_expandable",
+                                                  "unsloth_8b")), report
+    assert all(r["expandable_segments"] for r in report["fake_vs_real_expandable"])
     rows = report["unsloth_8b"]["rows"]
     assert {r["name"] for r in rows} == {"TRL 2024", "fp32 embeddings and head"}
     assert all(r["fake_peak"] == r["real_peak"] for r in rows)  # fake equals real on a CPU
     # the allocator's replay of each >= 1 B row's run (on a GPU: beside max_memory_reserved)
     assert all(r["replayed_reserved"] >= r["replayed_allocated"] > 0
-               for r in report["fake_vs_real"])
+               for r in report["fake_vs_real"] + report["fake_vs_real_expandable"])
     lines = report["unsloth_8b"]["lines"]
     # on a CPU only the traces make lines (the allocator's and the driver's counts are CUDA's)
     assert set(lines) == {"TRL 2024: fake_peak", "fp32 embeddings and head: fake_peak"}

@@ -966,7 +966,10 @@ def test_replay_puts_the_caching_allocator_in_place_of_the_fixed_reserve(tmp_pat
     small_llama.config.save_pretrained(tmp_path)
     with pytest.raises(ValueError, match=r"replay=True: .*measure=True"):
         planner.plan(str(tmp_path), "1GB", 64, 2, replay=True)
-    out = planner.plan(str(tmp_path), "1GB", 64, 2, gpus=2, measure=True, replay=True)
+    with pytest.raises(ValueError, match=r"expandable_segments=True: .*replay=True"):
+        planner.plan(str(tmp_path), "1GB", 64, 2, measure=True, expandable_segments=True)
+    out = planner.plan(str(tmp_path), "1GB", 64, 2, gpus=2, measure=True, replay=True,
+                       expandable_segments=True)
     measured = [r for r in out["rows"] if "measured_GiB" in r]
     one_device = [r for r in measured if "FSDP" not in r["measured_stack"]]
     assert one_device and len(one_device) < len(measured)  # FSDP rows keep the fixed reserve
@@ -976,14 +979,38 @@ def test_replay_puts_the_caching_allocator_in_place_of_the_fixed_reserve(tmp_pat
             assert r["gpu_GiB"] == pytest.approx(r["reserved_GiB"]
                                                  + planner.CUDA_CONTEXT_BYTES / 2**30)
             assert r["measured_fits"] and r["cache_released"] == 0
+            assert r["expandable_segments"] and not r["other_allocator"]["expandable_segments"]
+            assert r["advice"] is None  # both settings fit
         else:
             assert "reserved_GiB" not in r
             assert r["gpu_GiB"] * 2**30 == pytest.approx(
                 r["measured_GiB"] * 2**30 + planner.gpu_overhead(r["measured_GiB"] * 2**30))
-    assert "the caching allocator's replayed reserve" in planner.format_plan(out)
+    assert "the caching allocator's replayed reserve with expandable segments" in (
+        planner.format_plan(out))
     # a card too small for the run: not fitting, with the reserved peak an unlimited card reaches
     stack = fake_memory.Stack(precision="fp32")
     small = planner.replayed_reserve(str(tmp_path), stack, 64, 2,
                                      planner.CUDA_CONTEXT_BYTES + 2**20)
     whole = allocator.replay(fake_memory.allocation_trace(str(tmp_path), stack, 64, 2))
     assert not small["measured_fits"] and small["reserved_GiB"] == whole.peak_reserved / 2**30
+    assert not small["other_allocator"]["measured_fits"] and small["advice"] is None
+
+
+def test_the_replay_says_where_expandable_segments_change_the_verdict(monkeypatch):
+    """A run whose 40 MiB segment, split to serve 10 MiB, strands 30 MiB: on a card of 60 MiB
+    beside the context the default allocator runs out and expandable segments fit; each setting
+    says what the other does."""
+    from recipes_lib import allocator, fake_memory
+
+    events = [("alloc", 0, 40 * 2**20), ("free", 0, 0), ("alloc", 1, 10 * 2**20),
+              ("alloc", 2, 35 * 2**20)]
+    monkeypatch.setattr(fake_memory, "allocation_trace", lambda *args: events)
+    budget = planner.CUDA_CONTEXT_BYTES + 60 * 2**20
+    default = planner.replayed_reserve("any", None, 64, 2, budget)
+    assert not default["measured_fits"] and default["other_allocator"]["measured_fits"]
+    assert default["reserved_GiB"] == allocator.replay(events).peak_reserved / 2**30
+    assert default["advice"] == ("fits with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "
+                                 "(0.1 GiB reserved, replayed)")
+    expandable = planner.replayed_reserve("any", None, 64, 2, budget, expandable_segments=True)
+    assert expandable["measured_fits"] and expandable["reserved_GiB"] == 60 / 1024
+    assert expandable["advice"].startswith("fits only with expandable segments: the default")

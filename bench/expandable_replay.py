@@ -12,8 +12,10 @@ tables:
    checked yet (``bench/gpu_session.py`` runs three of them with expandable segments).
 2. Unsloth's 24 GB row (Llama-3.1-8B, QLoRA r=32, batch 1, TRL's 2024 stack,
    ``published.TRL_2024_QLORA``) at each length, on the card's 24 GiB less the modelled CUDA
-   context: whether the run fits under each setting (and the reserved peak there), beside the
-   trace plus a fixed 15 %. Default lengths: the source's 5,789 tokens and 6,900-8,960.
+   context: whether the run fits under each setting (and the reserved peak there), and the
+   smallest card it fits under each (``allocator.min_capacity``, the context added: what
+   ``plan --max-context --replay-allocator`` searches by), beside the trace plus a fixed 15 %.
+   Default lengths: the source's 5,789 tokens and 6,900-8,960.
 
 Outside ``make bench``: about 13 s a length on a 2-core CPU (the trace; each replay < 1 s).
 """
@@ -58,13 +60,13 @@ def on_card(events, capacity: int, expandable: bool) -> str:
 
 def unsloth_table(lengths) -> None:
     from recipes_lib import fake_memory, planner, published
-    from recipes_lib.allocator import replay
+    from recipes_lib.allocator import min_capacity, replay
 
     budget = planner.parse_bytes("24GiB")
     capacity = int(budget - planner.CUDA_CONTEXT_BYTES)
     print(f"\n| tokens | allocated | allocated + 15 % + context (of {budget / 2**30:.0f}) | "
-          "default allocator | expandable segments |")
-    print("|---|---|---|---|---|")
+          "default allocator | expandable segments | smallest card: default, expandable |")
+    print("|---|---|---|---|---|---|")
     for seq_len in lengths:
         start = time.perf_counter()
         events = fake_memory.allocation_trace("Llama-3.1-8B", published.TRL_2024_QLORA, seq_len,
@@ -73,8 +75,9 @@ def unsloth_table(lengths) -> None:
         fixed = allocated + planner.gpu_overhead(allocated)
         print(f"| {seq_len:,} | {allocated / 2**30:.2f} | {fixed / 2**30:.2f} "
               f"({'fits' if fixed <= budget else 'out of memory'}) | "
-              f"{on_card(events, capacity, False)} | {on_card(events, capacity, True)} |",
-              flush=True)
+              f"{on_card(events, capacity, False)} | {on_card(events, capacity, True)} | "
+              + ", ".join(f"{(min_capacity(events, e) + planner.CUDA_CONTEXT_BYTES) / 2**30:.2f}"
+                          for e in (False, True)) + " |", flush=True)
         print(f"<!-- {time.perf_counter() - start:.0f} s -->", flush=True)
 
 

@@ -604,8 +604,8 @@ def main(argv: list[str] | None = None) -> int:
     pl.add_argument("--measure", action="store_true",
                     help="also measure each row that can be on fake tensors")
     pl.add_argument("--replay-allocator", action="store_true",
-                    help="with --measure: replay each one-device row's run through CUDA's "
-                    "caching allocator instead of a fixed 15%% reserve")
+                    help="with --measure or --max-context: judge each one-device row by its run "
+                    "replayed through CUDA's caching allocator instead of a fixed 15%% reserve")
     pl.add_argument("--expandable-segments", action="store_true",
                     help="with --replay-allocator: replay the allocator as "
                     "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True runs it")
@@ -637,21 +637,32 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "plan":
         from recipes_lib.planner import format_plan, max_context_per_step, plan
 
+        if args.replay_allocator and not (args.measure or args.max_context):
+            parser.error("--replay-allocator: replays the measured runs; add --measure or "
+                         "--max-context")
+        if args.expandable_segments and not args.replay_allocator:
+            parser.error("--expandable-segments: an allocator setting the replay models; add "
+                         "--replay-allocator")
         try:
             planned = plan(args.model, args.gpu_mem, args.seq, args.batch, args.gpus,
                            measure=args.measure, attention_mask=args.attention_mask,
-                           replay=args.replay_allocator,
-                           expandable_segments=args.expandable_segments,
+                           replay=args.replay_allocator and args.measure,
+                           expandable_segments=args.expandable_segments and args.measure,
                            progress=True)
             print(format_plan(planned))
             if args.max_context:  # the same rows: the plan's micro-batches
                 rows = max_context_per_step(args.model, args.gpu_mem, args.batch,
                                             planned["grad_accum_steps"], gpus=args.gpus,
                                             workers=search_processes(),
-                                            attention_mask=args.attention_mask, progress=True)
+                                            attention_mask=args.attention_mask, progress=True,
+                                            replay=args.replay_allocator,
+                                            expandable_segments=args.expandable_segments)
                 searched = {id(r["tries"]): len(r["tries"]) for r in rows if "tries" in r}
+                how = ("; one-device rows judged by their runs replayed through the caching "
+                       "allocator" + (" with expandable segments" if args.expandable_segments
+                                      else "") if args.replay_allocator else "")
                 print(f"\nlongest sequence that fits, by measurement (batch {args.batch}; "
-                      f"{sum(searched.values())} fake steps):")
+                      f"{sum(searched.values())} fake steps{how}):")
                 width = max((len(r["step"]) for r in rows), default=0)
                 for r in rows:
                     shortest = min(r.get("tries") or [(0, 0.0)])

@@ -431,6 +431,49 @@ def replay(events: Iterable[Event], capacity: int | None = None,
     return alloc
 
 
+def min_capacity(events: list[Event], expandable_segments: bool = False,
+                 resolution: int = ROUND_LARGE) -> int:
+    """The smallest card (bytes for PyTorch) on which a trace's replay fits, found by bisection
+    between its allocated peak and what an unlimited card reserves: how much memory the run
+    needs, once the allocator releases its cache under pressure as a full card makes it do.
+
+    Whether a run fits is not always monotone in the capacity (a release at another moment
+    leaves other holes), so this is the boundary the bisection finds: the run was replayed to
+    fit there and not to fit ``resolution`` below it (or that is the allocated peak).
+
+    Args:
+        events: the trace (:attr:`AllocationLog.events`).
+        expandable_segments: as ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``.
+        resolution: the bisection's granularity in bytes (default 2 MiB).
+
+    Returns:
+        The capacity in bytes.
+
+    Raises:
+        ValueError: for a ``resolution`` that is not a positive integer.
+
+    Example:
+        >>> MiB = 2**20
+        >>> events = [("alloc", 0, 40 * MiB), ("free", 0, 0), ("alloc", 1, 10 * MiB),
+        ...           ("alloc", 2, 35 * MiB)]
+        >>> min_capacity(events) // MiB, min_capacity(events, True) // MiB
+        (76, 60)
+    """
+    if not isinstance(resolution, int) or isinstance(resolution, bool) or resolution <= 0:
+        raise ValueError(f"resolution={resolution!r}: a positive number of bytes")
+    unlimited = replay(events, None, expandable_segments)
+    lo, hi = unlimited.peak_allocated - 1, unlimited.peak_reserved  # lo: known not to fit
+    while hi - lo > resolution:
+        mid = (lo + hi) // 2
+        try:
+            replay(events, mid, expandable_segments)
+        except SimulatedOutOfMemory:
+            lo = mid
+        else:
+            hi = mid
+    return hi
+
+
 def save_traces(path: str, traces: dict[str, list[Event]]) -> None:
     """Write named traces to a gzipped JSON file, compactly: an allocation as its byte count,
     a free as minus one plus minus the index of the allocation it frees.

@@ -102,6 +102,8 @@ def verdict(model: str, gpu_mem: str | float, seq_len: int, batch_size: int,
         if replayed["cache_released"] and fits:
             said.append(f"fits once the allocator releases its cache "
                         f"({replayed['cache_released']}x), as a full card does")
+        said.append(f"the smallest card it fits: {replayed['needs_GiB']:.1f} GiB, the context "
+                    "included (the cache released as a full card does)")
         if replayed["advice"]:
             said.append(replayed["advice"])
     else:

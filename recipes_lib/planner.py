@@ -864,9 +864,11 @@ def replayed_reserve(model: Any, stack: Any, seq_len: int, batch_size: int,
         ``reserved_GiB``: the reserved peak the card reaches, or, where the run does not fit
         even with the cache released, the peak on an unlimited card; ``cache_released``: times
         cached memory was released to fit; ``gpu_GiB``: the reserved peak plus the CUDA
-        context; ``measured_fits``; ``expandable_segments``; ``other_allocator``: the same
-        keys (but ``gpu_GiB``) for the other setting, from the same trace; ``advice``: what
-        the other setting changes in the verdict (:func:`allocator_advice`), or None.
+        context; ``measured_fits``; ``needs_GiB``: the smallest card the run fits, the
+        context included (``allocator.min_capacity``: the cache released under pressure, as a
+        full card does); ``expandable_segments``; ``other_allocator``: the same keys (but
+        ``gpu_GiB`` and ``needs_GiB``) for the other setting, from the same trace; ``advice``:
+        what the other setting changes in the verdict (:func:`allocator_advice`), or None.
     """
     from recipes_lib import allocator, fake_memory
 
@@ -883,6 +885,8 @@ def replayed_reserve(model: Any, stack: Any, seq_len: int, batch_size: int,
 
     out = on_card(expandable_segments)
     out["gpu_GiB"] = out["reserved_GiB"] + CUDA_CONTEXT_BYTES / 2**30
+    out["needs_GiB"] = (allocator.min_capacity(events, expandable_segments)
+                        + CUDA_CONTEXT_BYTES) / 2**30
     out["other_allocator"] = on_card(not expandable_segments)
     out["advice"] = allocator_advice(out)
     return out
@@ -1092,9 +1096,12 @@ def script_model_id(model: str) -> str:
 def max_context(model: str, gpu_mem: str | float | list, stack: Any = None, batch_size: int = 1,
                 step: int = 256, limit: int | None = None,
                 memo: Callable[[str, Callable[[], Any]], Any] | None = None,
+                replay: bool = False, expandable_segments: bool = False,
                 ) -> dict[str, Any] | list[dict[str, Any]]:
     """The longest sequence whose training step fits ``gpu_mem``, by measurement: a search over
-    fake-tensor steps (``fake_memory.measure_step``, each peak plus ``gpu_overhead``).
+    fake-tensor steps (``fake_memory.measure_step``, each peak plus ``gpu_overhead``), or with
+    ``replay`` over their runs replayed through CUDA's caching allocator (each the smallest card
+    the run fits, ``allocator.min_capacity``, plus the CUDA context).
 
     The search is ``max_context.max_seq_len`` (interpolating: a step's memory grows almost
     linearly with its length), in multiples of ``step``; several budgets share their
@@ -1111,6 +1118,11 @@ def max_context(model: str, gpu_mem: str | float | list, stack: Any = None, batc
         memo: ``memo(key, measure)`` returns ``measure()`` or the value recorded under ``key``,
             for each length measured (``results.Progress.value``: a search stopped part-way
             keeps the lengths it measured); None measures every one.
+        replay: judge each length by its run (the weights' materialisation and two steps,
+            ``fake_memory.allocation_trace``) replayed through the caching allocator, not by
+            the trace plus a fixed reserve; one-device stacks only.
+        expandable_segments: with ``replay``, as ``PYTORCH_CUDA_ALLOC_CONF=
+            expandable_segments:True`` runs.
 
     Returns:
         ``{"max_seq_len", "gpu_GiB" and "host_GiB" (at that length: the trace's GPU peak with
@@ -1126,10 +1138,13 @@ def max_context(model: str, gpu_mem: str | float | list, stack: Any = None, batc
     Example:
         >>> max_context("Llama-3.1-8B", "24GB")["max_seq_len"]  # doctest: +SKIP
     """
-    from recipes_lib import fake_memory
+    from recipes_lib import allocator, fake_memory
     from recipes_lib.max_context import max_seq_len
 
     stack = stack or fake_memory.Stack(method="lora", checkpointing=True)
+    if expandable_segments and not replay:
+        raise ValueError("expandable_segments=True: an allocator setting the replay models; set "
+                         "replay=True too")
     budgets = [parse_bytes(g) for g in (gpu_mem if isinstance(gpu_mem, (list, tuple))
                                         else [gpu_mem])]
     config = fake_memory.model_config(model)
@@ -1149,6 +1164,16 @@ def max_context(model: str, gpu_mem: str | float | list, stack: Any = None, batc
         meter = fake_memory.step_meter(config, stack, batch_size)  # built when first measured
 
         def need(n: int) -> float:
+            if replay:  # the smallest card the run's replay fits, then the context
+                def card() -> int:
+                    events = fake_memory.allocation_trace(model, stack, n, batch_size)
+                    return allocator.min_capacity(events, expandable_segments)
+
+                host[n] = 0.0
+                return CUDA_CONTEXT_BYTES + run(
+                    f"replayed run: {model!r}, {stack!r}, {batch_size} x {n}, "
+                    f"expandable_segments={expandable_segments}", card)
+
             def measure() -> tuple[float, float]:
                 report = meter(n)
                 return report.peak_bytes, report.host_bytes
@@ -1162,6 +1187,7 @@ def max_context(model: str, gpu_mem: str | float | list, stack: Any = None, batc
             out.append({"max_seq_len": n, "gpu_GiB": probes.get(n, 0.0) / 2**30,
                         "host_GiB": host.get(n, 0.0) / 2**30, "limit": top * step,
                         "budget_GiB": budget / 2**30, "stack": stack.label,
+                        "replayed": replay, "expandable_segments": expandable_segments,
                         "tries": [(k, v / 2**30) for k, v in probes.items()]})
     return out if isinstance(gpu_mem, (list, tuple)) else out[0]
 
@@ -1169,7 +1195,8 @@ def max_context(model: str, gpu_mem: str | float | list, stack: Any = None, batc
 def max_context_per_step(model: str, gpu_mem: str | float, batch_size: int = 1,
                          grad_accum_steps: int | None = None, gpus: int = 1, step: int = 256,
                          workers: int = 1, attention_mask: bool = False,
-                         progress: bool = False) -> list[dict[str, Any]]:
+                         progress: bool = False, replay: bool = False,
+                         expandable_segments: bool = False) -> list[dict[str, Any]]:
     """The longest sequence that fits ``gpu_mem`` under each escalation step's measured stack
     (``max_context`` per stack; rows with the same stack share one search).
 
@@ -1190,6 +1217,8 @@ def max_context_per_step(model: str, gpu_mem: str | float, batch_size: int = 1,
             time, the results the same).
         attention_mask: the rows need an attention mask (``fake_memory.Stack.attention_mask``).
         progress: a progress bar over the searches, on stderr (an 8 B model's take minutes).
+        replay, expandable_segments: as :func:`max_context`, for the one-device rows; the FSDP
+            rows keep the trace plus a fixed reserve (the replay models one stream).
 
     Returns:
         One dict per escalation row: ``step``, ``stack`` and ``max_seq_len`` / ``gpu_GiB`` /
@@ -1206,7 +1235,8 @@ def max_context_per_step(model: str, gpu_mem: str | float, batch_size: int = 1,
               for name in steps}
     distinct = list(dict.fromkeys(s for s in stacks.values() if not isinstance(s, str)))
     search = functools.partial(_search_stack, model=model, gpu_mem=gpu_mem,
-                               batch_size=batch_size, step=step)
+                               batch_size=batch_size, step=step, replay=replay,
+                               expandable_segments=expandable_segments)
     from tqdm.auto import tqdm
 
     bar = {"desc": "longest-context searches", "disable": not progress, "leave": False}
@@ -1226,11 +1256,15 @@ def max_context_per_step(model: str, gpu_mem: str | float, batch_size: int = 1,
 
 
 def _search_stack(stack: Any, model: str, gpu_mem: str | float, batch_size: int,
-                  step: int) -> dict[str, Any]:
+                  step: int, replay: bool = False,
+                  expandable_segments: bool = False) -> dict[str, Any]:
     """One stack's :func:`max_context` (an MoE's fp32 experts: the substitute, as :func:`plan`
-    measures it), or why it is not measured; a function of the module, for worker processes."""
+    measures it), or why it is not measured; a function of the module, for worker processes.
+    ``replay`` applies to one-device stacks."""
+    one = replay and stack.fsdp_ranks == 1
     why, searched = _measured(lambda s: max_context(
-        model, gpu_mem, s, _whole_shares(s, batch_size), step), stack)
+        model, gpu_mem, s, _whole_shares(s, batch_size), step, replay=one,
+        expandable_segments=expandable_segments and one), stack)
     return searched if searched is not None else {"measured_stack": why}
 
 
@@ -1274,6 +1308,8 @@ def format_plan(result: dict[str, Any]) -> str:
                 host = f" (+{r['host_GiB']:.1f}G in CPU RAM)" if r.get("host_GiB") else ""
                 if r.get("cache_released") and r["measured_fits"]:
                     host += f" (fits with its cache released {r['cache_released']}x)"
+                if r.get("needs_GiB"):
+                    host += f" (needs a {r['needs_GiB']:.1f} GiB card, replayed)"
                 if r.get("advice"):
                     host += f" ({r['advice']})"
                 lines.append(f"{r['step']:<52} {r['measured_GiB']:>7.1f}G {r['gpu_GiB']:>7.1f}G"

@@ -143,6 +143,25 @@ def test_expandable_segments_unmap_free_pages_and_map_them_back_lowest_first():
         CachingAllocator(capacity=0, expandable_segments=True).malloc(1)
 
 
+def test_the_smallest_card_is_where_the_replay_starts_to_fit(config):
+    stranded = [("alloc", 0, 40 * MiB), ("free", 0, 0), ("alloc", 1, 10 * MiB),
+                ("alloc", 2, 35 * MiB)]
+    # the default rules keep the split 40 MiB segment and take a 36 MiB one; expandable
+    # segments map three 20 MiB pages
+    assert allocator.min_capacity(stranded) == 76 * MiB
+    assert allocator.min_capacity(stranded, expandable_segments=True) == 60 * MiB
+    events = fake_memory.allocation_trace(config, Stack(checkpointing=True), 128, 2)
+    for expandable in (False, True):
+        card = allocator.min_capacity(events, expandable, resolution=4096)
+        unlimited = replay(events, expandable_segments=expandable)
+        assert unlimited.peak_allocated <= card <= unlimited.peak_reserved
+        replay(events, card, expandable)  # fits there
+        with pytest.raises(allocator.SimulatedOutOfMemory):
+            replay(events, card - 4096, expandable)
+    with pytest.raises(ValueError, match="resolution=0"):
+        allocator.min_capacity(events, resolution=0)
+
+
 def _check_tiling(a: CachingAllocator, live: list) -> None:
     """Every segment's blocks tile its addresses; reserved is the mapped bytes; free
     neighbours mapped alike are merged; unmapped ranges are whole pages; the pools hold

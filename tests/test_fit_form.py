@@ -43,6 +43,7 @@ def test_the_verdict_can_replay_the_caching_allocator_instead_of_a_fixed_reserve
     assert replayed["report"].peak_bytes == fixed["report"].peak_bytes
     assert replayed["need_bytes"] == pytest.approx(expected["gpu_GiB"] * 2**30)
     assert replayed["fits"] and "allocator cache, replayed) of 1.0 GiB: fits" in replayed["text"]
+    assert f"the smallest card it fits: {expected['needs_GiB']:.1f} GiB" in replayed["text"]
     assert not fit_form.verdict(config_dir, "0.5GiB", 128, 2, stack, replay=True)["fits"]
     with pytest.raises(ValueError, match="expandable_segments=True: .*replay=True"):
         fit_form.verdict(config_dir, "1GiB", 128, 2, stack, expandable_segments=True)
@@ -90,7 +91,8 @@ def test_a_mixture_of_experts_under_the_forms_default_precision_is_measured_in_b
 def test_the_form_measures_on_click_and_shows_bad_input_as_an_error(config_dir):
     pytest.importorskip("ipywidgets")
     box = fit_form.form(config_dir, "1GiB", 64, 1)
-    assert ": fits\nin your trainer" in box.run()
+    shown = box.run()  # replayed: the smallest card the run fits, then the trainer's lines
+    assert ": fits\nnote: the smallest card it fits: " in shown and "\nin your trainer" in shown
     box.children[5].value = "bf16"  # precision
     assert ", bf16, adamw, checkpointing: " in box.run()
     box.children[9].value = True  # padded or packed rows

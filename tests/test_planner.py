@@ -577,6 +577,51 @@ def test_max_context_is_the_longest_measured_length_within_the_budget(tmp_path, 
         planner.max_context(str(tmp_path), "1GiB", stack)
 
 
+def test_a_replayed_longest_context_search_judges_each_length_by_the_smallest_card(
+        tmp_path, small_llama):
+    """With replay, a length's need is the smallest card its run's replay fits
+    (allocator.min_capacity) plus the CUDA context: the length found fits the budget so, and
+    one step more does not."""
+    from recipes_lib import allocator, fake_memory
+
+    small_llama.config.save_pretrained(tmp_path)
+    stack, model = fake_memory.Stack(precision="fp32"), str(tmp_path)
+
+    def need(n, expandable=False):
+        events = fake_memory.allocation_trace(model, stack, n, 1)
+        return planner.CUDA_CONTEXT_BYTES + allocator.min_capacity(events, expandable)
+    budget = need(64)
+    keys = []
+    for expandable in (False, True):
+        found = planner.max_context(model, f"{budget}B", stack, step=16, replay=True,
+                                    expandable_segments=expandable,
+                                    memo=lambda key, measure: keys.append(key) or measure())
+        n = found["max_seq_len"]
+        assert found["replayed"] and found["expandable_segments"] is expandable
+        assert need(n, expandable) <= budget < need(n + 16, expandable), expandable
+        assert found["gpu_GiB"] == need(n, expandable) / 2**30 and found["host_GiB"] == 0
+    assert keys[0].startswith(f"replayed run: {model!r}, {stack!r}, 1 x ")
+    assert keys[-1].endswith("expandable_segments=True")
+    with pytest.raises(ValueError, match=r"expandable_segments=True: .*replay=True"):
+        planner.max_context(model, "1GiB", stack, step=16, expandable_segments=True)
+
+
+def test_the_clis_replay_reaches_the_length_search_and_says_what_it_needs(monkeypatch, capsys):
+    calls = []
+    monkeypatch.setattr(planner, "max_context_per_step",
+                        lambda *a, **kw: calls.append(kw) or [])
+    argv = ["plan", "--model", "Llama-3.1-8B", "--gpu-mem", "24GB", "--seq", "2048"]
+    assert main([*argv, "--max-context", "--replay-allocator", "--expandable-segments"]) == 0
+    assert calls[0]["replay"] and calls[0]["expandable_segments"]
+    assert "judged by their runs replayed through the caching allocator with expandable " \
+        "segments" in capsys.readouterr().out
+    for bad, why in ((["--replay-allocator"], "add --measure or --max-context"),
+                     (["--max-context", "--expandable-segments"], "add --replay-allocator")):
+        with pytest.raises(SystemExit):
+            main([*argv, *bad])
+        assert why in capsys.readouterr().err
+
+
 def test_a_stopped_longest_context_search_keeps_each_length_it_measured(tmp_path, small_llama,
                                                                         monkeypatch):
     """make bench keeps a search's measurements one length at a time (results.Progress), so a
@@ -609,9 +654,9 @@ def test_max_context_per_step_searches_each_measured_stack_once(tmp_path, small_
     searched = []
     real = planner.max_context
 
-    def counting(model, gpu_mem, stack, batch_size, step):
+    def counting(model, gpu_mem, stack, batch_size, step, **kwargs):
         searched.append(stack)
-        return real(model, gpu_mem, stack, batch_size, step=step)
+        return real(model, gpu_mem, stack, batch_size, step=step, **kwargs)
     monkeypatch.setattr(planner, "max_context", counting)
     rows = planner.max_context_per_step(str(tmp_path), "0.6GiB", batch_size=1, step=16)
     by_step = {r["step"]: r for r in rows}
@@ -644,7 +689,7 @@ def test_max_context_per_step_searches_the_sharded_rows_above_one_gpu(tmp_path, 
                 max_position_embeddings=128).save_pretrained(tmp_path)
     real = planner.max_context
 
-    def sharded_only(model, gpu_mem, stack, batch_size, step):
+    def sharded_only(model, gpu_mem, stack, batch_size, step, **kwargs):
         if stack.fsdp_ranks == 1:
             return {"max_seq_len": 0, "gpu_GiB": 0.0, "host_GiB": 0.0, "tries": []}
         return real(model, gpu_mem, stack, batch_size, step=step)
@@ -796,7 +841,7 @@ def test_an_architecture_the_formulas_miscount_is_planned_by_measurement_only(tm
     measured = []
     monkeypatch.setattr(fake_memory, "measure_step", lambda model, stack, *a: measured.append(
         stack) or SimpleNamespace(peak_bytes=2**28, host_bytes=0, by_category={"activations": 0}))
-    monkeypatch.setattr(planner, "max_context", lambda model, gpu, stack, *a: {
+    monkeypatch.setattr(planner, "max_context", lambda model, gpu, stack, *a, **kw: {
         "max_seq_len": 256, "gpu_GiB": 0.5, "tries": [(256, 0.5)], "stack": stack.label})
     with pytest.raises(ValueError, match=r"'qwen3_5_text' config.*--measure"):
         planner.plan(str(tmp_path), "1GiB", 64, 1)
@@ -1013,4 +1058,8 @@ def test_the_replay_says_where_expandable_segments_change_the_verdict(monkeypatc
                                  "(0.1 GiB reserved, replayed)")
     expandable = planner.replayed_reserve("any", None, 64, 2, budget, expandable_segments=True)
     assert expandable["measured_fits"] and expandable["reserved_GiB"] == 60 / 1024
+    # the smallest cards: 40 + 36 MiB segments under the default rules, three pages expandable
+    context = planner.CUDA_CONTEXT_BYTES / 2**30
+    assert (default["needs_GiB"], expandable["needs_GiB"]) == (76 / 1024 + context,
+                                                               60 / 1024 + context)
     assert expandable["advice"].startswith("fits only with expandable segments: the default")

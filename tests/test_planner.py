@@ -596,10 +596,11 @@ def test_a_replayed_longest_context_search_judges_each_length_by_the_smallest_ca
         found = planner.max_context(model, f"{budget}B", stack, step=16, replay=True,
                                     expandable_segments=expandable,
                                     memo=lambda key, measure: keys.append(key) or measure())
-        n = found["max_seq_len"]
+        n, tries = found["max_seq_len"], dict(found["tries"])
         assert found["replayed"] and found["expandable_segments"] is expandable
-        assert need(n, expandable) <= budget < need(n + 16, expandable), expandable
-        assert found["gpu_GiB"] == need(n, expandable) / 2**30 and found["host_GiB"] == 0
+        assert tries[n] * 2**30 <= budget < tries[n + 16] * 2**30, expandable
+        assert found["gpu_GiB"] == tries[n] == need(n, expandable) / 2**30
+        assert found["host_GiB"] == 0
     assert keys[0].startswith(f"replayed run: {model!r}, {stack!r}, 1 x ")
     assert keys[-1].endswith("expandable_segments=True")
     with pytest.raises(ValueError, match=r"expandable_segments=True: .*replay=True"):

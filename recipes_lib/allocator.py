@@ -5,8 +5,8 @@ allocator keeps *reserved*: whole segments obtained from ``cudaMalloc``, cached 
 are freed and split to serve later requests, so that freed space too small or in the wrong place
 for the next request stays reserved. How much depends on the order and the sizes of the
 allocations, not on a fixed fraction. This module replays a trace's allocations and frees through
-the allocator's documented rules (``c10/cuda/CUDACachingAllocator.cpp``, default settings: no
-``expandable_segments``, no ``max_split_size_mb``, one stream):
+the allocator's documented rules (``c10/cuda/CUDACachingAllocator.cpp``; no
+``max_split_size_mb``, one stream), by default:
 
 - sizes round up to 512 bytes; requests up to 1 MiB come from the small pool, packed into 2 MiB
   segments; larger ones from the large pool, where a request under 10 MiB that finds no cached
@@ -19,7 +19,8 @@ the allocator's documented rules (``c10/cuda/CUDACachingAllocator.cpp``, default
   are released first (what ``empty_cache`` releases).
 
 :class:`AllocationLog` records a run's allocations and frees on fake tensors in the order they
-happen; :func:`replay` turns them into ``max_memory_allocated`` and ``max_memory_reserved``.
+happen; :func:`replay` turns them into ``max_memory_allocated`` and ``max_memory_reserved``, and
+:func:`min_capacity` into the smallest card the run fits.
 
 ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` (``expandable_segments=True``; torchtitan's
 launch script sets it, and PyTorch's out-of-memory message suggests it) changes where memory

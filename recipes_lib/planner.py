@@ -695,8 +695,10 @@ def plan(model: str, gpu_mem: str | float, seq_len: int = 2048, batch_size: int 
             peak on a card of ``gpu_mem`` less the CUDA context, or on an unlimited one where
             it runs out there), ``cache_released`` (times whole free segments were released
             to fit), and ``gpu_GiB`` / ``measured_fits`` from it, with ``other_allocator``:
-            the other allocator setting's replay (:func:`replayed_reserve`). FSDP rows keep the
-            fixed reserve (the replay models one stream).
+            the other allocator setting's replay (:func:`replayed_reserve`), and the result
+            ``cheapest_measured_other_allocator``: ``{"expandable_segments", "step"}``, the
+            cheapest step that fits under that setting. FSDP rows keep the fixed reserve (the
+            replay models one stream), the same under both.
         expandable_segments: with ``replay``, replay as
             ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` runs.
 
@@ -831,6 +833,11 @@ def plan(model: str, gpu_mem: str | float, seq_len: int = 2048, batch_size: int 
         if checkpointed is not None:
             chunked = measure_chunked_loss(model, *checkpointed, seq_len, batch_size, budget,
                                            out)
+        if replay:  # where the other allocator setting lets a cheaper step fit, say which
+            other = next((r["step"] for r in rows if r.get("other_allocator", r).get(
+                "measured_fits")), "nothing measured fits")
+            out["cheapest_measured_other_allocator"] = {
+                "expandable_segments": not expandable_segments, "step": other}
         out["cheapest_measured"] = next((r["step"] for r in rows if r.get("measured_fits")),
                                         "nothing measured fits")
     step = out.get("cheapest_measured", out["cheapest"])
@@ -1318,6 +1325,11 @@ def format_plan(result: dict[str, Any]) -> str:
             else:
                 lines.append(f"{r['step']:<52} {'':>8} {'':>8}  {'':<4} {r['measured_stack']}")
         lines.append(f"cheapest measured that fits: {result['cheapest_measured']}")
+        other = result.get("cheapest_measured_other_allocator")
+        if other and other["step"] != result["cheapest_measured"]:
+            setting = ("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
+                       if other["expandable_segments"] else "the default allocator settings")
+            lines.append(f"with {setting}: {other['step']}")
         impls = result["rows"][0].get("adamw_GiB")
         if impls:
             lines.append("AdamW is measured as a CPU steps it (one parameter at a time); on a GPU "

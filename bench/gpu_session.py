@@ -6,8 +6,10 @@
 
 Writes ``OUT_DIR/gpu_session.json``: what the GPU holds outside PyTorch's allocator (the CUDA
 context and the libraries' kernels), the fake-tensor memory prediction against the real run of
-a >= 1 B-parameter model (five recipe stacks) and of Unsloth's Llama-3.1-8B QLoRA rows at four
-lengths (two stacks; ``published``), the FP8 vs bf16 linear sweep (tensorwise and
+a >= 1 B-parameter model (five recipe stacks, three again with expandable segments) and of
+Unsloth's Llama-3.1-8B QLoRA rows at four lengths (two stacks; ``published``), whether that row
+fits a 24 GB share of the GPU at four lengths under each allocator setting beside the replay's
+verdict (``card_share``), the FP8 vs bf16 linear sweep (tensorwise and
 rowwise), an FP8 training step at a scale where it should pay, and the crossover sweeps of SDPA,
 chunked cross-entropy and activation checkpointing. ``--smoke`` runs tiny sizes on the CPU to
 check the script itself. Each part is saved as soon as it ends, so a time-out keeps the rest.
@@ -122,6 +124,53 @@ def fake_vs_real(model, stacks, seq_len, batch, device, replay=False,
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+    return rows
+
+
+def card_share_check(model, seq_lens, device, card: str = "24GiB") -> list[dict]:
+    """Unsloth's 24 GB row on a share of this GPU (``set_per_process_memory_fraction``: the
+    card's bytes less the modelled CUDA context): at each length, under the default allocator
+    and with expandable segments, whether the real run fits beside whether its replay does
+    (``allocator.replay(..., fraction=True)``: the share's check, as PyTorch makes it). The
+    replay says the default rules fit such a card at some lengths and not at shorter ones
+    (README); this is the check. On a CPU (smoke) only the replays run."""
+    from recipes_lib import allocator, planner, published
+
+    capacity = int(planner.parse_bytes(card) - planner.CUDA_CONTEXT_BYTES)
+    cuda = torch.cuda.is_available() and torch.device(device).type == "cuda"
+    rows = []
+    try:
+        if cuda:
+            total = torch.cuda.get_device_properties(device).total_memory
+            torch.cuda.set_per_process_memory_fraction(capacity / total, device)
+        for seq_len in seq_lens:
+            events = fake_memory.allocation_trace(model, published.TRL_2024_QLORA, seq_len, 1,
+                                                  device)
+            for expandable in (False, True):
+                try:
+                    predicted = allocator.replay(events, capacity, expandable, fraction=True)
+                except allocator.SimulatedOutOfMemory:
+                    predicted = None
+                row = {"seq_len": seq_len, "expandable_segments": expandable,
+                       "capacity": capacity, "replayed_fits": predicted is not None,
+                       "replayed_reserved": predicted and predicted.peak_reserved,
+                       "real_fits": None, "reserved_peak": None}
+                if cuda:
+                    allocator_settings(expandable)
+                    try:
+                        report = fake_memory.measure_step(model, published.TRL_2024_QLORA,
+                                                          seq_len, 1, device, fake=False)
+                        row.update(real_fits=True,
+                                   reserved_peak=report.allocator_reserved_bytes)
+                    except torch.cuda.OutOfMemoryError:
+                        row["real_fits"] = False
+                    finally:
+                        allocator_settings(False)
+                rows.append(row)
+                print(row, flush=True)
+    finally:
+        if cuda:
+            torch.cuda.set_per_process_memory_fraction(1.0, device)
     return rows
 
 
@@ -259,6 +308,10 @@ def main(out_dir: str, smoke: bool) -> None:
     part("fake_vs_real_expandable", lambda: fake_vs_real(model, stacks[:3], seq, batch, device,
                                                          replay=True, expandable=True))
     part("unsloth_8b", lambda: unsloth_rows(big, lengths, device))
+    # last of the memory parts: the replay's fit / out-of-memory verdicts on a 24 GB share
+    part("card_share", lambda: card_share_check(
+        big, [160, 192] if smoke else [7040, 7168, 8832, 8960], device,
+        "0.52GiB" if smoke else "24GiB"))
     if "--memory-only" in sys.argv:
         return
     if not smoke:
@@ -346,6 +399,15 @@ def record(device_dir: str = "h100", results_dir: Path | None = None) -> Path:
                     predicted=planner.CUDA_CONTEXT_BYTES / 2**30,
                     unit="GiB the driver counts beyond memory_reserved (predicted: the "
                          "planner's CUDA context)")
+    for row in part.get("card_share", []):
+        if row["real_fits"] is None:
+            continue
+        setting = "expandable segments" if row["expandable_segments"] else "default allocator"
+        out.add("card_share", f"fits, {row['seq_len']} tokens, {setting}",
+                float(row["real_fits"]), predicted=float(row["replayed_fits"]),
+                unit=f"1 if the real step fit a {row['capacity'] / 2**30:.1f} GiB share of the "
+                     "card (set_per_process_memory_fraction), 0 if it ran out (predicted: the "
+                     "replay's verdict); Llama-3.1-8B QLoRA r=32, batch 1, TRL's 2024 stack")
     unsloth = part.get("unsloth_8b", {})
     for row in unsloth.get("rows", []):
         if not row["allocated_peak"]:

@@ -135,6 +135,12 @@ class CachingAllocator:
             segments (with ``expandable_segments``: whole free pages) are released before
             more is taken, as on a full GPU.
         expandable_segments: as ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``.
+        fraction: ``capacity`` is a share of a larger card set with
+            ``torch.cuda.set_per_process_memory_fraction`` (how a big GPU stands in for a
+            small one), not the card's own memory. The default rules check both alike; with
+            expandable segments the share is checked before a request grows a segment, against
+            reserved plus the segment the default rules would take for it (``segment_size``),
+            while the pages mapped are the card's to give.
         allocated: bytes in allocated blocks (rounded sizes), as ``memory_allocated``.
         reserved: bytes in segments (mapped pages), as ``memory_reserved``.
         peak_allocated: ``max_memory_allocated``.
@@ -145,6 +151,7 @@ class CachingAllocator:
 
     capacity: int | None = None
     expandable_segments: bool = False
+    fraction: bool = False
     allocated: int = 0
     reserved: int = 0
     peak_allocated: int = 0
@@ -305,6 +312,9 @@ class CachingAllocator:
         return block
 
     def _try_grow(self, size: int, small: bool) -> _Block | None:
+        if (self.fraction and self.capacity is not None
+                and self.reserved + segment_size(size) > self.capacity):
+            return None  # the share's check comes first, in the default rules' sizes
         candidate = self._room(size, small)
         if not candidate.mapped and not self._map(candidate, min(candidate.size, size)):
             return None
@@ -329,7 +339,7 @@ class CachingAllocator:
             if room >= size:
                 return start
         page = SMALL_BUFFER if small else LARGE_BUFFER
-        total = self.capacity if self.capacity is not None else 1 << 46
+        total = self.capacity if self.capacity is not None and not self.fraction else 1 << 46
         # PyTorch reserves addresses for 9/8 of the card's memory, in pages (a request larger
         # than that runs out of memory when its pages are mapped)
         block = _Block(-(-self._next_addr // LARGE_BUFFER) * LARGE_BUFFER,
@@ -344,7 +354,8 @@ class CachingAllocator:
         capacity cannot hold them."""
         page = SMALL_BUFFER if block.small else LARGE_BUFFER
         mapped = -(-nbytes // page) * page
-        if self.capacity is not None and self.reserved + mapped > self.capacity:
+        if (self.capacity is not None and not self.fraction
+                and self.reserved + mapped > self.capacity):
             return False
         self._uncache(block)
         block.mapped = True
@@ -396,7 +407,7 @@ Event = tuple[str, int, int]
 
 
 def replay(events: Iterable[Event], capacity: int | None = None,
-           expandable_segments: bool = False) -> CachingAllocator:
+           expandable_segments: bool = False, fraction: bool = False) -> CachingAllocator:
     """Run a trace's allocations and frees through a fresh :class:`CachingAllocator`.
 
     Args:
@@ -405,6 +416,8 @@ def replay(events: Iterable[Event], capacity: int | None = None,
             (a storage that existed before the log started).
         capacity: the card's bytes for segments (None: unlimited).
         expandable_segments: as ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``.
+        fraction: ``capacity`` is a per-process share of a larger card
+            (:attr:`CachingAllocator.fraction`).
 
     Returns:
         The allocator after the trace: its ``peak_allocated`` and ``peak_reserved``.
@@ -418,7 +431,7 @@ def replay(events: Iterable[Event], capacity: int | None = None,
         >>> a.peak_allocated // 2**20, a.peak_reserved // 2**20  # one 20 MiB segment
         (6, 20)
     """
-    alloc = CachingAllocator(capacity, expandable_segments)
+    alloc = CachingAllocator(capacity, expandable_segments, fraction)
     live: dict[int, _Block] = {}
     for kind, key, nbytes in events:
         if kind == "alloc":

@@ -143,6 +143,24 @@ def test_expandable_segments_unmap_free_pages_and_map_them_back_lowest_first():
         CachingAllocator(capacity=0, expandable_segments=True).malloc(1)
 
 
+def test_a_share_of_a_larger_card_is_checked_before_an_expandable_segment_grows():
+    """Under torch.cuda.set_per_process_memory_fraction, expandable segments check the share
+    against the default rules' segment for the request (a 36 MiB one for 35 MiB) before they
+    map, where a card of that size checks the pages mapped (one more 20 MiB page): the share
+    releases the cache once where the card did not need to. The default rules check alike."""
+    def run(**kw):
+        a = CachingAllocator(capacity=60 * MiB, **kw)
+        a.free(a.malloc(40 * MiB))
+        a.malloc(10 * MiB)
+        a.malloc(35 * MiB)
+        return a.releases, a.reserved
+    assert run(expandable_segments=True) == (0, 60 * MiB)
+    assert run(expandable_segments=True, fraction=True) == (1, 60 * MiB)
+    events = [("alloc", 0, 24 * MiB), ("free", 0, 0), ("alloc", 1, 30 * MiB)]
+    same = [replay(events, 40 * MiB, fraction=f) for f in (False, True)]
+    assert [(a.releases, a.peak_reserved) for a in same] == [(1, 30 * MiB)] * 2
+
+
 def test_the_smallest_card_is_where_the_replay_starts_to_fit(config):
     stranded = [("alloc", 0, 40 * MiB), ("free", 0, 0), ("alloc", 1, 10 * MiB),
                 ("alloc", 2, 35 * MiB)]

@@ -129,6 +129,8 @@ def verdict(model: str, gpu_mem: str | float, seq_len: int, batch_size: int,
         code = f"# {err}"
     if fits:
         text += "\nin your trainer (TRL's SFTConfig takes the same args):\n" + code
+        if replay and expandable_segments:  # the verdict assumed it
+            text += f"\n# launch with {planner.EXPANDABLE_SEGMENTS_ENV}: the replay assumed it"
     return {"report": report, "overhead_bytes": overhead, "need_bytes": need,
             "budget_bytes": budget, "fits": fits, "text": text, "trainer_code": code}
 

@@ -41,6 +41,10 @@ CUDA_CONTEXT_BYTES = 0.5 * 2**30
 ALLOCATOR_RESERVE = 0.15
 
 
+# the allocator setting the replay can assume (PyTorch reads it when CUDA first allocates)
+EXPANDABLE_SEGMENTS_ENV = "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
+
+
 def allocator_reserve(allocated_bytes: float) -> float:
     """The modelled bytes PyTorch's caching allocator reserves beyond what it hands out
     (``ALLOCATOR_RESERVE * allocated``): ``max_memory_reserved`` less ``max_memory_allocated``.
@@ -917,8 +921,8 @@ def allocator_advice(replayed: dict[str, Any]) -> str | None:
     if replayed["measured_fits"] == other["measured_fits"]:
         return None
     if other["measured_fits"]:
-        setting = ("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
-                   if not replayed["expandable_segments"] else "the default allocator settings")
+        setting = (EXPANDABLE_SEGMENTS_ENV if not replayed["expandable_segments"]
+                   else "the default allocator settings")
         return f"fits with {setting} ({other['reserved_GiB']:.1f} GiB reserved, replayed)"
     if replayed["expandable_segments"]:
         return (f"fits only with expandable segments: the default allocator runs out "
@@ -1327,8 +1331,8 @@ def format_plan(result: dict[str, Any]) -> str:
         lines.append(f"cheapest measured that fits: {result['cheapest_measured']}")
         other = result.get("cheapest_measured_other_allocator")
         if other and other["step"] != result["cheapest_measured"]:
-            setting = ("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
-                       if other["expandable_segments"] else "the default allocator settings")
+            setting = (EXPANDABLE_SEGMENTS_ENV if other["expandable_segments"]
+                       else "the default allocator settings")
             lines.append(f"with {setting}: {other['step']}")
         impls = result["rows"][0].get("adamw_GiB")
         if impls:
@@ -1341,4 +1345,6 @@ def format_plan(result: dict[str, Any]) -> str:
     if trainer:
         lines += ["", f"in your trainer ({trainer['step']}; TRL's SFTConfig takes the same args):"]
         lines += ["  " + line for line in trainer.get("code", trainer.get("error", "")).split("\n")]
+        if any(r.get("expandable_segments") for r in result["rows"]):  # the verdict assumed it
+            lines.append(f"  # launch with {EXPANDABLE_SEGMENTS_ENV}: the replay assumed it")
     return "\n".join(lines)

@@ -101,7 +101,10 @@ def test_the_form_measures_on_click_and_shows_bad_input_as_an_error(config_dir):
     shown = box.run()
     assert "of 15.0 GiB: fits" in shown and "fp16=True" in shown and "bf16=True" not in shown
     box.children[11].value = True  # expandable segments
-    assert "allocator cache, replayed with expandable segments) of 15.0 GiB: fits" in box.run()
+    shown = box.run()
+    assert "allocator cache, replayed with expandable segments) of 15.0 GiB: fits" in shown
+    assert shown.endswith("\n# launch with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: "
+                          "the replay assumed it")
     box.children[1].value = "lots"
     assert box.run().startswith("error: gpu_mem='lots'")
     button = box.children[-2]  # disabled while it measures, clickable again after an error too

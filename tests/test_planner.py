@@ -1038,6 +1038,9 @@ def test_replay_puts_the_caching_allocator_in_place_of_the_fixed_reserve(tmp_pat
     assert out["cheapest_measured_other_allocator"] == {"expandable_segments": False,
                                                         "step": out["cheapest_measured"]}
     assert "with the default allocator settings:" not in planner.format_plan(out)
+    # the trainer's lines end by saying how to launch it as the replay assumed
+    assert planner.format_plan(out).endswith(
+        "\n  # launch with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: the replay assumed it")
     out["cheapest_measured_other_allocator"]["step"] = "LoRA on a bf16 base"
     assert "\nwith the default allocator settings: LoRA on a bf16 base\n" in (
         planner.format_plan(out))

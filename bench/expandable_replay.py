@@ -48,11 +48,10 @@ def h100_table() -> None:
 
 
 def on_card(events, capacity: int, expandable: bool) -> str:
-    from recipes_lib.allocator import SimulatedOutOfMemory, replay
+    from recipes_lib.allocator import fits
 
-    try:
-        a = replay(events, capacity, expandable)
-    except SimulatedOutOfMemory:
+    a = fits(events, capacity, expandable)
+    if a is None:
         return "out of memory"
     released = f", cache released {a.releases}x" if a.releases else ""
     return f"fits, {a.peak_reserved / 2**30:.2f} reserved{released}"

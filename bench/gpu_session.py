@@ -147,10 +147,7 @@ def card_share_check(model, seq_lens, device, card: str = "24GiB") -> list[dict]
             events = fake_memory.allocation_trace(model, published.TRL_2024_QLORA, seq_len, 1,
                                                   device)
             for expandable in (False, True):
-                try:
-                    predicted = allocator.replay(events, capacity, expandable, fraction=True)
-                except allocator.SimulatedOutOfMemory:
-                    predicted = None
+                predicted = allocator.fits(events, capacity, expandable, fraction=True)
                 row = {"seq_len": seq_len, "expandable_segments": expandable,
                        "capacity": capacity, "replayed_fits": predicted is not None,
                        "replayed_reserved": predicted and predicted.peak_reserved,

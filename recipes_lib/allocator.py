@@ -185,11 +185,7 @@ class CachingAllocator:
             block = self._take_cached(size, small) or self._new_segment(size, small)
         least = MIN_BLOCK if small or self.expandable_segments else SMALL_SIZE + 1
         if block.size - size >= least:  # split off the rest
-            rest = _Block(block.addr + size, block.size - size, small, prev=block, next=block.next)
-            if block.next is not None:
-                block.next.prev = rest
-            block.next, block.size = rest, size
-            self._cache(rest)
+            self._cache(self._split(block, size))
         block.allocated = True
         self.allocated += block.size
         self.peak_allocated = max(self.peak_allocated, self.allocated)
@@ -228,6 +224,17 @@ class CachingAllocator:
                     released += block.size
         self.reserved -= released
         return released
+
+    @staticmethod
+    def _split(block: _Block, size: int, mapped: bool = True) -> _Block:
+        """Cut ``block`` after its first ``size`` bytes; the rest, a new block after it (its
+        pages mapped or not), is returned uncached."""
+        rest = _Block(block.addr + size, block.size - size, block.small, prev=block,
+                      next=block.next, mapped=mapped)
+        if block.next is not None:
+            block.next.prev = rest
+        block.next, block.size = rest, size
+        return rest
 
     def _merge_neighbours(self, block: _Block) -> None:
         """Absorb the free neighbours of ``block`` that are mapped as it is."""
@@ -360,12 +367,7 @@ class CachingAllocator:
         self._uncache(block)
         block.mapped = True
         if mapped < block.size:
-            rest = _Block(block.addr + mapped, block.size - mapped, block.small, prev=block,
-                          next=block.next, mapped=False)
-            if block.next is not None:
-                block.next.prev = rest
-            block.next, block.size = rest, mapped
-            self._cache(rest)
+            self._cache(self._split(block, mapped, mapped=False))
         self._merge_neighbours(block)
         self._cache(block)
         self.reserved += mapped
@@ -382,20 +384,11 @@ class CachingAllocator:
             return 0
         self._uncache(block)
         if start > block.addr:  # a partial page before stays mapped and free
-            before = _Block(block.addr, start - block.addr, block.small, prev=block.prev,
-                            next=block)
-            if block.prev is not None:
-                block.prev.next = before
-            block.prev = before
+            before, block = block, self._split(block, start - block.addr)
             self._cache(before)
         if end < block.addr + block.size:  # and one after
-            after = _Block(end, block.addr + block.size - end, block.small, prev=block,
-                           next=block.next)
-            if block.next is not None:
-                block.next.prev = after
-            block.next = after
-            self._cache(after)
-        block.addr, block.size, block.mapped = start, end - start, False
+            self._cache(self._split(block, end - start))
+        block.mapped = False
         self._merge_neighbours(block)
         if block.prev is not None or block.next is not None:  # else the whole range goes back
             self._cache(block)
@@ -445,6 +438,26 @@ def replay(events: Iterable[Event], capacity: int | None = None,
     return alloc
 
 
+def fits(events: Iterable[Event], capacity: int | None, expandable_segments: bool = False,
+         fraction: bool = False) -> CachingAllocator | None:
+    """:func:`replay` on a card of ``capacity`` bytes, or None where the run runs out there.
+
+    Args:
+        events, capacity, expandable_segments, fraction: as :func:`replay`.
+
+    Returns:
+        The allocator after the trace, or None.
+
+    Example:
+        >>> fits([("alloc", 0, 3 * 2**20)], 2**20) is None  # a 20 MiB segment on a 1 MiB card
+        True
+    """
+    try:
+        return replay(events, capacity, expandable_segments, fraction)
+    except SimulatedOutOfMemory:
+        return None
+
+
 def min_capacity(events: list[Event], expandable_segments: bool = False,
                  resolution: int = ROUND_LARGE) -> int:
     """The smallest card (bytes for PyTorch) on which a trace's replay fits, found by bisection
@@ -453,7 +466,7 @@ def min_capacity(events: list[Event], expandable_segments: bool = False,
 
     Whether a run fits is not always monotone in the capacity (a release at another moment
     leaves other holes), so this is the boundary the bisection finds: the run was replayed to
-    fit there and not to fit ``resolution`` below it (or that is the allocated peak).
+    fit there and not to fit within ``resolution`` below it (or that is the allocated peak).
 
     Args:
         events: the trace (:attr:`AllocationLog.events`).
@@ -479,9 +492,7 @@ def min_capacity(events: list[Event], expandable_segments: bool = False,
     lo, hi = unlimited.peak_allocated - 1, unlimited.peak_reserved  # lo: known not to fit
     while hi - lo > resolution:
         mid = (lo + hi) // 2
-        try:
-            replay(events, mid, expandable_segments)
-        except SimulatedOutOfMemory:
+        if fits(events, mid, expandable_segments) is None:
             lo = mid
         else:
             hi = mid

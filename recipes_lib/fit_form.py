@@ -78,9 +78,7 @@ def verdict(model: str, gpu_mem: str | float, seq_len: int, batch_size: int,
         ValueError: naming the parameter, for what ``fake_memory`` or ``planner.parse_bytes``
             refuse (``UnmeasuredStackError`` where no stack near it can be measured).
     """
-    if expandable_segments and not replay:
-        raise ValueError("expandable_segments=True: an allocator setting the replay models; set "
-                         "replay=True too")
+    planner.check_allocator_setting(replay, expandable_segments)
     budget = planner.parse_bytes(gpu_mem)
     said = []
     try:

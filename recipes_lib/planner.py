@@ -747,9 +747,7 @@ def plan(model: str, gpu_mem: str | float, seq_len: int = 2048, batch_size: int 
     if replay and not measure:
         raise ValueError("replay=True: replays the measured rows' runs; set measure=True too "
                          "(--measure)")
-    if expandable_segments and not replay:
-        raise ValueError("expandable_segments=True: an allocator setting the replay models; set "
-                         "replay=True too (--replay-allocator)")
+    check_allocator_setting(replay, expandable_segments)
     if not isinstance(attention_mask, bool):
         raise TypeError(f"attention_mask={attention_mask!r}: True (padded or packed rows, "
                          "which need a mask) or False (full rows)")
@@ -887,10 +885,9 @@ def replayed_reserve(model: Any, stack: Any, seq_len: int, batch_size: int,
     capacity = max(0, int(budget - CUDA_CONTEXT_BYTES))
 
     def on_card(expandable: bool) -> dict[str, Any]:
-        try:
-            card, fits = allocator.replay(events, capacity, expandable), True
-        except allocator.SimulatedOutOfMemory:
-            card, fits = allocator.replay(events, None, expandable), False
+        card = allocator.fits(events, capacity, expandable)
+        fits = card is not None
+        card = card or allocator.replay(events, None, expandable)
         return {"reserved_GiB": card.peak_reserved / 2**30, "cache_released": card.releases,
                 "measured_fits": fits, "expandable_segments": expandable}
 
@@ -901,6 +898,21 @@ def replayed_reserve(model: Any, stack: Any, seq_len: int, batch_size: int,
     out["other_allocator"] = on_card(not expandable_segments)
     out["advice"] = allocator_advice(out)
     return out
+
+
+def check_allocator_setting(replay: bool, expandable_segments: bool) -> None:
+    """Refuse ``expandable_segments`` without ``replay``: only the replay models the setting.
+
+    Args:
+        replay: the verdict replays the caching allocator.
+        expandable_segments: the replay's allocator setting.
+
+    Raises:
+        ValueError: naming both parameters (and the command line's flag).
+    """
+    if expandable_segments and not replay:
+        raise ValueError("expandable_segments=True: an allocator setting the replay models; set "
+                         "replay=True too (--replay-allocator)")
 
 
 def allocator_advice(replayed: dict[str, Any]) -> str | None:
@@ -1153,9 +1165,7 @@ def max_context(model: str, gpu_mem: str | float | list, stack: Any = None, batc
     from recipes_lib.max_context import max_seq_len
 
     stack = stack or fake_memory.Stack(method="lora", checkpointing=True)
-    if expandable_segments and not replay:
-        raise ValueError("expandable_segments=True: an allocator setting the replay models; set "
-                         "replay=True too")
+    check_allocator_setting(replay, expandable_segments)
     budgets = [parse_bytes(g) for g in (gpu_mem if isinstance(gpu_mem, (list, tuple))
                                         else [gpu_mem])]
     config = fake_memory.model_config(model)

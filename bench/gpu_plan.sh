@@ -10,8 +10,8 @@
 # it runs out. PARTS (default "memory 04 03 01 02"), in order:
 #   memory  bench/gpu_session.py --memory-only: what the GPU holds outside PyTorch's allocator,
 #           the fake-tensor prediction against max_memory_allocated (1.2 B model, five stacks,
-#           on the current training loop; three again with expandable segments, the allocator's
-#           replay beside max_memory_reserved) and Unsloth's Llama-3.1-8B QLoRA rows measured on
+#           on the current training loop; three again with expandable segments and three with
+#           max_split_size_mb:128, the allocator's replay beside max_memory_reserved) and Unsloth's Llama-3.1-8B QLoRA rows measured on
 #           the GPU itself, the published table's open misses, then that row on a 24 GB share of
 #           the GPU under each allocator setting, fit or out of memory beside the replay's
 #           verdict -> $OUT/raw/gpu_session_memory.json

@@ -6,13 +6,14 @@
 
 Writes ``OUT_DIR/gpu_session.json``: what the GPU holds outside PyTorch's allocator (the CUDA
 context and the libraries' kernels), the fake-tensor memory prediction against the real run of
-a >= 1 B-parameter model (five recipe stacks, three again with expandable segments) and of
-Unsloth's Llama-3.1-8B QLoRA rows at four lengths (two stacks; ``published``), whether that row
-fits a 24 GB share of the GPU at four lengths under each allocator setting beside the replay's
-verdict (``card_share``), the FP8 vs bf16 linear sweep (tensorwise and
-rowwise), an FP8 training step at a scale where it should pay, and the crossover sweeps of SDPA,
-chunked cross-entropy and activation checkpointing. ``--smoke`` runs tiny sizes on the CPU to
-check the script itself. Each part is saved as soon as it ends, so a time-out keeps the rest.
+a >= 1 B-parameter model (five recipe stacks, three again with expandable segments and three
+with ``max_split_size_mb:128``) and of Unsloth's Llama-3.1-8B QLoRA rows at four lengths (two
+stacks; ``published``), whether that row fits a 24 GB share of the GPU at four lengths under
+each allocator setting beside the replay's verdict (``card_share``), the FP8 vs bf16 linear
+sweep (tensorwise and rowwise), an FP8 training step at a scale where it should pay, and the
+crossover sweeps of SDPA, chunked cross-entropy and activation checkpointing. ``--smoke``
+runs tiny sizes on the CPU to check the script itself. Each part is saved as soon as it ends,
+so a time-out keeps the rest.
 """
 
 from __future__ import annotations
@@ -78,38 +79,44 @@ def outside_allocator() -> dict:
     return out
 
 
-def allocator_settings(expandable: bool) -> None:
-    """Switch CUDA's caching allocator to or from expandable segments for what follows (as
-    ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` does at start-up), its cache emptied
-    first so that no segment of the other kind serves the next run."""
+def allocator_settings(conf: str = "") -> None:
+    """Switch CUDA's caching allocator to the settings ``conf`` (a ``PYTORCH_CUDA_ALLOC_CONF``
+    value; empty: the defaults) for what follows, as the variable does at start-up, its cache
+    emptied first so that no segment of the other kind serves the next run. PyTorch resets
+    ``max_split_size_mb`` to unlimited at each setting that leaves it out."""
     if torch.cuda.is_available():
         gc.collect()
         torch.cuda.empty_cache()
-        torch.cuda.memory._set_allocator_settings(f"expandable_segments:{expandable}")
+        expandable = "expandable_segments" in conf
+        torch.cuda.memory._set_allocator_settings(
+            conf if expandable else ",".join(filter(None, ["expandable_segments:False", conf])))
 
 
 def fake_vs_real(model, stacks, seq_len, batch, device, replay=False,
-                 expandable=False) -> list[dict]:
+                 conf: str = "") -> list[dict]:
     """Each stack's fake step beside the real one; ``replay``: also the caching allocator's
     replay of the same run on fake tensors (``fake_memory.replay_allocator``: build, then two
     steps, as the real measurement runs them), beside the real ``max_memory_reserved``;
-    ``expandable``: the real runs with expandable segments, and the replay as they run."""
+    ``conf``: the real runs with those allocator settings (``PYTORCH_CUDA_ALLOC_CONF``'s
+    value), and the replay as they run."""
+    from recipes_lib.allocator import parse_settings
+
+    setting = parse_settings(conf)
     rows = []
     for stack in stacks:
         gc.collect()
-        replayed = (fake_memory.replay_allocator(model, stack, seq_len, batch, device,
-                                                 expandable_segments=expandable)
+        replayed = (fake_memory.replay_allocator(model, stack, seq_len, batch, device, **setting)
                     if replay else None)
-        allocator_settings(expandable)
+        allocator_settings(conf)
         start = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
         try:
             r = fake_memory.fake_vs_real(model, stack, seq_len, batch, device)
         finally:
-            allocator_settings(False)
+            allocator_settings()
         used = device_used()  # the step's blocks are still cached: context + reserved
         rows.append({"stack": stack.label, "model": model if isinstance(model, str) else
                      type(model).__name__, "seq_len": seq_len, "batch": batch,
-                     "expandable_segments": expandable,
+                     "alloc_conf": conf, **setting,
                      "fake": r["fake"].by_category, "fake_peak": r["fake"].peak_bytes,
                      "real": r["real"].by_category, "real_peak": r["real"].peak_bytes,
                      "allocated_peak": r["real"].allocator_peak_bytes,
@@ -127,13 +134,17 @@ def fake_vs_real(model, stacks, seq_len, batch, device, replay=False,
     return rows
 
 
-def card_share_check(model, seq_lens, device, card: str = "24GiB") -> list[dict]:
+CARD_SHARE_SETTINGS = ("", "expandable_segments:True", "max_split_size_mb:128")
+
+
+def card_share_check(model, seq_lens, device, card: str = "24GiB",
+                     settings=CARD_SHARE_SETTINGS) -> list[dict]:
     """Unsloth's 24 GB row on a share of this GPU (``set_per_process_memory_fraction``: the
-    card's bytes less the modelled CUDA context): at each length, under the default allocator
-    and with expandable segments, whether the real run fits beside whether its replay does
-    (``allocator.replay(..., fraction=True)``: the share's check, as PyTorch makes it). The
-    replay says the default rules fit such a card at some lengths and not at shorter ones
-    (README); this is the check. On a CPU (smoke) only the replays run."""
+    card's bytes less the modelled CUDA context): at each length, under each allocator setting
+    of ``settings`` (``PYTORCH_CUDA_ALLOC_CONF`` values), whether the real run fits beside
+    whether its replay does (``allocator.replay(..., fraction=True)``: the share's check, as
+    PyTorch makes it). The replay says the default rules fit such a card at some lengths and
+    not at shorter ones (README); this is the check. On a CPU (smoke) only the replays run."""
     from recipes_lib import allocator, planner, published
 
     capacity = int(planner.parse_bytes(card) - planner.CUDA_CONTEXT_BYTES)
@@ -146,14 +157,15 @@ def card_share_check(model, seq_lens, device, card: str = "24GiB") -> list[dict]
         for seq_len in seq_lens:
             events = fake_memory.allocation_trace(model, published.TRL_2024_QLORA, seq_len, 1,
                                                   device)
-            for expandable in (False, True):
-                predicted = allocator.fits(events, capacity, expandable, fraction=True)
-                row = {"seq_len": seq_len, "expandable_segments": expandable,
+            for conf in settings:
+                setting = allocator.parse_settings(conf)
+                predicted = allocator.fits(events, capacity, fraction=True, **setting)
+                row = {"seq_len": seq_len, "alloc_conf": conf, **setting,
                        "capacity": capacity, "replayed_fits": predicted is not None,
                        "replayed_reserved": predicted and predicted.peak_reserved,
                        "real_fits": None, "reserved_peak": None}
                 if cuda:
-                    allocator_settings(expandable)
+                    allocator_settings(conf)
                     try:
                         report = fake_memory.measure_step(model, published.TRL_2024_QLORA,
                                                           seq_len, 1, device, fake=False)
@@ -162,7 +174,7 @@ def card_share_check(model, seq_lens, device, card: str = "24GiB") -> list[dict]
                     except torch.cuda.OutOfMemoryError:
                         row["real_fits"] = False
                     finally:
-                        allocator_settings(False)
+                        allocator_settings()
                 rows.append(row)
                 print(row, flush=True)
     finally:
@@ -303,12 +315,17 @@ def main(out_dir: str, smoke: bool) -> None:
     part("fake_vs_real", lambda: fake_vs_real(model, stacks, seq, batch, device, replay=True))
     # the replay's prediction with expandable segments (torchtitan's setting), checked
     part("fake_vs_real_expandable", lambda: fake_vs_real(model, stacks[:3], seq, batch, device,
-                                                         replay=True, expandable=True))
+                                                         True, "expandable_segments:True"))
+    # and with max_split_size_mb:128, the setting PyTorch's message once suggested: predicted
+    # to reserve more on a large card than the default and to need a smaller one
+    part("fake_vs_real_max_split", lambda: fake_vs_real(model, stacks[:3], seq, batch, device,
+                                                        True, "max_split_size_mb:128"))
     part("unsloth_8b", lambda: unsloth_rows(big, lengths, device))
     # last of the memory parts: the replay's fit / out-of-memory verdicts on a 24 GB share
-    part("card_share", lambda: card_share_check(
-        big, [160, 192] if smoke else [7040, 7168, 8832, 8960], device,
-        "0.52GiB" if smoke else "24GiB"))
+    share = ([160, 192] if smoke else [7040, 7168, 8832, 8960], device,
+             "0.52GiB" if smoke else "24GiB")
+    part("card_share", lambda: card_share_check(big, *share, CARD_SHARE_SETTINGS[:2]))
+    part("card_share_max_split", lambda: card_share_check(big, *share, CARD_SHARE_SETTINGS[2:]))
     if "--memory-only" in sys.argv:
         return
     if not smoke:
@@ -364,19 +381,23 @@ def record(device_dir: str = "h100", results_dir: Path | None = None) -> Path:
     # runs of an older loop, traced afterwards on fake tensors (bench/allocator_traces.py)
     traced = {stack: replay(events) for f in sorted((folder / "raw").glob("fake_traces_*.json.gz"))
               for stack, events in load_traces(f).items()}
-    for row in part.get("fake_vs_real", []) + part.get("fake_vs_real_expandable", []):
+    for row in (part.get("fake_vs_real", []) + part.get("fake_vs_real_expandable", [])
+                + part.get("fake_vs_real_max_split", [])):
         if not row["allocated_peak"]:
             continue
         if not row.get("replayed_reserved") and row["stack"] in traced:
             row["replayed_reserved"] = traced[row["stack"]].peak_reserved
         slug = row["stack"].replace(", ", "_").replace(" ", "").replace("=", "")
-        if row.get("expandable_segments"):  # the same stacks again, with expandable segments
+        conf = row.get("alloc_conf") or ("expandable_segments:True"
+                                          if row.get("expandable_segments") else "")
+        if conf:  # the same stacks again, under another setting
             if row.get("replayed_reserved") and row["reserved_peak"]:
-                out.add("fake_memory", f"replayed_over_reserved_expandable_{slug}",
+                name = ("expandable" if row.get("expandable_segments")
+                        else f"max_split_{row['max_split_size_mb']}")
+                out.add("fake_memory", f"replayed_over_reserved_{name}_{slug}",
                         row["replayed_reserved"] / row["reserved_peak"], baseline=1.0,
-                        unit="x max_memory_reserved with expandable_segments:True: the run's "
-                             "allocations on fake tensors through the allocator's rules "
-                             "(recipes_lib.allocator)")
+                        unit=f"x max_memory_reserved with {conf}: the run's allocations on fake "
+                             "tensors through the allocator's rules (recipes_lib.allocator)")
             continue
         out.add("fake_memory", f"fake_over_allocated_{slug}",
                 row["fake_peak"] / row["allocated_peak"],
@@ -396,10 +417,12 @@ def record(device_dir: str = "h100", results_dir: Path | None = None) -> Path:
                     predicted=planner.CUDA_CONTEXT_BYTES / 2**30,
                     unit="GiB the driver counts beyond memory_reserved (predicted: the "
                          "planner's CUDA context)")
-    for row in part.get("card_share", []):
+    for row in part.get("card_share", []) + part.get("card_share_max_split", []):
         if row["real_fits"] is None:
             continue
-        setting = "expandable segments" if row["expandable_segments"] else "default allocator"
+        setting = ("expandable segments" if row["expandable_segments"] else
+                   f"max_split_size_mb:{row['max_split_size_mb']}"
+                   if row.get("max_split_size_mb") else "default allocator")
         out.add("card_share", f"fits, {row['seq_len']} tokens, {setting}",
                 float(row["real_fits"]), predicted=float(row["replayed_fits"]),
                 unit=f"1 if the real step fit a {row['capacity'] / 2**30:.1f} GiB share of the "

@@ -609,6 +609,9 @@ def main(argv: list[str] | None = None) -> int:
     pl.add_argument("--expandable-segments", action="store_true",
                     help="with --replay-allocator: replay the allocator as "
                     "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True runs it")
+    pl.add_argument("--max-split-size-mb", type=int, metavar="N",
+                    help="with --replay-allocator: replay the allocator as "
+                    "PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:N runs it (N >= 20)")
     pl.add_argument("--max-context", action="store_true",
                     help="the longest sequence that fits under each step, by measurement")
     pl.add_argument("--attention-mask", action="store_true",
@@ -635,19 +638,28 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(str(err))
         return 0
     if args.command == "plan":
-        from recipes_lib.planner import format_plan, max_context_per_step, plan
+        from recipes_lib.planner import (
+            check_allocator_setting,
+            format_plan,
+            max_context_per_step,
+            plan,
+        )
 
         if args.replay_allocator and not (args.measure or args.max_context):
             parser.error("--replay-allocator: replays the measured runs; add --measure or "
                          "--max-context")
-        if args.expandable_segments and not args.replay_allocator:
-            parser.error("--expandable-segments: an allocator setting the replay models; add "
-                         "--replay-allocator")
+        for flag in ("expandable_segments", "max_split_size_mb"):
+            if getattr(args, flag) not in (False, None) and not args.replay_allocator:
+                parser.error(f"--{flag.replace('_', '-')}: an allocator setting the replay "
+                             "models; add --replay-allocator")
         try:
+            check_allocator_setting(args.replay_allocator, args.expandable_segments,
+                                    args.max_split_size_mb)
             planned = plan(args.model, args.gpu_mem, args.seq, args.batch, args.gpus,
                            measure=args.measure, attention_mask=args.attention_mask,
                            replay=args.replay_allocator and args.measure,
                            expandable_segments=args.expandable_segments and args.measure,
+                           max_split_size_mb=args.max_split_size_mb if args.measure else None,
                            progress=True)
             print(format_plan(planned))
             if args.max_context:  # the same rows: the plan's micro-batches
@@ -656,11 +668,14 @@ def main(argv: list[str] | None = None) -> int:
                                             workers=search_processes(),
                                             attention_mask=args.attention_mask, progress=True,
                                             replay=args.replay_allocator,
-                                            expandable_segments=args.expandable_segments)
+                                            expandable_segments=args.expandable_segments,
+                                            max_split_size_mb=args.max_split_size_mb)
                 searched = {id(r["tries"]): len(r["tries"]) for r in rows if "tries" in r}
+                setting = (" with expandable segments" if args.expandable_segments else
+                           f" with max_split_size_mb:{args.max_split_size_mb}"
+                           if args.max_split_size_mb is not None else "")
                 how = ("; one-device rows judged by their runs replayed through the caching "
-                       "allocator" + (" with expandable segments" if args.expandable_segments
-                                      else "") if args.replay_allocator else "")
+                       f"allocator{setting}" if args.replay_allocator else "")
                 print(f"\nlongest sequence that fits, by measurement (batch {args.batch}; "
                       f"{sum(searched.values())} fake steps{how}):")
                 width = max((len(r["step"]) for r in rows), default=0)

@@ -5,8 +5,8 @@ allocator keeps *reserved*: whole segments obtained from ``cudaMalloc``, cached 
 are freed and split to serve later requests, so that freed space too small or in the wrong place
 for the next request stays reserved. How much depends on the order and the sizes of the
 allocations, not on a fixed fraction. This module replays a trace's allocations and frees through
-the allocator's documented rules (``c10/cuda/CUDACachingAllocator.cpp``; no
-``max_split_size_mb``, one stream), by default:
+the allocator's documented rules (``c10/cuda/CUDACachingAllocator.cpp``; one stream), by
+default:
 
 - sizes round up to 512 bytes; requests up to 1 MiB come from the small pool, packed into 2 MiB
   segments; larger ones from the large pool, where a request under 10 MiB that finds no cached
@@ -36,6 +36,17 @@ for the small pool, 20 MiB for the large one) are mapped as needed:
   and a later request can map pages back into those holes: free space is never stranded in
   the wrong segment.
 
+``PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:N`` (``max_split_size_mb=N``, the setting
+PyTorch's out-of-memory message suggested before expandable segments) keeps large blocks whole:
+
+- a block of N MiB or more ("oversize") is never split, serves no request under N MiB, and
+  serves a larger request only when it is less than 20 MiB larger than it
+  (``max_non_split_rounding_mb``'s default); a request under N MiB splits its block as before;
+- where a ``cudaMalloc`` would pass the capacity, cached oversize segments are released first
+  (the smallest that is at least as large as the request and N MiB; where none is, the
+  largest down to the request's size), and every whole free segment only if that was not
+  enough.
+
 Streams are not modelled: FSDP's collectives allocate on streams of their own, whose cached
 blocks serve only that stream, so an FSDP step replayed as one stream is an estimate below what
 those pools take.
@@ -49,7 +60,7 @@ import json
 import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Self
+from typing import Any, Self
 
 import torch
 from torch._guards import active_fake_mode
@@ -64,7 +75,7 @@ MIN_BLOCK = 512  # every size is rounded up to a multiple of this
 SMALL_SIZE = 1 << 20  # the largest request the small pool serves
 SMALL_BUFFER = 2 << 20  # the small pool's segments
 MIN_LARGE_ALLOC = 10 << 20  # a large request under this gets a LARGE_BUFFER segment
-LARGE_BUFFER = 20 << 20
+LARGE_BUFFER = 20 << 20  # also how much larger an oversize block may be than its request
 ROUND_LARGE = 2 << 20  # larger segments are rounded up to this
 
 
@@ -135,6 +146,9 @@ class CachingAllocator:
             segments (with ``expandable_segments``: whole free pages) are released before
             more is taken, as on a full GPU.
         expandable_segments: as ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``.
+        max_split_size_mb: as ``PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:N`` (None: unset,
+            every block may be split); with the default rules only (the two together are
+            not modelled).
         fraction: ``capacity`` is a share of a larger card set with
             ``torch.cuda.set_per_process_memory_fraction`` (how a big GPU stands in for a
             small one), not the card's own memory. The default rules check both alike; with
@@ -147,11 +161,17 @@ class CachingAllocator:
         peak_reserved: ``max_memory_reserved``.
         segments: segments taken from ``cudaMalloc`` so far (expandable: address ranges).
         releases: times cached memory was released to make room.
+
+    Raises:
+        ValueError: for a ``max_split_size_mb`` that is not a whole number of MiB of at least
+            20 (PyTorch's floor: a large block is cut from a 20 MiB segment), or one set with
+            ``expandable_segments``.
     """
 
     capacity: int | None = None
     expandable_segments: bool = False
     fraction: bool = False
+    max_split_size_mb: int | None = None
     allocated: int = 0
     reserved: int = 0
     peak_allocated: int = 0
@@ -161,6 +181,19 @@ class CachingAllocator:
     _free: dict[bool, list] = field(default_factory=lambda: {True: [], False: []})
     _unmapped: dict[bool, list] = field(default_factory=lambda: {True: [], False: []})
     _next_addr: int = 0
+    _max_split: int = 1 << 62  # bytes: no limit
+
+    def __post_init__(self) -> None:
+        mss = self.max_split_size_mb
+        if mss is None:
+            return
+        if not isinstance(mss, int) or isinstance(mss, bool) or mss < LARGE_BUFFER >> 20:
+            raise ValueError(f"max_split_size_mb={mss!r}: a whole number of MiB, at least "
+                             f"{LARGE_BUFFER >> 20} (PyTorch refuses less)")
+        if self.expandable_segments:
+            raise ValueError(f"max_split_size_mb={mss} with expandable_segments=True: the "
+                             "replay models either setting, not the two together")
+        self._max_split = mss << 20
 
     def malloc(self, nbytes: int) -> _Block:
         """Serve a request of ``nbytes`` (> 0).
@@ -184,7 +217,7 @@ class CachingAllocator:
         else:
             block = self._take_cached(size, small) or self._new_segment(size, small)
         least = MIN_BLOCK if small or self.expandable_segments else SMALL_SIZE + 1
-        if block.size - size >= least:  # split off the rest
+        if block.size - size >= least and (small or size < self._max_split):  # split the rest
             self._cache(self._split(block, size))
         block.allocated = True
         self.allocated += block.size
@@ -267,11 +300,40 @@ class CachingAllocator:
             del pool[bisect.bisect_left(pool, block.addr, key=lambda e: e[0])]
 
     def _take_cached(self, size: int, small: bool) -> _Block | None:
+        """Best fit; with ``max_split_size_mb``, not an oversize block for a request under
+        the limit, nor one 20 MiB or more larger than an oversize request."""
         pool = self._free[small]
         i = bisect.bisect_left(pool, (size, -1), key=lambda e: e[:2])
         if i == len(pool):
             return None
+        found = pool[i][2].size
+        if found >= self._max_split and (size < self._max_split or found >= size + LARGE_BUFFER):
+            return None  # PyTorch looks no further
         return pool.pop(i)[2]
+
+    def _release_oversize(self, size: int, small: bool) -> bool:
+        """Release cached oversize segments for a request of ``size`` (PyTorch's
+        ``release_available_cached_blocks``): the smallest at least as large as the request
+        and the limit, or else the largest ones until as much is released. False where
+        nothing was, or not enough."""
+        pool, need = self._free[small], max(size, self._max_split)
+        if self.max_split_size_mb is None or not pool:
+            return False
+        i = bisect.bisect_left(pool, (need, -1), key=lambda e: e[:2])
+        if i < len(pool):
+            chosen = [pool[i][2]]
+        else:
+            chosen = []
+            for *_, block in reversed(pool):
+                if sum(b.size for b in chosen) >= need or block.size < self._max_split:
+                    break
+                chosen.append(block)
+        released = sum(b.size for b in chosen)
+        for block in chosen:  # an oversize block is never split: each is a whole segment
+            assert block.prev is None and block.next is None
+            self._uncache(block)
+        self.reserved -= released
+        return released >= need
 
     def _take_cached_expandable(self, size: int, small: bool) -> _Block | None:
         """Best fit, where a block that could grow into unmapped space counts as that large."""
@@ -290,10 +352,16 @@ class CachingAllocator:
 
     def _new_segment(self, size: int, small: bool) -> _Block:
         nbytes = segment_size(size)
-        if self.capacity is not None and self.reserved + nbytes > self.capacity:
-            if self.empty_cache():
-                self.releases += 1
-            if self.reserved + nbytes > self.capacity:
+
+        def over() -> bool:
+            return self.capacity is not None and self.reserved + nbytes > self.capacity
+
+        if over():
+            before = self.reserved
+            if not self._release_oversize(size, small) or over():
+                self.empty_cache()
+            self.releases += self.reserved < before
+            if over():
                 raise SimulatedOutOfMemory(
                     f"a {size / 2**20:.1f} MiB request needs a {nbytes / 2**20:.0f} MiB segment: "
                     f"{self.reserved / 2**30:.2f} GiB reserved of {self.capacity / 2**30:.2f}")
@@ -395,12 +463,48 @@ class CachingAllocator:
         return end - start
 
 
+def parse_settings(conf: str) -> dict[str, Any]:
+    """The replay's keywords for a ``PYTORCH_CUDA_ALLOC_CONF`` (or ``PYTORCH_ALLOC_CONF``)
+    value, as PyTorch parses it: comma-separated ``key:value`` pairs; empty for the defaults.
+
+    Args:
+        conf: e.g. ``"expandable_segments:True"`` or ``"max_split_size_mb:128"``.
+
+    Returns:
+        ``{"expandable_segments": bool, "max_split_size_mb": int | None}``.
+
+    Raises:
+        ValueError: naming the key, for one the replay does not model (it would predict the
+            wrong run) or a value that does not parse.
+
+    Example:
+        >>> parse_settings("max_split_size_mb:128")
+        {'expandable_segments': False, 'max_split_size_mb': 128}
+    """
+    out: dict[str, Any] = {"expandable_segments": False, "max_split_size_mb": None}
+    for pair in filter(None, (p.strip() for p in conf.split(","))):
+        key, _, value = (part.strip() for part in pair.partition(":"))
+        if key == "expandable_segments" and value in ("True", "False"):
+            out[key] = value == "True"
+        elif key == "max_split_size_mb" and value.isdigit():
+            out[key] = int(value)
+        elif key in ("expandable_segments", "max_split_size_mb"):
+            raise ValueError(f"conf={conf!r}: {key}:{value} does not parse (True or False; "
+                             "a whole number of MiB)")
+        else:
+            raise ValueError(f"conf={conf!r}: {key} is not modelled by the replay (it models "
+                             "expandable_segments and max_split_size_mb)")
+    CachingAllocator(**out)  # refuses what it cannot replay
+    return out
+
+
 # a trace's events: ("alloc", id, nbytes) and ("free", id, 0)
 Event = tuple[str, int, int]
 
 
 def replay(events: Iterable[Event], capacity: int | None = None,
-           expandable_segments: bool = False, fraction: bool = False) -> CachingAllocator:
+           expandable_segments: bool = False, fraction: bool = False,
+           max_split_size_mb: int | None = None) -> CachingAllocator:
     """Run a trace's allocations and frees through a fresh :class:`CachingAllocator`.
 
     Args:
@@ -411,12 +515,14 @@ def replay(events: Iterable[Event], capacity: int | None = None,
         expandable_segments: as ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``.
         fraction: ``capacity`` is a per-process share of a larger card
             (:attr:`CachingAllocator.fraction`).
+        max_split_size_mb: as ``PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:N`` (None: unset).
 
     Returns:
         The allocator after the trace: its ``peak_allocated`` and ``peak_reserved``.
 
     Raises:
-        ValueError: for an event that is neither "alloc" nor "free".
+        ValueError: for an event that is neither "alloc" nor "free", or a setting
+            :class:`CachingAllocator` refuses.
         SimulatedOutOfMemory: when ``capacity`` cannot hold the trace.
 
     Example:
@@ -424,7 +530,7 @@ def replay(events: Iterable[Event], capacity: int | None = None,
         >>> a.peak_allocated // 2**20, a.peak_reserved // 2**20  # one 20 MiB segment
         (6, 20)
     """
-    alloc = CachingAllocator(capacity, expandable_segments, fraction)
+    alloc = CachingAllocator(capacity, expandable_segments, fraction, max_split_size_mb)
     live: dict[int, _Block] = {}
     for kind, key, nbytes in events:
         if kind == "alloc":
@@ -439,11 +545,11 @@ def replay(events: Iterable[Event], capacity: int | None = None,
 
 
 def fits(events: Iterable[Event], capacity: int | None, expandable_segments: bool = False,
-         fraction: bool = False) -> CachingAllocator | None:
+         fraction: bool = False, max_split_size_mb: int | None = None) -> CachingAllocator | None:
     """:func:`replay` on a card of ``capacity`` bytes, or None where the run runs out there.
 
     Args:
-        events, capacity, expandable_segments, fraction: as :func:`replay`.
+        events, capacity, expandable_segments, fraction, max_split_size_mb: as :func:`replay`.
 
     Returns:
         The allocator after the trace, or None.
@@ -453,13 +559,13 @@ def fits(events: Iterable[Event], capacity: int | None, expandable_segments: boo
         True
     """
     try:
-        return replay(events, capacity, expandable_segments, fraction)
+        return replay(events, capacity, expandable_segments, fraction, max_split_size_mb)
     except SimulatedOutOfMemory:
         return None
 
 
 def min_capacity(events: list[Event], expandable_segments: bool = False,
-                 resolution: int = ROUND_LARGE) -> int:
+                 resolution: int = ROUND_LARGE, max_split_size_mb: int | None = None) -> int:
     """The smallest card (bytes for PyTorch) on which a trace's replay fits, found by bisection
     between its allocated peak and what an unlimited card reserves: how much memory the run
     needs, once the allocator releases its cache under pressure as a full card makes it do.
@@ -472,12 +578,14 @@ def min_capacity(events: list[Event], expandable_segments: bool = False,
         events: the trace (:attr:`AllocationLog.events`).
         expandable_segments: as ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``.
         resolution: the bisection's granularity in bytes (default 2 MiB).
+        max_split_size_mb: as ``PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:N`` (None: unset).
 
     Returns:
         The capacity in bytes.
 
     Raises:
-        ValueError: for a ``resolution`` that is not a positive integer.
+        ValueError: for a ``resolution`` that is not a positive integer, or a setting
+            :class:`CachingAllocator` refuses.
 
     Example:
         >>> MiB = 2**20
@@ -488,11 +596,11 @@ def min_capacity(events: list[Event], expandable_segments: bool = False,
     """
     if not isinstance(resolution, int) or isinstance(resolution, bool) or resolution <= 0:
         raise ValueError(f"resolution={resolution!r}: a positive number of bytes")
-    unlimited = replay(events, None, expandable_segments)
+    unlimited = replay(events, None, expandable_segments, max_split_size_mb=max_split_size_mb)
     lo, hi = unlimited.peak_allocated - 1, unlimited.peak_reserved  # lo: known not to fit
     while hi - lo > resolution:
         mid = (lo + hi) // 2
-        if fits(events, mid, expandable_segments) is None:
+        if fits(events, mid, expandable_segments, max_split_size_mb=max_split_size_mb) is None:
             lo = mid
         else:
             hi = mid

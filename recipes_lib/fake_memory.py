@@ -1244,8 +1244,8 @@ def measure_step(model: Any, stack: Stack = Stack(), seq_len: int = 2048, batch_
 def replay_allocator(model: Any, stack: Stack = Stack(), seq_len: int = 2048,
                      batch_size: int = 1, device: torch.device | str = "cpu", steps: int = 2,
                      capacity_bytes: int | None = None, fake: bool = True,
-                     fsdp_one_stream: bool = False,
-                     expandable_segments: bool = False) -> CachingAllocator:
+                     fsdp_one_stream: bool = False, expandable_segments: bool = False,
+                     max_split_size_mb: int | None = None) -> CachingAllocator:
     """What CUDA's caching allocator would hold for a training run: its allocations and frees
     (:func:`allocation_trace`) replayed through the allocator's rules
     (:func:`recipes_lib.allocator.replay`).
@@ -1261,6 +1261,8 @@ def replay_allocator(model: Any, stack: Stack = Stack(), seq_len: int = 2048,
         capacity_bytes: the card's bytes for PyTorch (None: unlimited, as on a large card):
             whole free segments are released when a new one would pass it.
         expandable_segments: replay as ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``.
+        max_split_size_mb: replay as ``PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:N`` (None:
+            unset).
 
     Returns:
         The allocator after the run: ``peak_allocated``, ``peak_reserved``, ``segments``.
@@ -1275,7 +1277,8 @@ def replay_allocator(model: Any, stack: Stack = Stack(), seq_len: int = 2048,
         1.02
     """
     return replay(allocation_trace(model, stack, seq_len, batch_size, device, steps, fake,
-                                   fsdp_one_stream), capacity_bytes, expandable_segments)
+                                   fsdp_one_stream), capacity_bytes, expandable_segments,
+                  max_split_size_mb=max_split_size_mb)
 
 
 def allocation_trace(model: Any, stack: Stack = Stack(), seq_len: int = 2048,

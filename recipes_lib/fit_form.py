@@ -15,9 +15,14 @@ import sys
 import traceback
 from typing import Any
 
-from recipes_lib import calc, planner, trainers
+from recipes_lib import allocator, calc, planner, trainers
 from recipes_lib.fake_memory import METHODS, PRECISIONS, Stack, UnmeasuredStackError, measure_step
 from recipes_lib.memory import MemoryReport
+
+# the form's allocator settings: the PYTORCH_CUDA_ALLOC_CONF value each replays
+ALLOCATOR_SETTINGS = {"default": "", "expandable segments": "expandable_segments:True",
+                      "max_split_size_mb:128": "max_split_size_mb:128",
+                      "max_split_size_mb:512": "max_split_size_mb:512"}
 
 
 def make_stack(method: str = "qlora", checkpointing: bool = True, adamw_8bit: bool = False,
@@ -47,8 +52,8 @@ def make_stack(method: str = "qlora", checkpointing: bool = True, adamw_8bit: bo
 
 
 def verdict(model: str, gpu_mem: str | float, seq_len: int, batch_size: int,
-            stack: Stack, replay: bool = False,
-            expandable_segments: bool = False) -> dict[str, Any]:
+            stack: Stack, replay: bool = False, expandable_segments: bool = False,
+            max_split_size_mb: int | None = None) -> dict[str, Any]:
     """Measure one step and say whether it fits one GPU of ``gpu_mem``.
 
     Args:
@@ -64,6 +69,8 @@ def verdict(model: str, gpu_mem: str | float, seq_len: int, batch_size: int,
             ``expandable_segments`` setting changes the verdict.
         expandable_segments: with ``replay``, replay as
             ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` runs.
+        max_split_size_mb: with ``replay``, replay as
+            ``PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:N`` runs (None: unset).
 
     Returns:
         ``{"report", "overhead_bytes", "need_bytes", "budget_bytes", "fits", "text",
@@ -78,7 +85,7 @@ def verdict(model: str, gpu_mem: str | float, seq_len: int, batch_size: int,
         ValueError: naming the parameter, for what ``fake_memory`` or ``planner.parse_bytes``
             refuse (``UnmeasuredStackError`` where no stack near it can be measured).
     """
-    planner.check_allocator_setting(replay, expandable_segments)
+    planner.check_allocator_setting(replay, expandable_segments, max_split_size_mb)
     budget = planner.parse_bytes(gpu_mem)
     said = []
     try:
@@ -92,11 +99,13 @@ def verdict(model: str, gpu_mem: str | float, seq_len: int, batch_size: int,
         report = measure_step(model, stack, seq_len, batch_size)
     if replay:
         replayed = planner.replayed_reserve(model, stack, seq_len, batch_size, budget,
-                                            expandable_segments)
+                                            expandable_segments, max_split_size_mb)
         need, fits = replayed["gpu_GiB"] * 2**30, replayed["measured_fits"]
         overhead, how = need - report.peak_bytes, "CUDA context and allocator cache, replayed"
         if expandable_segments:
             how += " with expandable segments"
+        elif max_split_size_mb is not None:
+            how += f" with max_split_size_mb:{max_split_size_mb}"
         if replayed["cache_released"] and fits:
             said.append(f"fits once the allocator releases its cache "
                         f"({replayed['cache_released']}x), as a full card does")
@@ -127,8 +136,9 @@ def verdict(model: str, gpu_mem: str | float, seq_len: int, batch_size: int,
         code = f"# {err}"
     if fits:
         text += "\nin your trainer (TRL's SFTConfig takes the same args):\n" + code
-        if replay and expandable_segments:  # the verdict assumed it
-            text += f"\n# launch with {planner.EXPANDABLE_SEGMENTS_ENV}: the replay assumed it"
+        if replay and (expandable_segments or max_split_size_mb is not None):  # it assumed it
+            setting = planner.allocator_setting(expandable_segments, max_split_size_mb)
+            text += f"\n# launch with {setting}: the replay assumed it"
     return {"report": report, "overhead_bytes": overhead, "need_bytes": need,
             "budget_bytes": budget, "fits": fits, "text": text, "trainer_code": code}
 
@@ -197,8 +207,9 @@ def form(model: str = "Llama-3.1-8B", gpu_mem: str = "24GB", seq_len: int = 2048
         "attention_mask": w.Checkbox(value=False, description="padded or packed rows"),
         # the allocator's cache replayed (two more fake steps) instead of a fixed 15 %
         "replay": w.Checkbox(value=True, description="replay the caching allocator"),
-        # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, as torchtitan launches
-        "expandable_segments": w.Checkbox(value=False, description="expandable segments"),
+        # the PYTORCH_CUDA_ALLOC_CONF the replay assumes (expandable segments: torchtitan's)
+        "allocator": w.Dropdown(options=list(ALLOCATOR_SETTINGS), value="default",
+                                description="allocator"),
     }
     button = w.Button(description="Measure", button_style="primary")
     out = w.Output()
@@ -218,7 +229,8 @@ def form(model: str = "Llama-3.1-8B", gpu_mem: str = "24GB", seq_len: int = 2048
                 result = verdict(fields["model"].value, fields["gpu_mem"].value,
                                  fields["seq_len"].value, fields["batch_size"].value, stack,
                                  fields["replay"].value,
-                                 fields["expandable_segments"].value)
+                                 **allocator.parse_settings(
+                                     ALLOCATOR_SETTINGS[fields["allocator"].value]))
             except ValueError as err:
                 out.clear_output(wait=True)
                 print(f"error: {err}")

@@ -41,8 +41,31 @@ CUDA_CONTEXT_BYTES = 0.5 * 2**30
 ALLOCATOR_RESERVE = 0.15
 
 
-# the allocator setting the replay can assume (PyTorch reads it when CUDA first allocates)
-EXPANDABLE_SEGMENTS_ENV = "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
+# the allocator settings the replay can assume (PyTorch reads them when CUDA first allocates)
+ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
+EXPANDABLE_SEGMENTS_ENV = f"{ALLOC_CONF}=expandable_segments:True"
+
+
+def allocator_setting(expandable_segments: bool = False,
+                      max_split_size_mb: int | None = None) -> str:
+    """The allocator setting a replay assumed, as a launch sets it.
+
+    Args:
+        expandable_segments: replayed with expandable segments.
+        max_split_size_mb: replayed with that ``max_split_size_mb`` (None: unset).
+
+    Returns:
+        The environment variable and its value, or "the default allocator settings".
+
+    Example:
+        >>> allocator_setting(max_split_size_mb=128)
+        'PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:128'
+    """
+    if expandable_segments:
+        return EXPANDABLE_SEGMENTS_ENV
+    if max_split_size_mb is not None:
+        return f"{ALLOC_CONF}=max_split_size_mb:{max_split_size_mb}"
+    return "the default allocator settings"
 
 
 def allocator_reserve(allocated_bytes: float) -> float:
@@ -663,7 +686,8 @@ def _unpredicted(err: calc.NotDescribedError, steps: list[str]) -> dict[str, Any
 def plan(model: str, gpu_mem: str | float, seq_len: int = 2048, batch_size: int = 8,
          gpus: int = 1, grad_accum_steps: int | None = None, measure: bool = False,
          attention_mask: bool = False, progress: bool = False,
-         replay: bool = False, expandable_segments: bool = False) -> dict[str, Any]:
+         replay: bool = False, expandable_segments: bool = False,
+         max_split_size_mb: int | None = None) -> dict[str, Any]:
     """Predicted per-GPU memory of each escalation step and the cheapest one that fits.
 
     Args:
@@ -699,12 +723,14 @@ def plan(model: str, gpu_mem: str | float, seq_len: int = 2048, batch_size: int 
             peak on a card of ``gpu_mem`` less the CUDA context, or on an unlimited one where
             it runs out there), ``cache_released`` (times whole free segments were released
             to fit), and ``gpu_GiB`` / ``measured_fits`` from it, with ``other_allocator``:
-            the other allocator setting's replay (:func:`replayed_reserve`), and the result
-            ``cheapest_measured_other_allocator``: ``{"expandable_segments", "step"}``, the
-            cheapest step that fits under that setting. FSDP rows keep the fixed reserve (the
-            replay models one stream), the same under both.
+            the other ``expandable_segments`` setting's replay (:func:`replayed_reserve`), and
+            the result ``cheapest_measured_other_allocator``: ``{"expandable_segments",
+            "step"}``, the cheapest step that fits under that setting. FSDP rows keep the fixed
+            reserve (the replay models one stream), the same under both.
         expandable_segments: with ``replay``, replay as
             ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` runs.
+        max_split_size_mb: with ``replay``, replay as ``PYTORCH_CUDA_ALLOC_CONF=
+            max_split_size_mb:N`` runs (None: unset); not with ``expandable_segments``.
 
     Returns:
         ``{"model", "params_B", "gpu_bytes", "gpu", "rows", "cheapest", "notes", "trainer",
@@ -747,7 +773,7 @@ def plan(model: str, gpu_mem: str | float, seq_len: int = 2048, batch_size: int 
     if replay and not measure:
         raise ValueError("replay=True: replays the measured rows' runs; set measure=True too "
                          "(--measure)")
-    check_allocator_setting(replay, expandable_segments)
+    check_allocator_setting(replay, expandable_segments, max_split_size_mb)
     if not isinstance(attention_mask, bool):
         raise TypeError(f"attention_mask={attention_mask!r}: True (padded or packed rows, "
                          "which need a mask) or False (full rows)")
@@ -817,7 +843,7 @@ def plan(model: str, gpu_mem: str | float, seq_len: int = 2048, batch_size: int 
             if replay and stack.fsdp_ranks == 1:
                 row.update(replayed_reserve(model, stack, seq_len,
                                             _whole_shares(stack, batch_size), budget,
-                                            expandable_segments))
+                                            expandable_segments, max_split_size_mb))
             if row is rows[0]:  # the full fine-tune: how a GPU runs AdamW moves its peak
                 row["adamw_GiB"] = {"for-loop (as measured)": peak / 2**30} | {
                     impl: fake_memory.measure_step(
@@ -857,10 +883,12 @@ def plan(model: str, gpu_mem: str | float, seq_len: int = 2048, batch_size: int 
 
 
 def replayed_reserve(model: Any, stack: Any, seq_len: int, batch_size: int,
-                     budget: float, expandable_segments: bool = False) -> dict[str, Any]:
+                     budget: float, expandable_segments: bool = False,
+                     max_split_size_mb: int | None = None) -> dict[str, Any]:
     """One row's run replayed through CUDA's caching allocator on a card of ``budget`` bytes
     (``fake_memory.allocation_trace``, ``allocator.replay``), the CUDA context set apart, with
-    the allocator as set and with the other ``expandable_segments`` setting beside it.
+    the allocator as set and with the other ``expandable_segments`` setting beside it (from
+    ``max_split_size_mb``: expandable segments).
 
     Args:
         model: the model planned.
@@ -868,6 +896,8 @@ def replayed_reserve(model: Any, stack: Any, seq_len: int, batch_size: int,
         seq_len, batch_size: the row's sizes (sequences on the GPU).
         budget: the card's bytes.
         expandable_segments: replay as ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``.
+        max_split_size_mb: replay as ``PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:N`` (None:
+            unset).
 
     Returns:
         ``reserved_GiB``: the reserved peak the card reaches, or, where the run does not fit
@@ -875,8 +905,9 @@ def replayed_reserve(model: Any, stack: Any, seq_len: int, batch_size: int,
         cached memory was released to fit; ``gpu_GiB``: the reserved peak plus the CUDA
         context; ``measured_fits``; ``needs_GiB``: the smallest card the run fits, the
         context included (``allocator.min_capacity``: the cache released under pressure, as a
-        full card does); ``expandable_segments``; ``other_allocator``: the same keys (but
-        ``gpu_GiB`` and ``needs_GiB``) for the other setting, from the same trace; ``advice``:
+        full card does); ``expandable_segments`` and ``max_split_size_mb``;
+        ``other_allocator``: the same keys (but ``gpu_GiB`` and ``needs_GiB``) for the other
+        setting, from the same trace; ``advice``:
         what the other setting changes in the verdict (:func:`allocator_advice`), or None.
     """
     from recipes_lib import allocator, fake_memory
@@ -884,35 +915,45 @@ def replayed_reserve(model: Any, stack: Any, seq_len: int, batch_size: int,
     events = fake_memory.allocation_trace(model, stack, seq_len, batch_size)
     capacity = max(0, int(budget - CUDA_CONTEXT_BYTES))
 
-    def on_card(expandable: bool) -> dict[str, Any]:
-        card = allocator.fits(events, capacity, expandable)
+    def on_card(expandable: bool, mss: int | None) -> dict[str, Any]:
+        card = allocator.fits(events, capacity, expandable, max_split_size_mb=mss)
         fits = card is not None
-        card = card or allocator.replay(events, None, expandable)
+        card = card or allocator.replay(events, None, expandable, max_split_size_mb=mss)
         return {"reserved_GiB": card.peak_reserved / 2**30, "cache_released": card.releases,
-                "measured_fits": fits, "expandable_segments": expandable}
+                "measured_fits": fits, "expandable_segments": expandable,
+                "max_split_size_mb": mss}
 
-    out = on_card(expandable_segments)
+    out = on_card(expandable_segments, max_split_size_mb)
     out["gpu_GiB"] = out["reserved_GiB"] + CUDA_CONTEXT_BYTES / 2**30
-    out["needs_GiB"] = (allocator.min_capacity(events, expandable_segments)
+    out["needs_GiB"] = (allocator.min_capacity(events, expandable_segments,
+                                               max_split_size_mb=max_split_size_mb)
                         + CUDA_CONTEXT_BYTES) / 2**30
-    out["other_allocator"] = on_card(not expandable_segments)
+    out["other_allocator"] = on_card(not expandable_segments, None)
     out["advice"] = allocator_advice(out)
     return out
 
 
-def check_allocator_setting(replay: bool, expandable_segments: bool) -> None:
-    """Refuse ``expandable_segments`` without ``replay``: only the replay models the setting.
+def check_allocator_setting(replay: bool, expandable_segments: bool,
+                            max_split_size_mb: int | None = None) -> None:
+    """Refuse an allocator setting without ``replay`` (only the replay models them), and one
+    the replay does not model.
 
     Args:
         replay: the verdict replays the caching allocator.
-        expandable_segments: the replay's allocator setting.
+        expandable_segments, max_split_size_mb: the replay's allocator settings.
 
     Raises:
-        ValueError: naming both parameters (and the command line's flag).
+        ValueError: naming the parameters (and the command line's flag).
     """
-    if expandable_segments and not replay:
-        raise ValueError("expandable_segments=True: an allocator setting the replay models; set "
-                         "replay=True too (--replay-allocator)")
+    from recipes_lib import allocator
+
+    for name, value in (("expandable_segments", expandable_segments),
+                        ("max_split_size_mb", max_split_size_mb)):
+        if value not in (False, None) and not replay:
+            raise ValueError(f"{name}={value!r}: an allocator setting the replay models; set "
+                             "replay=True too (--replay-allocator)")
+    allocator.CachingAllocator(expandable_segments=expandable_segments,
+                               max_split_size_mb=max_split_size_mb)  # refuses what it cannot
 
 
 def allocator_advice(replayed: dict[str, Any]) -> str | None:
@@ -926,21 +967,23 @@ def allocator_advice(replayed: dict[str, Any]) -> str | None:
 
     Example:
         >>> allocator_advice({"measured_fits": False, "expandable_segments": False,
-        ...                   "other_allocator": {"measured_fits": True, "reserved_GiB": 22.5}})
+        ...                   "other_allocator": {"measured_fits": True, "reserved_GiB": 22.5,
+        ...                                       "expandable_segments": True}})
         'fits with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (22.5 GiB reserved, replayed)'
     """
     other = replayed["other_allocator"]
     if replayed["measured_fits"] == other["measured_fits"]:
         return None
     if other["measured_fits"]:
-        setting = (EXPANDABLE_SEGMENTS_ENV if not replayed["expandable_segments"]
-                   else "the default allocator settings")
+        setting = allocator_setting(other["expandable_segments"])
         return f"fits with {setting} ({other['reserved_GiB']:.1f} GiB reserved, replayed)"
+    unlimited = f"({other['reserved_GiB']:.1f} GiB reserved on an unlimited card)"
     if replayed["expandable_segments"]:
-        return (f"fits only with expandable segments: the default allocator runs out "
-                f"({other['reserved_GiB']:.1f} GiB reserved on an unlimited card)")
-    return ("fits only with the default allocator: expandable segments run out "
-            f"({other['reserved_GiB']:.1f} GiB reserved on an unlimited card)")
+        return f"fits only with expandable segments: the default allocator runs out {unlimited}"
+    if replayed.get("max_split_size_mb") is not None:
+        return (f"fits only with max_split_size_mb:{replayed['max_split_size_mb']}: expandable "
+                f"segments run out {unlimited}")
+    return f"fits only with the default allocator: expandable segments run out {unlimited}"
 
 
 def note_eager_attention(model: Any, seq_len: int, notes: list[str]) -> None:
@@ -1120,6 +1163,7 @@ def max_context(model: str, gpu_mem: str | float | list, stack: Any = None, batc
                 step: int = 256, limit: int | None = None,
                 memo: Callable[[str, Callable[[], Any]], Any] | None = None,
                 replay: bool = False, expandable_segments: bool = False,
+                max_split_size_mb: int | None = None,
                 ) -> dict[str, Any] | list[dict[str, Any]]:
     """The longest sequence whose training step fits ``gpu_mem``, by measurement: a search over
     fake-tensor steps (``fake_memory.measure_step``, each peak plus ``gpu_overhead``), or with
@@ -1146,6 +1190,8 @@ def max_context(model: str, gpu_mem: str | float | list, stack: Any = None, batc
             the trace plus a fixed reserve; one-device stacks only.
         expandable_segments: with ``replay``, as ``PYTORCH_CUDA_ALLOC_CONF=
             expandable_segments:True`` runs.
+        max_split_size_mb: with ``replay``, as ``PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:N``
+            runs (None: unset).
 
     Returns:
         ``{"max_seq_len", "gpu_GiB" and "host_GiB" (at that length: the trace's GPU peak with
@@ -1165,7 +1211,7 @@ def max_context(model: str, gpu_mem: str | float | list, stack: Any = None, batc
     from recipes_lib.max_context import max_seq_len
 
     stack = stack or fake_memory.Stack(method="lora", checkpointing=True)
-    check_allocator_setting(replay, expandable_segments)
+    check_allocator_setting(replay, expandable_segments, max_split_size_mb)
     budgets = [parse_bytes(g) for g in (gpu_mem if isinstance(gpu_mem, (list, tuple))
                                         else [gpu_mem])]
     config = fake_memory.model_config(model)
@@ -1188,12 +1234,15 @@ def max_context(model: str, gpu_mem: str | float | list, stack: Any = None, batc
             if replay:  # the smallest card the run's replay fits, then the context
                 def card() -> int:
                     events = fake_memory.allocation_trace(model, stack, n, batch_size)
-                    return allocator.min_capacity(events, expandable_segments)
+                    return allocator.min_capacity(events, expandable_segments,
+                                                  max_split_size_mb=max_split_size_mb)
 
                 host[n] = 0.0
+                mss = (f", max_split_size_mb={max_split_size_mb}" if max_split_size_mb is not None
+                       else "")  # unset: the key earlier searches recorded
                 return CUDA_CONTEXT_BYTES + run(
                     f"replayed run: {model!r}, {stack!r}, {batch_size} x {n}, "
-                    f"expandable_segments={expandable_segments}", card)
+                    f"expandable_segments={expandable_segments}{mss}", card)
 
             def measure() -> tuple[float, float]:
                 report = meter(n)
@@ -1209,6 +1258,7 @@ def max_context(model: str, gpu_mem: str | float | list, stack: Any = None, batc
                         "host_GiB": host.get(n, 0.0) / 2**30, "limit": top * step,
                         "budget_GiB": budget / 2**30, "stack": stack.label,
                         "replayed": replay, "expandable_segments": expandable_segments,
+                        "max_split_size_mb": max_split_size_mb,
                         "tries": [(k, v / 2**30) for k, v in probes.items()]})
     return out if isinstance(gpu_mem, (list, tuple)) else out[0]
 
@@ -1217,7 +1267,8 @@ def max_context_per_step(model: str, gpu_mem: str | float, batch_size: int = 1,
                          grad_accum_steps: int | None = None, gpus: int = 1, step: int = 256,
                          workers: int = 1, attention_mask: bool = False,
                          progress: bool = False, replay: bool = False,
-                         expandable_segments: bool = False) -> list[dict[str, Any]]:
+                         expandable_segments: bool = False,
+                         max_split_size_mb: int | None = None) -> list[dict[str, Any]]:
     """The longest sequence that fits ``gpu_mem`` under each escalation step's measured stack
     (``max_context`` per stack; rows with the same stack share one search).
 
@@ -1238,8 +1289,9 @@ def max_context_per_step(model: str, gpu_mem: str | float, batch_size: int = 1,
             time, the results the same).
         attention_mask: the rows need an attention mask (``fake_memory.Stack.attention_mask``).
         progress: a progress bar over the searches, on stderr (an 8 B model's take minutes).
-        replay, expandable_segments: as :func:`max_context`, for the one-device rows; the FSDP
-            rows keep the trace plus a fixed reserve (the replay models one stream).
+        replay, expandable_segments, max_split_size_mb: as :func:`max_context`, for the
+            one-device rows; the FSDP rows keep the trace plus a fixed reserve (the replay
+            models one stream).
 
     Returns:
         One dict per escalation row: ``step``, ``stack`` and ``max_seq_len`` / ``gpu_GiB`` /
@@ -1249,6 +1301,7 @@ def max_context_per_step(model: str, gpu_mem: str | float, batch_size: int = 1,
         ValueError: for counts below 1, naming the parameter.
     """
     _check_counts(batch_size=batch_size, gpus=gpus, workers=workers)
+    check_allocator_setting(replay, expandable_segments, max_split_size_mb)
     if grad_accum_steps is None:
         grad_accum_steps = _default_grad_accum_steps(batch_size)
     steps = calc.escalation_steps(grad_accum_steps) + _sharded_steps(gpus)  # each measured
@@ -1257,7 +1310,8 @@ def max_context_per_step(model: str, gpu_mem: str | float, batch_size: int = 1,
     distinct = list(dict.fromkeys(s for s in stacks.values() if not isinstance(s, str)))
     search = functools.partial(_search_stack, model=model, gpu_mem=gpu_mem,
                                batch_size=batch_size, step=step, replay=replay,
-                               expandable_segments=expandable_segments)
+                               expandable_segments=expandable_segments,
+                               max_split_size_mb=max_split_size_mb)
     from tqdm.auto import tqdm
 
     bar = {"desc": "longest-context searches", "disable": not progress, "leave": False}
@@ -1277,15 +1331,16 @@ def max_context_per_step(model: str, gpu_mem: str | float, batch_size: int = 1,
 
 
 def _search_stack(stack: Any, model: str, gpu_mem: str | float, batch_size: int,
-                  step: int, replay: bool = False,
-                  expandable_segments: bool = False) -> dict[str, Any]:
+                  step: int, replay: bool = False, expandable_segments: bool = False,
+                  max_split_size_mb: int | None = None) -> dict[str, Any]:
     """One stack's :func:`max_context` (an MoE's fp32 experts: the substitute, as :func:`plan`
     measures it), or why it is not measured; a function of the module, for worker processes.
     ``replay`` applies to one-device stacks."""
     one = replay and stack.fsdp_ranks == 1
     why, searched = _measured(lambda s: max_context(
         model, gpu_mem, s, _whole_shares(s, batch_size), step, replay=one,
-        expandable_segments=expandable_segments and one), stack)
+        expandable_segments=expandable_segments and one,
+        max_split_size_mb=max_split_size_mb if one else None), stack)
     return searched if searched is not None else {"measured_stack": why}
 
 
@@ -1316,8 +1371,8 @@ def format_plan(result: dict[str, Any]) -> str:
     lines += result.get("notes", [])
     if "cheapest_measured" in result:
         replayed = any("reserved_GiB" in r for r in result["rows"])
-        setting = next((" with expandable segments" for r in result["rows"]
-                        if r.get("expandable_segments")), "")
+        setting = next((f" with {assumed}" for r in result["rows"]
+                        if (assumed := _assumed_setting(r, env=False))), "")
         reserve = (f"the caching allocator's replayed reserve{setting}; FSDP rows a fixed "
                    f"{ALLOCATOR_RESERVE:.0%}" if replayed else
                    f"{ALLOCATOR_RESERVE:.0%} allocator reserve")
@@ -1341,9 +1396,8 @@ def format_plan(result: dict[str, Any]) -> str:
         lines.append(f"cheapest measured that fits: {result['cheapest_measured']}")
         other = result.get("cheapest_measured_other_allocator")
         if other and other["step"] != result["cheapest_measured"]:
-            setting = (EXPANDABLE_SEGMENTS_ENV if other["expandable_segments"]
-                       else "the default allocator settings")
-            lines.append(f"with {setting}: {other['step']}")
+            lines.append(f"with {allocator_setting(other['expandable_segments'])}: "
+                         f"{other['step']}")
         impls = result["rows"][0].get("adamw_GiB")
         if impls:
             lines.append("AdamW is measured as a CPU steps it (one parameter at a time); on a GPU "
@@ -1355,6 +1409,18 @@ def format_plan(result: dict[str, Any]) -> str:
     if trainer:
         lines += ["", f"in your trainer ({trainer['step']}; TRL's SFTConfig takes the same args):"]
         lines += ["  " + line for line in trainer.get("code", trainer.get("error", "")).split("\n")]
-        if any(r.get("expandable_segments") for r in result["rows"]):  # the verdict assumed it
-            lines.append(f"  # launch with {EXPANDABLE_SEGMENTS_ENV}: the replay assumed it")
+        assumed = next((a for r in result["rows"] if (a := _assumed_setting(r))), None)
+        if assumed:  # the verdict assumed it
+            lines.append(f"  # launch with {assumed}: the replay assumed it")
     return "\n".join(lines)
+
+
+def _assumed_setting(row: dict[str, Any], env: bool = True) -> str | None:
+    """The allocator setting a replayed row assumed, where not the default: as a launch sets
+    it, or (``env=False``) in words."""
+    if row.get("expandable_segments"):
+        return EXPANDABLE_SEGMENTS_ENV if env else "expandable segments"
+    if row.get("max_split_size_mb") is not None:
+        setting = allocator_setting(max_split_size_mb=row["max_split_size_mb"])
+        return setting if env else setting.split("=")[1]
+    return None

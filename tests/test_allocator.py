@@ -161,6 +161,60 @@ def test_a_share_of_a_larger_card_is_checked_before_an_expandable_segment_grows(
     assert [(a.releases, a.peak_reserved) for a in same] == [(1, 30 * MiB)] * 2
 
 
+def test_max_split_size_keeps_oversize_blocks_whole():
+    a = CachingAllocator(max_split_size_mb=40)
+    a.free(a.malloc(60 * MiB))
+    block = a.malloc(30 * MiB)  # under the limit: the cached 60 MiB block is not for it
+    assert (block.size, a.reserved) == (30 * MiB, 90 * MiB)
+    a.free(block)
+    block = a.malloc(45 * MiB)  # oversize, and 60 < 45 + 20: served whole, not split
+    assert (block.size, a.allocated, a.reserved) == (60 * MiB, 60 * MiB, 90 * MiB)
+    a.free(block)
+    assert a.malloc(40 * MiB).size == 40 * MiB  # 60 >= 40 + 20: a new segment
+    b = CachingAllocator()  # unset: the cached block is split for both
+    b.free(b.malloc(60 * MiB))
+    assert (b.malloc(30 * MiB).size, b.malloc(30 * MiB).size, b.reserved) == (
+        30 * MiB, 30 * MiB, 60 * MiB)
+
+
+def test_max_split_size_releases_oversize_segments_before_the_rest():
+    events = [("alloc", 0, 60 * MiB), ("alloc", 1, 3 * MiB), ("free", 0, 0), ("free", 1, 0),
+              ("alloc", 2, 30 * MiB)]  # cached: a 60 MiB oversize segment, a 20 MiB one
+    a = replay(events, 100 * MiB, max_split_size_mb=40)
+    assert (a.releases, a.reserved) == (1, 50 * MiB)  # the 60 MiB one went, the 20 stayed
+    # no single cached segment holds 100 MiB: the largest go first, until 100 MiB have
+    cached = [("alloc", 0, 50 * MiB), ("alloc", 1, 70 * MiB), ("alloc", 2, 44 * MiB),
+              ("alloc", 3, 3 * MiB)] + [("free", i, 0) for i in range(4)]
+    a = replay([*cached, ("alloc", 4, 100 * MiB)], 230 * MiB, max_split_size_mb=40)
+    assert (a.releases, a.reserved) == (1, 164 * MiB)  # 70 and 50 went; 44 and 20 stayed
+    # all of them are not enough for 180 MiB: every whole free segment goes too, although
+    # the 20 MiB one could have stayed on this card
+    a = replay([*cached, ("alloc", 4, 180 * MiB)], 210 * MiB, max_split_size_mb=40)
+    assert (a.releases, a.reserved) == (1, 180 * MiB)
+    with pytest.raises(ValueError, match="max_split_size_mb=19"):
+        CachingAllocator(max_split_size_mb=19)
+    with pytest.raises(ValueError, match="max_split_size_mb=True"):
+        CachingAllocator(max_split_size_mb=True)
+    with pytest.raises(ValueError, match="not the two together"):
+        replay(events, expandable_segments=True, max_split_size_mb=128)
+
+
+def test_a_launch_setting_parses_into_the_replays_keywords():
+    parse = allocator.parse_settings
+    assert parse("") == {"expandable_segments": False, "max_split_size_mb": None}
+    assert parse("expandable_segments:True") == {"expandable_segments": True,
+                                                 "max_split_size_mb": None}
+    assert parse(" max_split_size_mb:128 , expandable_segments:False") == {
+        "expandable_segments": False, "max_split_size_mb": 128}
+    for bad, why in (("garbage_collection_threshold:0.6", "garbage_collection_threshold is not"),
+                     ("max_split_size_mb:1e3", "max_split_size_mb:1e3 does not parse"),
+                     ("expandable_segments:yes", "expandable_segments:yes does not parse"),
+                     ("max_split_size_mb:10", "max_split_size_mb=10"),
+                     ("expandable_segments:True,max_split_size_mb:128", "not the two together")):
+        with pytest.raises(ValueError, match=why):
+            parse(bad)
+
+
 def test_the_smallest_card_is_where_the_replay_starts_to_fit(config):
     stranded = [("alloc", 0, 40 * MiB), ("free", 0, 0), ("alloc", 1, 10 * MiB),
                 ("alloc", 2, 35 * MiB)]
@@ -169,13 +223,13 @@ def test_the_smallest_card_is_where_the_replay_starts_to_fit(config):
     assert allocator.min_capacity(stranded) == 76 * MiB
     assert allocator.min_capacity(stranded, expandable_segments=True) == 60 * MiB
     events = fake_memory.allocation_trace(config, Stack(checkpointing=True), 128, 2)
-    for expandable in (False, True):
-        card = allocator.min_capacity(events, expandable, resolution=4096)
-        unlimited = replay(events, expandable_segments=expandable)
+    for expandable, mss in ((False, None), (True, None), (False, 20)):
+        card = allocator.min_capacity(events, expandable, 4096, mss)
+        unlimited = replay(events, expandable_segments=expandable, max_split_size_mb=mss)
         assert unlimited.peak_allocated <= card <= unlimited.peak_reserved
-        replay(events, card, expandable)  # fits there
+        replay(events, card, expandable, max_split_size_mb=mss)  # fits there
         with pytest.raises(allocator.SimulatedOutOfMemory):
-            replay(events, card - 4096, expandable)
+            replay(events, card - 4096, expandable, max_split_size_mb=mss)
     with pytest.raises(ValueError, match="resolution=0"):
         allocator.min_capacity(events, resolution=0)
 
@@ -202,14 +256,17 @@ def _check_tiling(a: CachingAllocator, live: list) -> None:
     assert seen == blocks
     assert a.reserved == sum(b.size for b in seen if b.mapped)
     assert a.allocated == sum(b.size for b in live)
+    # an oversize block is never split: it is a whole segment, free or allocated
+    oversize = [b for b in seen if b.size >= a._max_split]
+    assert all(b.prev is None and b.next is None for b in oversize)
 
 
-@pytest.mark.parametrize("expandable", [False, True])
+@pytest.mark.parametrize("expandable, mss", [(False, None), (True, None), (False, 21)])
 @pytest.mark.parametrize("capacity", [None, 300 * MiB])
-def test_random_requests_keep_the_segments_consistent(expandable, capacity):
+def test_random_requests_keep_the_segments_consistent(expandable, mss, capacity):
     import random
 
-    rng, a, live = random.Random(0), CachingAllocator(capacity, expandable), []
+    rng, a, live = random.Random(0), CachingAllocator(capacity, expandable, False, mss), []
     for _ in range(1500):
         if live and rng.random() < 0.45:
             a.free(live.pop(rng.randrange(len(live))))

@@ -100,10 +100,15 @@ def test_the_form_measures_on_click_and_shows_bad_input_as_an_error(config_dir):
     box.children[1].value = "T4"  # GPU memory: a card, its total; fp16 where it has no bf16
     shown = box.run()
     assert "of 15.0 GiB: fits" in shown and "fp16=True" in shown and "bf16=True" not in shown
-    box.children[11].value = True  # expandable segments
+    box.children[11].value = "expandable segments"  # the allocator setting replayed
     shown = box.run()
     assert "allocator cache, replayed with expandable segments) of 15.0 GiB: fits" in shown
     assert shown.endswith("\n# launch with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: "
+                          "the replay assumed it")
+    box.children[11].value = "max_split_size_mb:128"
+    shown = box.run()
+    assert "allocator cache, replayed with max_split_size_mb:128) of 15.0 GiB: fits" in shown
+    assert shown.endswith("\n# launch with PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:128: "
                           "the replay assumed it")
     box.children[1].value = "lots"
     assert box.run().startswith("error: gpu_mem='lots'")

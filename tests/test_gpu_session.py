@@ -21,20 +21,23 @@ def test_smoke_memory_parts_run_and_the_unsloth_lines_are_fitted(tmp_path, bench
                     "--smoke", "--memory-only"], check=True, cwd=ROOT, capture_output=True)
     report = json.loads((tmp_path / "gpu_session.json").read_text())
     assert "needs CUDA" in report["outside_allocator"]["skipped"]
-    assert all("error" not in report[p] for p in ("fake_vs_real", "fake_vs_real_expandable",
-                                                  "unsloth_8b", "card_share")), report
+    settings = ("fake_vs_real", "fake_vs_real_expandable", "fake_vs_real_max_split")
+    shares = ("card_share", "card_share_max_split")
+    assert all("error" not in report[p] for p in (*settings, "unsloth_8b", *shares)), report
     assert all(r["expandable_segments"] for r in report["fake_vs_real_expandable"])
-    # the 24 GB share's check: on a CPU the replays' verdicts only, each length both settings
-    share = report["card_share"]
-    assert [(r["seq_len"], r["expandable_segments"]) for r in share] == [
-        (160, False), (160, True), (192, False), (192, True)]
+    assert all(r["max_split_size_mb"] == 128 for r in report["fake_vs_real_max_split"])
+    # the 24 GB share's check: on a CPU the replays' verdicts only, each length each setting
+    share = report["card_share"] + report["card_share_max_split"]
+    assert [(r["seq_len"], r["alloc_conf"]) for r in share] == [
+        (n, conf) for n in (160, 192) for conf in ("", "expandable_segments:True")] + [
+        (160, "max_split_size_mb:128"), (192, "max_split_size_mb:128")]
     assert all(isinstance(r["replayed_fits"], bool) and r["real_fits"] is None for r in share)
     rows = report["unsloth_8b"]["rows"]
     assert {r["name"] for r in rows} == {"TRL 2024", "fp32 embeddings and head"}
     assert all(r["fake_peak"] == r["real_peak"] for r in rows)  # fake equals real on a CPU
     # the allocator's replay of each >= 1 B row's run (on a GPU: beside max_memory_reserved)
     assert all(r["replayed_reserved"] >= r["replayed_allocated"] > 0
-               for r in report["fake_vs_real"] + report["fake_vs_real_expandable"])
+               for p in settings for r in report[p])
     lines = report["unsloth_8b"]["lines"]
     # on a CPU only the traces make lines (the allocator's and the driver's counts are CUDA's)
     assert set(lines) == {"TRL 2024: fake_peak", "fp32 embeddings and head: fake_peak"}
@@ -62,15 +65,17 @@ def test_record_turns_the_h100_raw_files_into_the_committed_figures(tmp_path, be
 def test_record_files_the_card_shares_verdicts_beside_the_replays(tmp_path, bench_script):
     raw = tmp_path / "h200" / "raw"
     raw.mkdir(parents=True)
-    rows = [{"seq_len": 7040, "expandable_segments": e, "capacity": 23.5 * 2**30,
-             "replayed_fits": e, "real_fits": True, "reserved_peak": 1, "replayed_reserved": 1}
-            for e in (False, True)]
+    rows = [{"seq_len": 7040, "expandable_segments": e, "max_split_size_mb": mss,
+             "capacity": 23.5 * 2**30, "replayed_fits": e, "real_fits": True,
+             "reserved_peak": 1, "replayed_reserved": 1}
+            for e, mss in ((False, None), (True, None), (False, 128))]
     (raw / "gpu_session_share.json").write_text(json.dumps(
         {"device": "cuda: NVIDIA H200", "card_share": rows}))
     figures = json.loads(bench_script("gpu_session").record("h200", tmp_path).read_text())
     got = {f["metric"]: (f["value"], f["predicted"]) for f in figures["figures"]}
     assert got == {"fits, 7040 tokens, default allocator": (1.0, 0.0),
-                   "fits, 7040 tokens, expandable segments": (1.0, 1.0)}
+                   "fits, 7040 tokens, expandable segments": (1.0, 1.0),
+                   "fits, 7040 tokens, max_split_size_mb:128": (1.0, 0.0)}
 
 
 def test_record_names_a_device_folder_without_raw_files(tmp_path, bench_script):

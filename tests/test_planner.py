@@ -587,25 +587,32 @@ def test_a_replayed_longest_context_search_judges_each_length_by_the_smallest_ca
     small_llama.config.save_pretrained(tmp_path)
     stack, model = fake_memory.Stack(precision="fp32"), str(tmp_path)
 
-    def need(n, expandable=False):
+    def need(n, expandable=False, mss=None):
         events = fake_memory.allocation_trace(model, stack, n, 1)
-        return planner.CUDA_CONTEXT_BYTES + allocator.min_capacity(events, expandable)
+        return planner.CUDA_CONTEXT_BYTES + allocator.min_capacity(events, expandable,
+                                                                   max_split_size_mb=mss)
     budget = need(64)  # a 32-token step: fewer runs traced
     keys = []
-    for expandable in (False, True):
+    for expandable, mss in ((False, None), (True, None), (False, 20)):
         found = planner.max_context(model, f"{budget}B", stack, step=32, replay=True,
-                                    expandable_segments=expandable,
+                                    expandable_segments=expandable, max_split_size_mb=mss,
                                     memo=lambda key, measure: keys.append(key) or measure())
         n, tries = found["max_seq_len"], dict(found["tries"])
         assert found["replayed"] and found["expandable_segments"] is expandable
+        assert found["max_split_size_mb"] == mss
         assert tries[n] * 2**30 <= budget < tries[n + 32] * 2**30, expandable
         assert found["gpu_GiB"] == tries[n] and found["host_GiB"] == 0
         if not expandable:  # the search's figure is the need above
-            assert tries[n] == need(n) / 2**30
+            assert tries[n] == need(n, mss=mss) / 2**30
+        if expandable:
+            assert keys[-1].endswith("expandable_segments=True")
     assert keys[0].startswith(f"replayed run: {model!r}, {stack!r}, 1 x ")
-    assert keys[-1].endswith("expandable_segments=True")
+    assert keys[0].endswith("expandable_segments=False")  # unset: the key it always had
+    assert keys[-1].endswith("expandable_segments=False, max_split_size_mb=20")
     with pytest.raises(ValueError, match=r"expandable_segments=True: .*replay=True"):
         planner.max_context(model, "1GiB", stack, step=16, expandable_segments=True)
+    with pytest.raises(ValueError, match=r"max_split_size_mb=128: .*replay=True"):
+        planner.max_context(model, "1GiB", stack, step=16, max_split_size_mb=128)
 
 
 def test_the_clis_replay_reaches_the_length_search_and_says_what_it_needs(monkeypatch, capsys):
@@ -617,8 +624,16 @@ def test_the_clis_replay_reaches_the_length_search_and_says_what_it_needs(monkey
     assert calls[0]["replay"] and calls[0]["expandable_segments"]
     assert "judged by their runs replayed through the caching allocator with expandable " \
         "segments" in capsys.readouterr().out
+    assert main([*argv, "--max-context", "--replay-allocator", "--max-split-size-mb", "128"]) == 0
+    assert calls[1]["max_split_size_mb"] == 128 and not calls[1]["expandable_segments"]
+    assert "caching allocator with max_split_size_mb:128" in capsys.readouterr().out
+    replayed = ["--max-context", "--replay-allocator"]
     for bad, why in ((["--replay-allocator"], "add --measure or --max-context"),
-                     (["--max-context", "--expandable-segments"], "add --replay-allocator")):
+                     (["--max-context", "--expandable-segments"], "add --replay-allocator"),
+                     (["--max-context", "--max-split-size-mb", "128"], "add --replay-allocator"),
+                     ([*replayed, "--max-split-size-mb", "19"], "max_split_size_mb=19: a whole"),
+                     ([*replayed, "--max-split-size-mb", "64", "--expandable-segments"],
+                      "not the two together")):
         with pytest.raises(SystemExit):
             main([*argv, *bad])
         assert why in capsys.readouterr().err
@@ -1044,6 +1059,20 @@ def test_replay_puts_the_caching_allocator_in_place_of_the_fixed_reserve(tmp_pat
     out["cheapest_measured_other_allocator"]["step"] = "LoRA on a bf16 base"
     assert "\nwith the default allocator settings: LoRA on a bf16 base\n" in (
         planner.format_plan(out))
+    for r in one_device:  # as a replay with max_split_size_mb would have them
+        r.update(expandable_segments=False, max_split_size_mb=128)
+    out["cheapest_measured_other_allocator"]["expandable_segments"] = True
+    shown = planner.format_plan(out)
+    assert "the caching allocator's replayed reserve with max_split_size_mb:128" in shown
+    assert "\nwith PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: LoRA on a bf16 base\n" in (
+        shown)
+    assert shown.endswith("\n  # launch with PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:128: the "
+                          "replay assumed it")
+    with pytest.raises(ValueError, match=r"max_split_size_mb=128: .*replay=True"):
+        planner.plan(str(tmp_path), "1GB", 64, 2, measure=True, max_split_size_mb=128)
+    with pytest.raises(ValueError, match="not the two together"):
+        planner.plan(str(tmp_path), "1GB", 64, 2, measure=True, replay=True,
+                     expandable_segments=True, max_split_size_mb=128)
     # a card too small for the run: not fitting, with the reserved peak an unlimited card reaches
     stack = fake_memory.Stack(precision="fp32")
     small = planner.replayed_reserve(str(tmp_path), stack, 64, 2,
@@ -1075,3 +1104,11 @@ def test_the_replay_says_where_expandable_segments_change_the_verdict(monkeypatc
     assert (default["needs_GiB"], expandable["needs_GiB"]) == (76 / 1024 + context,
                                                                60 / 1024 + context)
     assert expandable["advice"].startswith("fits only with expandable segments: the default")
+    # max_split_size_mb:40 keeps the 40 MiB segment whole, and releases it to make room
+    oversize = planner.replayed_reserve("any", None, 64, 2, budget, max_split_size_mb=40)
+    assert oversize["measured_fits"] and oversize["cache_released"] == 1
+    assert oversize["reserved_GiB"] == 50 / 1024  # 40 + 10 MiB, before the 40 went
+    other = oversize["other_allocator"]  # beside it: expandable segments
+    assert oversize["max_split_size_mb"] == 40 and other["expandable_segments"]
+    assert other["measured_fits"] and other["max_split_size_mb"] is None
+    assert oversize["needs_GiB"] <= 48 / 1024 + context and oversize["advice"] is None

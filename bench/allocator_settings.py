@@ -1,0 +1,109 @@
+"""The caching allocator replayed under each setting users launch with, on two runs.
+
+    .venv/bin/python bench/allocator_settings.py [LENGTH ...]
+
+``recipes_lib.allocator`` replays a run's allocations through PyTorch's caching allocator as
+it behaves by default, with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` (pages mapped
+into one growing segment a pool instead of a segment a request) and with
+``max_split_size_mb:N`` (blocks of N MiB or more kept whole, and released first when the card
+is full; 128 and 512 are the values users are most often told to try). This prints two
+markdown tables:
+
+1. The H100 session's five runs of Llama-3.2-1B at 2 x 2048 tokens (their allocations traced
+   again on fake tensors, ``results/h100/raw/fake_traces_*.json.gz``): the reserved peak on an
+   unlimited card under each setting, the default replay beside the card's
+   ``max_memory_reserved`` (the other settings are predictions no GPU has checked yet;
+   ``bench/gpu_session.py`` runs them), and the smallest card each setting fits
+   (``allocator.min_capacity``: the cache released under pressure, as a full card does).
+2. Unsloth's 24 GB row (Llama-3.1-8B, QLoRA r=32, batch 1, TRL's 2024 stack,
+   ``published.TRL_2024_QLORA``) at each length, on the card's 24 GiB less the modelled CUDA
+   context: whether the run fits under each setting (and the reserved peak there), and the
+   smallest card it fits under each (the context added: what ``plan --max-context
+   --replay-allocator`` searches by), beside the trace plus a fixed 15 %. Default lengths: the
+   source's 5,789 tokens and 6,900-8,960.
+
+Outside ``make bench``: about 17 s a length on a 2-core CPU (the trace 13 s; each replay < 1 s).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+LENGTHS = (5789, 6900, 7040, 7168, 7296, 7424, 7552, 7808, 8064, 8320, 8576, 8832, 8960)
+# each setting's name and allocator.replay's keywords for it
+SETTINGS = {"default": {}, "expandable segments": {"expandable_segments": True},
+            "max_split_size_mb:128": {"max_split_size_mb": 128},
+            "max_split_size_mb:512": {"max_split_size_mb": 512}}
+
+
+def smallest_card(events, setting: dict) -> int:
+    from recipes_lib.allocator import min_capacity
+
+    return min_capacity(events, setting.get("expandable_segments", False),
+                        max_split_size_mb=setting.get("max_split_size_mb"))
+
+
+def h100_table() -> None:
+    from recipes_lib.allocator import load_traces, replay
+
+    raw = ROOT / "results" / "h100" / "raw"
+    real = {r["stack"]: r["reserved_peak"] for r in
+            json.loads((raw / "gpu_session_memory.json").read_text())["fake_vs_real"]}
+    names = " / ".join(SETTINGS)
+    print(f"| run | allocated | H100 reserved | reserved, unlimited card: {names} | "
+          f"smallest card: {names} |")
+    print("|---|---|---|---|---|")
+    for path in sorted(raw.glob("fake_traces_*.json.gz")):
+        for stack, events in load_traces(path).items():
+            runs = [replay(events, **s) for s in SETTINGS.values()]
+            print(f"| {stack} | {runs[0].peak_allocated / 2**30:.2f} | "
+                  f"{real[stack] / 2**30:.2f} | "
+                  + " / ".join(f"{a.peak_reserved / 2**30:.2f}" for a in runs) + " | "
+                  + " / ".join(f"{smallest_card(events, s) / 2**30:.2f}"
+                               for s in SETTINGS.values()) + " |", flush=True)
+
+
+def on_card(events, capacity: int, setting: dict) -> str:
+    from recipes_lib.allocator import fits
+
+    a = fits(events, capacity, **setting)
+    if a is None:
+        return "out of memory"
+    released = f", cache released {a.releases}x" if a.releases else ""
+    return f"fits, {a.peak_reserved / 2**30:.2f} reserved{released}"
+
+
+def unsloth_table(lengths) -> None:
+    from recipes_lib import fake_memory, planner, published
+    from recipes_lib.allocator import replay
+
+    budget = planner.parse_bytes("24GiB")
+    capacity = int(budget - planner.CUDA_CONTEXT_BYTES)
+    print(f"\n| tokens | allocated | allocated + 15 % + context (of {budget / 2**30:.0f}) | "
+          + " | ".join(SETTINGS) + f" | smallest card: {' / '.join(SETTINGS)} |")
+    print("|---" * (4 + len(SETTINGS)) + "|")
+    for seq_len in lengths:
+        start = time.perf_counter()
+        events = fake_memory.allocation_trace("Llama-3.1-8B", published.TRL_2024_QLORA, seq_len,
+                                              1)
+        allocated = replay(events).peak_allocated
+        fixed = allocated + planner.gpu_overhead(allocated)
+        print(f"| {seq_len:,} | {allocated / 2**30:.2f} | {fixed / 2**30:.2f} "
+              f"({'fits' if fixed <= budget else 'out of memory'}) | "
+              + " | ".join(on_card(events, capacity, s) for s in SETTINGS.values()) + " | "
+              + " / ".join(f"{(smallest_card(events, s) + planner.CUDA_CONTEXT_BYTES) / 2**30:.2f}"
+                           for s in SETTINGS.values()) + " |", flush=True)
+        print(f"<!-- {time.perf_counter() - start:.0f} s -->", flush=True)
+
+
+def main(argv: list[str]) -> None:
+    h100_table()
+    unsloth_table([int(a) for a in argv] or LENGTHS)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

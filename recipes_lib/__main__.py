@@ -612,6 +612,11 @@ def main(argv: list[str] | None = None) -> int:
     pl.add_argument("--max-split-size-mb", type=int, metavar="N",
                     help="with --replay-allocator: replay the allocator as "
                     "PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:N runs it (N >= 20)")
+    pl.add_argument("--alloc-conf", metavar="VALUE",
+                    help="with --replay-allocator: replay the allocator as "
+                    "PYTORCH_CUDA_ALLOC_CONF=VALUE runs it, e.g. 'expandable_segments:True' "
+                    "(settings that change nothing the replay sees are accepted, the ones it "
+                    "does not model refused)")
     pl.add_argument("--max-context", action="store_true",
                     help="the longest sequence that fits under each step, by measurement")
     pl.add_argument("--attention-mask", action="store_true",
@@ -638,6 +643,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(str(err))
         return 0
     if args.command == "plan":
+        from recipes_lib.allocator import parse_settings
         from recipes_lib.planner import (
             check_allocator_setting,
             format_plan,
@@ -648,10 +654,18 @@ def main(argv: list[str] | None = None) -> int:
         if args.replay_allocator and not (args.measure or args.max_context):
             parser.error("--replay-allocator: replays the measured runs; add --measure or "
                          "--max-context")
-        for flag in ("expandable_segments", "max_split_size_mb"):
+        for flag in ("expandable_segments", "max_split_size_mb", "alloc_conf"):
             if getattr(args, flag) not in (False, None) and not args.replay_allocator:
                 parser.error(f"--{flag.replace('_', '-')}: an allocator setting the replay "
                              "models; add --replay-allocator")
+        if args.alloc_conf is not None:  # the launch's value, in place of the two flags
+            if args.expandable_segments or args.max_split_size_mb is not None:
+                parser.error("--alloc-conf: give the allocator settings there or as "
+                             "--expandable-segments / --max-split-size-mb, not both")
+            try:
+                vars(args).update(parse_settings(args.alloc_conf))
+            except ValueError as err:
+                parser.error(f"--alloc-conf: {err}")
         try:
             check_allocator_setting(args.replay_allocator, args.expandable_segments,
                                     args.max_split_size_mb)

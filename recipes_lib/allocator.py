@@ -463,22 +463,38 @@ class CachingAllocator:
         return end - start
 
 
-def parse_settings(conf: str) -> dict[str, Any]:
+# settings that change nothing a one-stream replay of device memory sees: pinned host memory,
+# the allocator's lock, CUDA graphs' pools
+INERT_SETTINGS = ("pinned_use_cuda_host_register", "pinned_num_register_threads",
+                  "pinned_use_background_threads", "release_lock_on_cudamalloc",
+                  "graph_capture_record_stream_reuse")
+
+
+def parse_settings(conf: str, fraction: bool = False) -> dict[str, Any]:
     """The replay's keywords for a ``PYTORCH_CUDA_ALLOC_CONF`` (or ``PYTORCH_ALLOC_CONF``)
     value, as PyTorch parses it: comma-separated ``key:value`` pairs; empty for the defaults.
 
+    ``garbage_collection_threshold`` is accepted and changes nothing: PyTorch collects only
+    under ``torch.cuda.set_per_process_memory_fraction`` (its ``set_fraction``), so a launch
+    that sets the threshold alone runs as without it. So are the settings of
+    ``INERT_SETTINGS`` and ``backend:native`` (the default).
+
     Args:
-        conf: e.g. ``"expandable_segments:True"`` or ``"max_split_size_mb:128"``.
+        conf: e.g. ``"expandable_segments:True"`` or
+            ``"garbage_collection_threshold:0.6,max_split_size_mb:128"``.
+        fraction: the run is under a per-process memory fraction (``replay(fraction=True)``),
+            where a garbage-collection threshold acts: refused, not modelled.
 
     Returns:
         ``{"expandable_segments": bool, "max_split_size_mb": int | None}``.
 
     Raises:
         ValueError: naming the key, for one the replay does not model (it would predict the
-            wrong run) or a value that does not parse.
+            wrong run: ``roundup_power2_divisions``, ``backend:cudaMallocAsync``, ...) or a
+            value that does not parse.
 
     Example:
-        >>> parse_settings("max_split_size_mb:128")
+        >>> parse_settings("garbage_collection_threshold:0.6,max_split_size_mb:128")
         {'expandable_segments': False, 'max_split_size_mb': 128}
     """
     out: dict[str, Any] = {"expandable_segments": False, "max_split_size_mb": None}
@@ -488,14 +504,27 @@ def parse_settings(conf: str) -> dict[str, Any]:
             out[key] = value == "True"
         elif key == "max_split_size_mb" and value.isdigit():
             out[key] = int(value)
-        elif key in ("expandable_segments", "max_split_size_mb"):
+        elif key == "garbage_collection_threshold" and _fraction_between_0_and_1(value):
+            if fraction:
+                raise ValueError(f"conf={conf!r}: garbage_collection_threshold under a "
+                                 "per-process memory fraction is not modelled by the replay")
+        elif key in INERT_SETTINGS or (key, value) == ("backend", "native"):
+            continue
+        elif key in ("expandable_segments", "max_split_size_mb", "garbage_collection_threshold"):
             raise ValueError(f"conf={conf!r}: {key}:{value} does not parse (True or False; "
-                             "a whole number of MiB)")
+                             "a whole number of MiB; a fraction between 0 and 1)")
         else:
-            raise ValueError(f"conf={conf!r}: {key} is not modelled by the replay (it models "
+            raise ValueError(f"conf={conf!r}: {pair} is not modelled by the replay (it models "
                              "expandable_segments and max_split_size_mb)")
     CachingAllocator(**out)  # refuses what it cannot replay
     return out
+
+
+def _fraction_between_0_and_1(value: str) -> bool:
+    try:
+        return 0 < float(value) < 1
+    except ValueError:
+        return False
 
 
 # a trace's events: ("alloc", id, nbytes) and ("free", id, 0)

@@ -206,7 +206,15 @@ def test_a_launch_setting_parses_into_the_replays_keywords():
                                                  "max_split_size_mb": None}
     assert parse(" max_split_size_mb:128 , expandable_segments:False") == {
         "expandable_segments": False, "max_split_size_mb": 128}
-    for bad, why in (("garbage_collection_threshold:0.6", "garbage_collection_threshold is not"),
+    # a threshold without a per-process fraction, and host-memory settings, change nothing
+    assert parse("garbage_collection_threshold:0.6,max_split_size_mb:128,"
+                 "pinned_use_cuda_host_register:True,backend:native") == {
+        "expandable_segments": False, "max_split_size_mb": 128}
+    with pytest.raises(ValueError, match="per-process memory fraction is not modelled"):
+        parse("garbage_collection_threshold:0.6", fraction=True)
+    for bad, why in (("roundup_power2_divisions:4", "roundup_power2_divisions:4 is not"),
+                     ("backend:cudaMallocAsync", "backend:cudaMallocAsync is not modelled"),
+                     ("garbage_collection_threshold:1.5", "threshold:1.5 does not parse"),
                      ("max_split_size_mb:1e3", "max_split_size_mb:1e3 does not parse"),
                      ("expandable_segments:yes", "expandable_segments:yes does not parse"),
                      ("max_split_size_mb:10", "max_split_size_mb=10"),

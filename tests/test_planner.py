@@ -627,13 +627,24 @@ def test_the_clis_replay_reaches_the_length_search_and_says_what_it_needs(monkey
     assert main([*argv, "--max-context", "--replay-allocator", "--max-split-size-mb", "128"]) == 0
     assert calls[1]["max_split_size_mb"] == 128 and not calls[1]["expandable_segments"]
     assert "caching allocator with max_split_size_mb:128" in capsys.readouterr().out
+    # a launch's own value: what it sets that the replay models, the rest changing nothing
+    conf = "garbage_collection_threshold:0.6,max_split_size_mb:512"
+    assert main([*argv, "--max-context", "--replay-allocator", "--alloc-conf", conf]) == 0
+    assert calls[2]["max_split_size_mb"] == 512 and not calls[2]["expandable_segments"]
+    assert "caching allocator with max_split_size_mb:512" in capsys.readouterr().out
     replayed = ["--max-context", "--replay-allocator"]
     for bad, why in ((["--replay-allocator"], "add --measure or --max-context"),
                      (["--max-context", "--expandable-segments"], "add --replay-allocator"),
                      (["--max-context", "--max-split-size-mb", "128"], "add --replay-allocator"),
                      ([*replayed, "--max-split-size-mb", "19"], "max_split_size_mb=19: a whole"),
                      ([*replayed, "--max-split-size-mb", "64", "--expandable-segments"],
-                      "not the two together")):
+                      "not the two together"),
+                     (["--max-context", "--alloc-conf", "expandable_segments:True"],
+                      "add --replay-allocator"),
+                     ([*replayed, "--alloc-conf", "roundup_power2_divisions:4"],
+                      ("--alloc-conf: conf='roundup_power2_divisions:4': "
+                      "roundup_power2_divisions:4 is not modelled")),
+                     ([*replayed, "--alloc-conf", "", "--expandable-segments"], "not both")):
         with pytest.raises(SystemExit):
             main([*argv, *bad])
         assert why in capsys.readouterr().err

@@ -14,7 +14,8 @@
 #           max_split_size_mb:128, the allocator's replay beside max_memory_reserved) and Unsloth's Llama-3.1-8B QLoRA rows measured on
 #           the GPU itself, the published table's open misses, then that row on a 24 GB share of
 #           the GPU under each allocator setting, fit or out of memory beside the replay's
-#           verdict -> $OUT/raw/gpu_session_memory.json
+#           verdict -> $OUT/raw/gpu_session_memory.json (GPU_SESSION_PARTS=name,... runs
+#           those of bench/gpu_session.py's parts only, e.g. card_share,card_share_max_split)
 #   04 ...  a notebook at SCALE="gpu" (the speed claims at the sizes where they should pay)
 #           -> $OUT/<notebook>.ipynb executed, and its figures in $OUT/results/
 # A part that fails or runs out of time does not stop the next; what a part wrote stays: a

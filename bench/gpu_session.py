@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import sys
 import time
 import traceback
@@ -135,6 +136,7 @@ def fake_vs_real(model, stacks, seq_len, batch, device, replay=False,
 
 
 CARD_SHARE_SETTINGS = ("", "expandable_segments:True", "max_split_size_mb:128")
+_SHARE_TRACES: dict = {}  # (model, length, device) -> the row's trace (13 s each for 8 B)
 
 
 def card_share_check(model, seq_lens, device, card: str = "24GiB",
@@ -155,8 +157,11 @@ def card_share_check(model, seq_lens, device, card: str = "24GiB",
             total = torch.cuda.get_device_properties(device).total_memory
             torch.cuda.set_per_process_memory_fraction(capacity / total, device)
         for seq_len in seq_lens:
-            events = fake_memory.allocation_trace(model, published.TRL_2024_QLORA, seq_len, 1,
-                                                  device)
+            key = (model if isinstance(model, str) else id(model), seq_len, str(device))
+            if key not in _SHARE_TRACES:  # one trace a length for every setting's part
+                _SHARE_TRACES[key] = fake_memory.allocation_trace(
+                    model, published.TRL_2024_QLORA, seq_len, 1, device)
+            events = _SHARE_TRACES[key]
             for conf in settings:
                 setting = allocator.parse_settings(conf)
                 predicted = allocator.fits(events, capacity, fraction=True, **setting)
@@ -287,8 +292,14 @@ def main(out_dir: str, smoke: bool) -> None:
     report: dict = {"device": describe_device(device), "versions": package_versions(),
                     "torch": torch.__version__, "smoke": smoke}
     path = out / "gpu_session.json"
+    # a call short of time runs some parts only: GPU_SESSION_PARTS=card_share,... (names below)
+    only = set(filter(None, os.environ.get("GPU_SESSION_PARTS", "").split(",")))
 
     def part(name, fn):
+        if only and name not in only:
+            report[name] = {"skipped": "not in GPU_SESSION_PARTS"}
+            path.write_text(json.dumps(report, indent=1, default=str))
+            return
         t0 = time.perf_counter()
         try:
             report[name] = fn()

@@ -142,21 +142,24 @@ def check_adapter_targets(model: nn.Module, targets: str | list[str] | tuple[str
 
 
 # why unadapted_linears finds layers (said by quantization.add_lora's warning and the planner)
-PEFT_EXPERT_NAMES = ("on transformers 5 peft maps the names transformers 4 gave the experts "
-                     "(gate_proj, up_proj, down_proj) onto their 3-D parameters, and takes the "
-                     "dense layers' and shared experts' layers of those names with them")
+PEFT_EXPERT_NAMES = ("on transformers 5 peft (up to 0.21) maps the names transformers 4 gave the "
+                     "experts (gate_proj, up_proj, down_proj) onto their 3-D parameters, and "
+                     "takes the dense layers' and shared experts' layers of those names with "
+                     "them (peft 0.22 adapts them)")
 
 
 def unadapted_linears(model: nn.Module, targets: str | list[str] | tuple[str, ...]
                       ) -> list[str]:
     """The decoder blocks' linear layers ``targets`` names that peft left without an adapter.
 
-    On transformers 5, peft (0.21) maps the names transformers 4 gave a mixture of experts'
+    On transformers 5, peft up to 0.21 maps the names transformers 4 gave a mixture of experts'
     experts (``gate_proj``, ``up_proj``, ``down_proj``) onto their 3-D parameters for every model
     type transformers converts (DeepSeek-V2/V3, GLM-4-MoE, Qwen3-Next, ...), by name alone: the
     dense layers' and shared experts' linear layers of those names go with them, and get no
-    adapter whatever ``target_modules`` says ("all-linear" included). Routers that "all-linear"
-    leaves out on purpose (:func:`not_linear_maps`, :func:`lora_target_modules`) are not listed.
+    adapter whatever ``target_modules`` says ("all-linear" included). peft 0.22 adapts them
+    (seen with 0.22.0 on DeepSeek-V3 and GLM-4-MoE): nothing to return there. Routers that
+    "all-linear" leaves out on purpose (:func:`not_linear_maps`, :func:`lora_target_modules`) are
+    not listed.
 
     Args:
         model: a peft-wrapped model.
@@ -197,12 +200,13 @@ def unadapted_linears(model: nn.Module, targets: str | list[str] | tuple[str, ..
 # the names a mixture of experts' MLP projections go by, in transformers 4 (per expert: gate_proj,
 # up_proj, down_proj; Mixtral's w1, w3, w2) and 5 (3-D: gate_up_proj, down_proj)
 EXPERT_MLP_NAMES = ("gate_proj", "up_proj", "down_proj", "w1", "w2", "w3", "gate_up_proj")
-PEFT_FROZEN_EXPERTS = ("target_modules takes linear layers only, and peft (0.21) maps the MLP's "
-                       "names onto the experts' 3-D parameters only for Mixtral and the model "
-                       "types transformers converts as it does Qwen2-MoE (Qwen3-MoE, DeepSeek-V3, "
-                       "OLMoE, ...): not for Qwen2-MoE itself, Phi-3.5-MoE or Jamba, whose "
-                       "experts transformers 4 kept as linear layers, which LoRA adapted, nor for "
-                       "GPT-OSS, Llama 4 or Granite-MoE, whose experts were 3-D already")
+PEFT_FROZEN_EXPERTS = ("target_modules takes linear layers only, and peft maps the MLP's names "
+                       "onto the experts' 3-D parameters only for Mixtral and the model types "
+                       "transformers converts as it does Qwen2-MoE (Qwen3-MoE, DeepSeek-V3, "
+                       "OLMoE, ...; Qwen2-MoE itself from peft 0.22): not for Phi-3.5-MoE or "
+                       "Jamba, whose experts transformers 4 kept as linear layers, which LoRA "
+                       "adapted, nor for GPT-OSS, Llama 4 or Granite-MoE, whose experts were 3-D "
+                       "already")
 
 
 def frozen_experts(model: nn.Module, targets: str | list[str] | tuple[str, ...]) -> list[str]:

@@ -833,9 +833,9 @@ def expert_adapters(model: Any, stack: Stack = Stack(method="lora", precision="b
     backward: without checkpointing every layer's copy stays alive until its backward runs, with
     it one layer's at a time. Adapters on the attention alone leave the experts as they are.
 
-    For some model types (Qwen2-MoE, Phi-3.5-MoE, GPT-OSS, Llama 4, ...) peft maps no name onto
-    the experts: "all-linear" leaves them frozen (``architectures.frozen_experts``), and the
-    result says so instead.
+    For some model types (Phi-3.5-MoE, GPT-OSS, Llama 4, Qwen2-MoE up to peft 0.21, ...) peft
+    maps no name onto the experts: "all-linear" leaves them frozen
+    (``architectures.frozen_experts``), and the result says so instead.
 
     Args:
         model: a built-in name or its hub id, a ``config.json`` path or a config (as

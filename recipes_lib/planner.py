@@ -1028,7 +1028,7 @@ def note_expert_adapters(model: Any, row: dict[str, Any], stack: Any, seq_len: i
     """For an MoE whose experts LoRA adapts whole (``fake_memory.expert_adapters``): a note of
     what that keeps and which linear layers peft left without adapters, and the measured step
     again with adapters on the attention only. For one whose experts the targets leave frozen
-    (Qwen2-MoE, GPT-OSS, ...: ``architectures.frozen_experts``): a note saying so, and the step
+    (GPT-OSS, Phi-3.5-MoE, ...: ``architectures.frozen_experts``): a note saying so, and the step
     again with them adapted (``target_parameters``). Nothing for any other model or stack.
 
     Args:

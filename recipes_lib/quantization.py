@@ -146,9 +146,9 @@ def add_lora(
     said in a warning:
 
     - linear layers without an adapter (a mixture of experts' dense layers and shared experts,
-      whose names peft maps onto the experts: ``architectures.unadapted_linears``);
-    - routed experts left frozen (``architectures.frozen_experts``: Qwen2-MoE, Phi-3.5-MoE,
-      GPT-OSS, Llama 4, ...), with the ``target_parameters`` that adapt them.
+      whose names peft up to 0.21 maps onto the experts: ``architectures.unadapted_linears``);
+    - routed experts left frozen (``architectures.frozen_experts``: Phi-3.5-MoE, GPT-OSS,
+      Llama 4, Qwen2-MoE up to peft 0.21, ...), with the ``target_parameters`` that adapt them.
 
     Routers that are ``nn.Linear`` layers returning a tuple (Llama 4, Phi-3.5-MoE) are left out
     of "all-linear", said aloud (``architectures.lora_target_modules``).

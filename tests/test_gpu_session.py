@@ -78,6 +78,16 @@ def test_record_files_the_card_shares_verdicts_beside_the_replays(tmp_path, benc
                    "fits, 7040 tokens, max_split_size_mb:128": (1.0, 0.0)}
 
 
+def test_a_short_call_runs_the_parts_it_names_only(tmp_path, bench_script, monkeypatch):
+    monkeypatch.setenv("GPU_SESSION_PARTS", "outside_allocator")
+    monkeypatch.setattr(sys, "argv", ["gpu_session.py", str(tmp_path), "--smoke", "--memory-only"])
+    bench_script("gpu_session").main(str(tmp_path), True)
+    report = json.loads((tmp_path / "gpu_session.json").read_text())
+    assert "needs CUDA" in report["outside_allocator"]["skipped"]
+    assert report["card_share"] == {"skipped": "not in GPU_SESSION_PARTS"}
+    assert set(report["seconds"]) == {"outside_allocator"}
+
+
 def test_record_names_a_device_folder_without_raw_files(tmp_path, bench_script):
     with pytest.raises(ValueError, match="device_dir='h200'"):
         bench_script("gpu_session").record("h200", tmp_path)

@@ -7,6 +7,15 @@ from recipes_lib import calc, data, quantization
 from recipes_lib.model import keep_4bit_compute_dtype, load_model
 
 
+def _peft_at_least(version: str) -> bool:
+    """The installed peft is ``version`` or newer: where a release changed plain peft's
+    behaviour, the tests below check each version's (docs/upstream.md)."""
+    import peft
+    from packaging.version import Version
+
+    return Version(peft.__version__) >= Version(version)
+
+
 @pytest.fixture(scope="module")
 def nf4_model(tiny_model_path):
     return load_model(tiny_model_path, dtype=torch.float32,
@@ -160,11 +169,12 @@ def test_4bit_layers_keep_their_compute_dtype_on_every_cpu(nf4_model):
     assert keep_4bit_compute_dtype(nf4_model) == 0  # nothing left to switch
 
 
-def test_lora_says_which_linear_layers_peft_left_without_adapters(small_llama):
-    """On transformers 5, peft maps the names an MoE's experts had in transformers 4 (gate_proj,
-    up_proj, down_proj) onto their 3-D parameters by name alone: DeepSeek-V3's dense first layer
-    and shared experts lose their adapters under "all-linear". add_lora says which, as plain
-    peft leaves them (every other linear layer wrapped); a Llama has none to say."""
+def test_lora_says_which_linear_layers_peft_left_without_adapters(small_llama, monkeypatch):
+    """On transformers 5, peft up to 0.21 maps the names an MoE's experts had in transformers 4
+    (gate_proj, up_proj, down_proj) onto their 3-D parameters by name alone: DeepSeek-V3's dense
+    first layer and shared experts lose their adapters under "all-linear". add_lora says which,
+    as plain peft leaves them (every other linear layer wrapped); peft 0.22 adapts them, and
+    add_lora says nothing, nor for a Llama."""
     import warnings
 
     from peft.tuners.tuners_utils import BaseTunerLayer
@@ -180,18 +190,18 @@ def test_lora_says_which_linear_layers_peft_left_without_adapters(small_llama):
         num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1, q_lora_rank=32,
         kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
         first_k_dense_replace=1, n_group=1, topk_group=1)
-    left = [f"model.layers.0.mlp.{p}" for p in ("gate_proj", "up_proj", "down_proj")] + [
+    six = [f"model.layers.0.mlp.{p}" for p in ("gate_proj", "up_proj", "down_proj")] + [
         f"model.layers.1.mlp.shared_experts.{p}" for p in ("gate_proj", "up_proj", "down_proj")]
+    left = [] if _peft_at_least("0.22") else six
+
     def said(model):  # add_lora's warnings about layers left without adapters
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")  # no other filter: pytest.warns would re-raise peft's
             wrapped = quantization.add_lora(model, r=4)
         return wrapped, [str(w.message) for w in caught if "without adapters" in str(w.message)]
 
-    lora, [warning] = said(AutoModelForCausalLM.from_config(config))
-    assert warning.startswith("target_modules='all-linear': peft left 6 linear layers of "
-                              "DeepseekV3ForCausalLM without adapters (model.layers.0.mlp."
-                              "gate_proj, "), warning
+    lora, warnings_said = said(AutoModelForCausalLM.from_config(config))
+    assert len(warnings_said) == bool(left)
     base = lora.get_base_model()
     adapted = {n for n, m in base.named_modules() if isinstance(m, BaseTunerLayer)}
     bare = [n for n, m in base.named_modules() if type(m) is torch.nn.Linear and ".layers." in n
@@ -204,9 +214,16 @@ def test_lora_says_which_linear_layers_peft_left_without_adapters(small_llama):
     out = {"notes": []}
     planner.note_expert_adapters(config, {"step": "LoRA", "measured_GiB": 1.0},
                                  Stack(method="lora", precision="bf16"), 32, 1, out)
-    assert "6 linear layers get no adapter (model.layers.0.mlp.gate_proj, " in out["notes"][0]
+    assert ("6 linear layers get no adapter (model.layers.0.mlp.gate_proj, "
+            in "".join(out["notes"])) == bool(left), out["notes"]
     llama, none = said(small_llama)
     assert none == [] and unadapted_linears(llama, "all-linear") == []
+    # what add_lora says where peft leaves them (peft 0.21's DeepSeek-V3, whatever is installed)
+    monkeypatch.setattr(quantization, "unadapted_linears", lambda model, targets: six)
+    _, [warning] = said(AutoModelForCausalLM.from_config(config))
+    assert warning.startswith("target_modules='all-linear': peft left 6 linear layers of "
+                              "DeepseekV3ForCausalLM without adapters (model.layers.0.mlp."
+                              "gate_proj, "), warning
 
 
 def _tiny_moe(model_type, **fields):
@@ -236,26 +253,36 @@ def _wrapped_saying(model, **kw):
     ("gpt_oss", {"num_local_experts": 4})])
 def test_lora_says_which_routed_experts_peft_left_frozen_and_target_parameters_trains_them(
         model_type, fields):
-    """peft maps no MLP name onto Qwen2-MoE's or GPT-OSS's 3-D experts: "all-linear" leaves
-    every expert frozen, as plain peft does. add_lora says so with the target_parameters that
-    adapt them; with those, the adapted model's logits equal the base's (LoRA's B starts at
-    zero) and one backward reaches every expert's adapters."""
+    """peft maps no MLP name onto GPT-OSS's 3-D experts, nor up to 0.21 onto Qwen2-MoE's:
+    "all-linear" leaves every expert frozen, as plain peft does. add_lora says so with the
+    target_parameters that adapt them, and says nothing where peft adapts them (Qwen2-MoE from
+    peft 0.22); with those targets, the adapted model's logits equal the base's (LoRA's B starts
+    at zero) and one backward reaches every expert's adapters."""
     from peft import LoraConfig, get_peft_model
 
     from recipes_lib.architectures import frozen_experts
 
     experts = [f"model.layers.{i}.mlp.experts.{p}" for i in range(2)
                for p in ("gate_up_proj", "down_proj")]
+    frozen_by_peft = model_type == "gpt_oss" or not _peft_at_least("0.22")
     plain = get_peft_model(_tiny_moe(model_type, **fields),
                            LoraConfig(r=4, target_modules="all-linear"))
-    assert not any(".experts." in n for n, p in plain.named_parameters() if p.requires_grad)
-    assert [n for n, p in plain.get_base_model().named_parameters() if p.dim() == 3] == experts
-    lora, [said] = _wrapped_saying(_tiny_moe(model_type, **fields))
-    assert frozen_experts(lora, "all-linear") == experts
-    assert said.startswith("target_modules='all-linear': peft adapted none of ") and \
-        "routed experts (mlp.experts.gate_up_proj, mlp.experts.down_proj, in 2 layers)" in said
+    trained = [n for n, p in plain.named_parameters() if ".experts." in n and p.requires_grad]
+    assert bool(trained) != frozen_by_peft, trained
+    # transformers 5 keeps them as 3-D parameters, which "all-linear" cannot wrap as linear layers
+    assert [n for n, p in _tiny_moe(model_type, **fields).named_parameters() if p.dim() == 3] == (
+        experts)
+    lora, said = _wrapped_saying(_tiny_moe(model_type, **fields))
     targets = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
-    assert said.endswith(f"target_parameters={targets!r} adapts them (one adapter per expert)")
+    if frozen_by_peft:
+        assert frozen_experts(lora, "all-linear") == experts
+        [said] = said
+        assert said.startswith("target_modules='all-linear': peft adapted none of ") and \
+            "routed experts (mlp.experts.gate_up_proj, mlp.experts.down_proj, in 2 layers)" in said
+        assert said.endswith(f"target_parameters={targets!r} adapts them (one adapter per "
+                             "expert)")
+    else:
+        assert frozen_experts(lora, "all-linear") == [] and said == []
     assert frozen_experts(lora, ["q_proj", "v_proj"]) == []  # the attention alone, on purpose
     base = _tiny_moe(model_type, **fields)
     ids = torch.randint(0, 128, (2, 16))

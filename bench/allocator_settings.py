@@ -34,10 +34,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 LENGTHS = (5789, 6900, 7040, 7168, 7296, 7424, 7552, 7808, 8064, 8320, 8576, 8832, 8960)
-# each setting's name and allocator.replay's keywords for it
-SETTINGS = {"default": {}, "expandable segments": {"expandable_segments": True},
-            "max_split_size_mb:128": {"max_split_size_mb": 128},
-            "max_split_size_mb:512": {"max_split_size_mb": 512}}
+
+
+def settings() -> dict[str, dict]:
+    """Each setting the course compares (``allocator.SETTINGS``): its name and
+    ``allocator.replay``'s keywords for it."""
+    from recipes_lib.allocator import SETTINGS, parse_settings
+
+    return {name: parse_settings(conf) for name, conf in SETTINGS.items()}
 
 
 def smallest_card(events, setting: dict) -> int:
@@ -53,18 +57,18 @@ def h100_table() -> None:
     raw = ROOT / "results" / "h100" / "raw"
     real = {r["stack"]: r["reserved_peak"] for r in
             json.loads((raw / "gpu_session_memory.json").read_text())["fake_vs_real"]}
-    names = " / ".join(SETTINGS)
+    names = " / ".join(settings())
     print(f"| run | allocated | H100 reserved | reserved, unlimited card: {names} | "
           f"smallest card: {names} |")
     print("|---|---|---|---|---|")
     for path in sorted(raw.glob("fake_traces_*.json.gz")):
         for stack, events in load_traces(path).items():
-            runs = [replay(events, **s) for s in SETTINGS.values()]
+            runs = [replay(events, **s) for s in settings().values()]
             print(f"| {stack} | {runs[0].peak_allocated / 2**30:.2f} | "
                   f"{real[stack] / 2**30:.2f} | "
                   + " / ".join(f"{a.peak_reserved / 2**30:.2f}" for a in runs) + " | "
                   + " / ".join(f"{smallest_card(events, s) / 2**30:.2f}"
-                               for s in SETTINGS.values()) + " |", flush=True)
+                               for s in settings().values()) + " |", flush=True)
 
 
 def on_card(events, capacity: int, setting: dict) -> str:
@@ -84,8 +88,8 @@ def unsloth_table(lengths) -> None:
     budget = planner.parse_bytes("24GiB")
     capacity = int(budget - planner.CUDA_CONTEXT_BYTES)
     print(f"\n| tokens | allocated | allocated + 15 % + context (of {budget / 2**30:.0f}) | "
-          + " | ".join(SETTINGS) + f" | smallest card: {' / '.join(SETTINGS)} |")
-    print("|---" * (4 + len(SETTINGS)) + "|")
+          + " | ".join(settings()) + f" | smallest card: {' / '.join(settings())} |")
+    print("|---" * (4 + len(settings())) + "|")
     for seq_len in lengths:
         start = time.perf_counter()
         events = fake_memory.allocation_trace("Llama-3.1-8B", published.TRL_2024_QLORA, seq_len,
@@ -94,9 +98,9 @@ def unsloth_table(lengths) -> None:
         fixed = allocated + planner.gpu_overhead(allocated)
         print(f"| {seq_len:,} | {allocated / 2**30:.2f} | {fixed / 2**30:.2f} "
               f"({'fits' if fixed <= budget else 'out of memory'}) | "
-              + " | ".join(on_card(events, capacity, s) for s in SETTINGS.values()) + " | "
+              + " | ".join(on_card(events, capacity, s) for s in settings().values()) + " | "
               + " / ".join(f"{(smallest_card(events, s) + planner.CUDA_CONTEXT_BYTES) / 2**30:.2f}"
-                           for s in SETTINGS.values()) + " |", flush=True)
+                           for s in settings().values()) + " |", flush=True)
         print(f"<!-- {time.perf_counter() - start:.0f} s -->", flush=True)
 
 

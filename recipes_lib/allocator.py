@@ -463,6 +463,13 @@ class CachingAllocator:
         return end - start
 
 
+# the launch settings the course compares, by name: PYTORCH_CUDA_ALLOC_CONF's value for each (the
+# default; torchtitan's and PyTorch's message's expandable segments; max_split_size_mb, which the
+# message suggested before, at two values users try)
+SETTINGS = {"default": "", "expandable segments": "expandable_segments:True",
+            "max_split_size_mb:128": "max_split_size_mb:128",
+            "max_split_size_mb:512": "max_split_size_mb:512"}
+
 # settings that change nothing a one-stream replay of device memory sees: pinned host memory,
 # the allocator's lock, CUDA graphs' pools
 INERT_SETTINGS = ("pinned_use_cuda_host_register", "pinned_num_register_threads",

@@ -19,11 +19,6 @@ from recipes_lib import allocator, calc, planner, trainers
 from recipes_lib.fake_memory import METHODS, PRECISIONS, Stack, UnmeasuredStackError, measure_step
 from recipes_lib.memory import MemoryReport
 
-# the form's allocator settings: the PYTORCH_CUDA_ALLOC_CONF value each replays
-ALLOCATOR_SETTINGS = {"default": "", "expandable segments": "expandable_segments:True",
-                      "max_split_size_mb:128": "max_split_size_mb:128",
-                      "max_split_size_mb:512": "max_split_size_mb:512"}
-
 
 def make_stack(method: str = "qlora", checkpointing: bool = True, adamw_8bit: bool = False,
                chunked_loss: int = 0, precision: str = "bf16-mixed",
@@ -110,7 +105,9 @@ def verdict(model: str, gpu_mem: str | float, seq_len: int, batch_size: int,
             said.append(f"fits once the allocator releases its cache "
                         f"({replayed['cache_released']}x), as a full card does")
         said.append(f"the smallest card it fits: {replayed['needs_GiB']:.1f} GiB, the context "
-                    "included (the cache released as a full card does)")
+                    "included (the cache released as a full card does); by allocator setting: "
+                    + ", ".join(f"{name} {gib:.1f}"
+                                for name, gib in replayed["needs_by_setting"].items()))
         if replayed["advice"]:
             said.append(replayed["advice"])
     else:
@@ -208,7 +205,7 @@ def form(model: str = "Llama-3.1-8B", gpu_mem: str = "24GB", seq_len: int = 2048
         # the allocator's cache replayed (two more fake steps) instead of a fixed 15 %
         "replay": w.Checkbox(value=True, description="replay the caching allocator"),
         # the PYTORCH_CUDA_ALLOC_CONF the replay assumes (expandable segments: torchtitan's)
-        "allocator": w.Dropdown(options=list(ALLOCATOR_SETTINGS), value="default",
+        "allocator": w.Dropdown(options=list(allocator.SETTINGS), value="default",
                                 description="allocator"),
     }
     button = w.Button(description="Measure", button_style="primary")
@@ -230,7 +227,7 @@ def form(model: str = "Llama-3.1-8B", gpu_mem: str = "24GB", seq_len: int = 2048
                                  fields["seq_len"].value, fields["batch_size"].value, stack,
                                  fields["replay"].value,
                                  **allocator.parse_settings(
-                                     ALLOCATOR_SETTINGS[fields["allocator"].value]))
+                                     allocator.SETTINGS[fields["allocator"].value]))
             except ValueError as err:
                 out.clear_output(wait=True)
                 print(f"error: {err}")

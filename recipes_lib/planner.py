@@ -907,7 +907,9 @@ def replayed_reserve(model: Any, stack: Any, seq_len: int, batch_size: int,
         context included (``allocator.min_capacity``: the cache released under pressure, as a
         full card does); ``expandable_segments`` and ``max_split_size_mb``;
         ``other_allocator``: the same keys (but ``gpu_GiB`` and ``needs_GiB``) for the other
-        setting, from the same trace; ``advice``:
+        setting, from the same trace; ``needs_by_setting``: the smallest card under each
+        setting the course compares (``allocator.SETTINGS``, by name; seconds for an 8 B
+        model's trace); ``advice``:
         what the other setting changes in the verdict (:func:`allocator_advice`), or None.
     """
     from recipes_lib import allocator, fake_memory
@@ -929,6 +931,9 @@ def replayed_reserve(model: Any, stack: Any, seq_len: int, batch_size: int,
                                                max_split_size_mb=max_split_size_mb)
                         + CUDA_CONTEXT_BYTES) / 2**30
     out["other_allocator"] = on_card(not expandable_segments, None)
+    out["needs_by_setting"] = {
+        name: (allocator.min_capacity(events, **allocator.parse_settings(conf))
+               + CUDA_CONTEXT_BYTES) / 2**30 for name, conf in allocator.SETTINGS.items()}
     out["advice"] = allocator_advice(out)
     return out
 
@@ -1394,6 +1399,7 @@ def format_plan(result: dict[str, Any]) -> str:
             else:
                 lines.append(f"{r['step']:<52} {'':>8} {'':>8}  {'':<4} {r['measured_stack']}")
         lines.append(f"cheapest measured that fits: {result['cheapest_measured']}")
+        lines += _needs_by_setting(result["rows"])
         other = result.get("cheapest_measured_other_allocator")
         if other and other["step"] != result["cheapest_measured"]:
             lines.append(f"with {allocator_setting(other['expandable_segments'])}: "
@@ -1413,6 +1419,22 @@ def format_plan(result: dict[str, Any]) -> str:
         if assumed:  # the verdict assumed it
             lines.append(f"  # launch with {assumed}: the replay assumed it")
     return "\n".join(lines)
+
+
+def _needs_by_setting(rows: list[dict[str, Any]]) -> list[str]:
+    """The replayed rows' smallest cards under each allocator setting, as a table's lines (none
+    where no row was replayed)."""
+    replayed = [r for r in rows if r.get("needs_by_setting")]
+    if not replayed:
+        return []
+    names = list(replayed[0]["needs_by_setting"])
+    width = max(len(n) for n in names)
+    lines = [f"smallest card by allocator setting (GiB, replayed; {ALLOC_CONF}):",
+             f"{'step':<52} " + " ".join(f"{n:>{width}}" for n in names)]
+    lines += [f"{r['step']:<52} " + " ".join(f"{v:>{width}.1f}"
+                                            for v in r["needs_by_setting"].values())
+              for r in replayed]
+    return lines
 
 
 def _assumed_setting(row: dict[str, Any], env: bool = True) -> str | None:

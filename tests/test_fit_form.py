@@ -93,6 +93,7 @@ def test_the_form_measures_on_click_and_shows_bad_input_as_an_error(config_dir):
     box = fit_form.form(config_dir, "1GiB", 64, 1)
     shown = box.run()  # replayed: the smallest card the run fits, then the trainer's lines
     assert ": fits\nnote: the smallest card it fits: " in shown and "\nin your trainer" in shown
+    assert "; by allocator setting: default " in shown and ", max_split_size_mb:512 " in shown
     box.children[5].value = "bf16"  # precision
     assert ", bf16, adamw, checkpointing: " in box.run()
     box.children[9].value = True  # padded or packed rows

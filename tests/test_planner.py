@@ -1054,12 +1054,20 @@ def test_replay_puts_the_caching_allocator_in_place_of_the_fixed_reserve(tmp_pat
             assert r["measured_fits"] and r["cache_released"] == 0
             assert r["expandable_segments"] and not r["other_allocator"]["expandable_segments"]
             assert r["advice"] is None  # both settings fit
+            assert list(r["needs_by_setting"]) == list(allocator.SETTINGS)
+            assert r["needs_by_setting"]["expandable segments"] == r["needs_GiB"]
         else:
             assert "reserved_GiB" not in r
             assert r["gpu_GiB"] * 2**30 == pytest.approx(
                 r["measured_GiB"] * 2**30 + planner.gpu_overhead(r["measured_GiB"] * 2**30))
     assert "the caching allocator's replayed reserve with expandable segments" in (
         planner.format_plan(out))
+    table = planner.format_plan(out).split("smallest card by allocator setting (GiB, replayed; "
+                                           "PYTORCH_CUDA_ALLOC_CONF):\n")[1].splitlines()
+    assert table[0].split()[1:] == ["default", "expandable", "segments", "max_split_size_mb:128",
+                                    "max_split_size_mb:512"]
+    assert [line[:52].strip() for line in table[1:1 + len(one_device)]] == [
+        r["step"] for r in one_device]
     # both settings fit the same steps: no line for the other; where a cheaper one fits, one
     assert out["cheapest_measured_other_allocator"] == {"expandable_segments": False,
                                                         "step": out["cheapest_measured"]}
@@ -1114,6 +1122,10 @@ def test_the_replay_says_where_expandable_segments_change_the_verdict(monkeypatc
     context = planner.CUDA_CONTEXT_BYTES / 2**30
     assert (default["needs_GiB"], expandable["needs_GiB"]) == (76 / 1024 + context,
                                                                60 / 1024 + context)
+    # every setting's, from either replay: max_split_size_mb changes nothing under 128 MiB
+    assert default["needs_by_setting"] == expandable["needs_by_setting"] == {
+        name: (60 if name == "expandable segments" else 76) / 1024 + context
+        for name in allocator.SETTINGS}
     assert expandable["advice"].startswith("fits only with expandable segments: the default")
     # max_split_size_mb:40 keeps the 40 MiB segment whole, and releases it to make room
     oversize = planner.replayed_reserve("any", None, 64, 2, budget, max_split_size_mb=40)

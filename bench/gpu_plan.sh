@@ -11,11 +11,17 @@
 #   memory  bench/gpu_session.py --memory-only: what the GPU holds outside PyTorch's allocator,
 #           the fake-tensor prediction against max_memory_allocated (1.2 B model, five stacks,
 #           on the current training loop; three again with expandable segments and three with
-#           max_split_size_mb:128, the allocator's replay beside max_memory_reserved) and Unsloth's Llama-3.1-8B QLoRA rows measured on
-#           the GPU itself, the published table's open misses, then that row on a 24 GB share of
-#           the GPU under each allocator setting, fit or out of memory beside the replay's
-#           verdict -> $OUT/raw/gpu_session_memory.json (GPU_SESSION_PARTS=name,... runs
-#           those of bench/gpu_session.py's parts only, e.g. card_share,card_share_max_split)
+#           max_split_size_mb:128, the allocator's replay beside max_memory_reserved) and
+#           Unsloth's Llama-3.1-8B QLoRA rows measured on the GPU itself, the published table's
+#           open misses, then that row on a 24 GB share of the GPU under each allocator
+#           setting, fit or out of memory beside the replay's verdict
+#           -> $OUT/raw/gpu_session_memory.json. All of it takes longer than one call: the five
+#           stacks alone took 160 s on the H100 (results/h100/raw), the 8 B parts are untimed.
+#           GPU_SESSION_PARTS=name,... runs those of bench/gpu_session.py's parts only (in its
+#           order: outside_allocator, fake_vs_real, fake_vs_real_expandable,
+#           fake_vs_real_max_split, unsloth_8b, card_share, card_share_max_split), e.g.
+#           GPU_SESSION_PARTS=outside_allocator,fake_vs_real_expandable,card_share for a call
+#           that checks the replay's settings where no GPU has yet.
 #   04 ...  a notebook at SCALE="gpu" (the speed claims at the sizes where they should pay)
 #           -> $OUT/<notebook>.ipynb executed, and its figures in $OUT/results/
 # A part that fails or runs out of time does not stop the next; what a part wrote stays: a

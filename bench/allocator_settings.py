@@ -44,15 +44,8 @@ def settings() -> dict[str, dict]:
     return {name: parse_settings(conf) for name, conf in SETTINGS.items()}
 
 
-def smallest_card(events, setting: dict) -> int:
-    from recipes_lib.allocator import min_capacity
-
-    return min_capacity(events, setting.get("expandable_segments", False),
-                        max_split_size_mb=setting.get("max_split_size_mb"))
-
-
 def h100_table() -> None:
-    from recipes_lib.allocator import load_traces, replay
+    from recipes_lib.allocator import load_traces, replay, smallest_cards
 
     raw = ROOT / "results" / "h100" / "raw"
     real = {r["stack"]: r["reserved_peak"] for r in
@@ -67,8 +60,8 @@ def h100_table() -> None:
             print(f"| {stack} | {runs[0].peak_allocated / 2**30:.2f} | "
                   f"{real[stack] / 2**30:.2f} | "
                   + " / ".join(f"{a.peak_reserved / 2**30:.2f}" for a in runs) + " | "
-                  + " / ".join(f"{smallest_card(events, s) / 2**30:.2f}"
-                               for s in settings().values()) + " |", flush=True)
+                  + " / ".join(f"{card / 2**30:.2f}" for card in smallest_cards(events).values())
+                  + " |", flush=True)
 
 
 def on_card(events, capacity: int, setting: dict) -> str:
@@ -83,7 +76,7 @@ def on_card(events, capacity: int, setting: dict) -> str:
 
 def unsloth_table(lengths) -> None:
     from recipes_lib import fake_memory, planner, published
-    from recipes_lib.allocator import replay
+    from recipes_lib.allocator import replay, smallest_cards
 
     budget = planner.parse_bytes("24GiB")
     capacity = int(budget - planner.CUDA_CONTEXT_BYTES)
@@ -99,8 +92,8 @@ def unsloth_table(lengths) -> None:
         print(f"| {seq_len:,} | {allocated / 2**30:.2f} | {fixed / 2**30:.2f} "
               f"({'fits' if fixed <= budget else 'out of memory'}) | "
               + " | ".join(on_card(events, capacity, s) for s in settings().values()) + " | "
-              + " / ".join(f"{(smallest_card(events, s) + planner.CUDA_CONTEXT_BYTES) / 2**30:.2f}"
-                           for s in settings().values()) + " |", flush=True)
+              + " / ".join(f"{(card + planner.CUDA_CONTEXT_BYTES) / 2**30:.2f}"
+                           for card in smallest_cards(events).values()) + " |", flush=True)
         print(f"<!-- {time.perf_counter() - start:.0f} s -->", flush=True)
 
 

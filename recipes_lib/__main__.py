@@ -645,6 +645,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "plan":
         from recipes_lib.allocator import parse_settings
         from recipes_lib.planner import (
+            allocator_setting,
             check_allocator_setting,
             format_plan,
             max_context_per_step,
@@ -685,9 +686,9 @@ def main(argv: list[str] | None = None) -> int:
                                             expandable_segments=args.expandable_segments,
                                             max_split_size_mb=args.max_split_size_mb)
                 searched = {id(r["tries"]): len(r["tries"]) for r in rows if "tries" in r}
-                setting = (" with expandable segments" if args.expandable_segments else
-                           f" with max_split_size_mb:{args.max_split_size_mb}"
-                           if args.max_split_size_mb is not None else "")
+                setting = ("" if not args.expandable_segments and args.max_split_size_mb is None
+                           else " with " + allocator_setting(args.expandable_segments,
+                                                             args.max_split_size_mb, env=False))
                 how = ("; one-device rows judged by their runs replayed through the caching "
                        f"allocator{setting}" if args.replay_allocator else "")
                 print(f"\nlongest sequence that fits, by measurement (batch {args.batch}; "

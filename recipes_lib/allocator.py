@@ -527,6 +527,52 @@ def parse_settings(conf: str, fraction: bool = False) -> dict[str, Any]:
     return out
 
 
+def settings_conf(expandable_segments: bool = False,
+                  max_split_size_mb: int | None = None) -> str:
+    """The ``PYTORCH_CUDA_ALLOC_CONF`` value for the replay's keywords (what
+    :func:`parse_settings` reads back).
+
+    Args:
+        expandable_segments, max_split_size_mb: as :func:`replay`.
+
+    Returns:
+        The value; empty for the defaults.
+
+    Example:
+        >>> settings_conf(max_split_size_mb=128), settings_conf()
+        ('max_split_size_mb:128', '')
+    """
+    if expandable_segments:
+        return "expandable_segments:True"
+    return f"max_split_size_mb:{max_split_size_mb}" if max_split_size_mb is not None else ""
+
+
+def smallest_cards(events: list[Event], settings: dict[str, str] | None = None
+                   ) -> dict[str, int]:
+    """:func:`min_capacity` under each of several launch settings, each distinct one searched
+    once.
+
+    Args:
+        events: the trace (:attr:`AllocationLog.events`).
+        settings: name -> ``PYTORCH_CUDA_ALLOC_CONF`` value (default: ``SETTINGS``).
+
+    Returns:
+        name -> the smallest card in bytes.
+
+    Raises:
+        ValueError: for a value :func:`parse_settings` refuses.
+    """
+    searched: dict[tuple, int] = {}
+    out = {}
+    for name, conf in (SETTINGS if settings is None else settings).items():
+        keywords = parse_settings(conf)
+        key = tuple(keywords.items())
+        if key not in searched:
+            searched[key] = min_capacity(events, **keywords)
+        out[name] = searched[key]
+    return out
+
+
 def _fraction_between_0_and_1(value: str) -> bool:
     try:
         return 0 < float(value) < 1

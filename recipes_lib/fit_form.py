@@ -97,10 +97,9 @@ def verdict(model: str, gpu_mem: str | float, seq_len: int, batch_size: int,
                                             expandable_segments, max_split_size_mb)
         need, fits = replayed["gpu_GiB"] * 2**30, replayed["measured_fits"]
         overhead, how = need - report.peak_bytes, "CUDA context and allocator cache, replayed"
-        if expandable_segments:
-            how += " with expandable segments"
-        elif max_split_size_mb is not None:
-            how += f" with max_split_size_mb:{max_split_size_mb}"
+        if expandable_segments or max_split_size_mb is not None:
+            how += " with " + planner.allocator_setting(expandable_segments, max_split_size_mb,
+                                                        env=False)
         if replayed["cache_released"] and fits:
             said.append(f"fits once the allocator releases its cache "
                         f"({replayed['cache_released']}x), as a full card does")

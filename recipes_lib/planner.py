@@ -46,26 +46,31 @@ ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
 EXPANDABLE_SEGMENTS_ENV = f"{ALLOC_CONF}=expandable_segments:True"
 
 
-def allocator_setting(expandable_segments: bool = False,
-                      max_split_size_mb: int | None = None) -> str:
-    """The allocator setting a replay assumed, as a launch sets it.
+def allocator_setting(expandable_segments: bool = False, max_split_size_mb: int | None = None,
+                      env: bool = True) -> str:
+    """The allocator setting a replay assumed, as a launch sets it or in words.
 
     Args:
         expandable_segments: replayed with expandable segments.
         max_split_size_mb: replayed with that ``max_split_size_mb`` (None: unset).
+        env: the environment variable and its value; False: "expandable segments" or
+            "max_split_size_mb:N".
 
     Returns:
-        The environment variable and its value, or "the default allocator settings".
+        The setting, or "the default allocator settings".
 
     Example:
         >>> allocator_setting(max_split_size_mb=128)
         'PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:128'
     """
-    if expandable_segments:
-        return EXPANDABLE_SEGMENTS_ENV
-    if max_split_size_mb is not None:
-        return f"{ALLOC_CONF}=max_split_size_mb:{max_split_size_mb}"
-    return "the default allocator settings"
+    from recipes_lib.allocator import settings_conf
+
+    conf = settings_conf(expandable_segments, max_split_size_mb)
+    if not conf:
+        return "the default allocator settings"
+    if env:
+        return f"{ALLOC_CONF}={conf}"
+    return "expandable segments" if expandable_segments else conf
 
 
 def allocator_reserve(allocated_bytes: float) -> float:
@@ -927,13 +932,12 @@ def replayed_reserve(model: Any, stack: Any, seq_len: int, batch_size: int,
 
     out = on_card(expandable_segments, max_split_size_mb)
     out["gpu_GiB"] = out["reserved_GiB"] + CUDA_CONTEXT_BYTES / 2**30
-    out["needs_GiB"] = (allocator.min_capacity(events, expandable_segments,
-                                               max_split_size_mb=max_split_size_mb)
-                        + CUDA_CONTEXT_BYTES) / 2**30
+    as_set = allocator.settings_conf(expandable_segments, max_split_size_mb)
+    cards = {name: (card + CUDA_CONTEXT_BYTES) / 2**30 for name, card in allocator.smallest_cards(
+        events, {**allocator.SETTINGS, "as set": as_set}).items()}
+    out["needs_GiB"] = cards.pop("as set")
     out["other_allocator"] = on_card(not expandable_segments, None)
-    out["needs_by_setting"] = {
-        name: (allocator.min_capacity(events, **allocator.parse_settings(conf))
-               + CUDA_CONTEXT_BYTES) / 2**30 for name, conf in allocator.SETTINGS.items()}
+    out["needs_by_setting"] = cards
     out["advice"] = allocator_advice(out)
     return out
 
@@ -1438,11 +1442,9 @@ def _needs_by_setting(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def _assumed_setting(row: dict[str, Any], env: bool = True) -> str | None:
-    """The allocator setting a replayed row assumed, where not the default: as a launch sets
-    it, or (``env=False``) in words."""
-    if row.get("expandable_segments"):
-        return EXPANDABLE_SEGMENTS_ENV if env else "expandable segments"
-    if row.get("max_split_size_mb") is not None:
-        setting = allocator_setting(max_split_size_mb=row["max_split_size_mb"])
-        return setting if env else setting.split("=")[1]
+    """The allocator setting a replayed row assumed, where not the default
+    (:func:`allocator_setting`)."""
+    if row.get("expandable_segments") or row.get("max_split_size_mb") is not None:
+        return allocator_setting(row.get("expandable_segments", False),
+                                 row.get("max_split_size_mb"), env)
     return None

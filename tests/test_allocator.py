@@ -202,6 +202,8 @@ def test_max_split_size_releases_oversize_segments_before_the_rest():
 def test_a_launch_setting_parses_into_the_replays_keywords():
     parse = allocator.parse_settings
     assert parse("") == {"expandable_segments": False, "max_split_size_mb": None}
+    for conf in allocator.SETTINGS.values():  # settings_conf writes back what parse reads
+        assert allocator.settings_conf(**parse(conf)) == conf
     assert parse("expandable_segments:True") == {"expandable_segments": True,
                                                  "max_split_size_mb": None}
     assert parse(" max_split_size_mb:128 , expandable_segments:False") == {
@@ -223,7 +225,7 @@ def test_a_launch_setting_parses_into_the_replays_keywords():
             parse(bad)
 
 
-def test_the_smallest_card_is_where_the_replay_starts_to_fit(config):
+def test_the_smallest_card_is_where_the_replay_starts_to_fit(config, monkeypatch):
     stranded = [("alloc", 0, 40 * MiB), ("free", 0, 0), ("alloc", 1, 10 * MiB),
                 ("alloc", 2, 35 * MiB)]
     # the default rules keep the split 40 MiB segment and take a 36 MiB one; expandable
@@ -240,6 +242,15 @@ def test_the_smallest_card_is_where_the_replay_starts_to_fit(config):
             replay(events, card - 4096, expandable, max_split_size_mb=mss)
     with pytest.raises(ValueError, match="resolution=0"):
         allocator.min_capacity(events, resolution=0)
+    # under each launch setting by name, a setting named twice searched once
+    calls, searched = [], allocator.min_capacity
+    monkeypatch.setattr(allocator, "min_capacity",
+                        lambda *args, **kwargs: calls.append(kwargs) or searched(*args, **kwargs))
+    cards = allocator.smallest_cards(stranded, {**allocator.SETTINGS, "again": ""})
+    assert len(calls) == len(allocator.SETTINGS)
+    assert cards == {name: searched(stranded, **allocator.parse_settings(conf))
+                     for name, conf in {**allocator.SETTINGS, "again": ""}.items()}
+    assert (cards["default"], cards["expandable segments"]) == (76 * MiB, 60 * MiB)
 
 
 def _check_tiling(a: CachingAllocator, live: list) -> None:

@@ -614,7 +614,8 @@ def main(argv: list[str] | None = None) -> int:
                     "PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:N runs it (N >= 20)")
     pl.add_argument("--alloc-conf", metavar="VALUE",
                     help="with --replay-allocator: replay the allocator as "
-                    "PYTORCH_CUDA_ALLOC_CONF=VALUE runs it, e.g. 'expandable_segments:True' "
+                    "PYTORCH_CUDA_ALLOC_CONF=VALUE runs it, e.g. 'expandable_segments:True' or "
+                    "axolotl's 'expandable_segments:True,roundup_power2_divisions:16' "
                     "(settings that change nothing the replay sees are accepted, the ones it "
                     "does not model refused)")
     pl.add_argument("--max-context", action="store_true",
@@ -659,6 +660,7 @@ def main(argv: list[str] | None = None) -> int:
             if getattr(args, flag) not in (False, None) and not args.replay_allocator:
                 parser.error(f"--{flag.replace('_', '-')}: an allocator setting the replay "
                              "models; add --replay-allocator")
+        args.roundup_power2_divisions = None  # --alloc-conf's alone
         if args.alloc_conf is not None:  # the launch's value, in place of the two flags
             if args.expandable_segments or args.max_split_size_mb is not None:
                 parser.error("--alloc-conf: give the allocator settings there or as "
@@ -669,12 +671,14 @@ def main(argv: list[str] | None = None) -> int:
                 parser.error(f"--alloc-conf: {err}")
         try:
             check_allocator_setting(args.replay_allocator, args.expandable_segments,
-                                    args.max_split_size_mb)
+                                    args.max_split_size_mb, args.roundup_power2_divisions)
             planned = plan(args.model, args.gpu_mem, args.seq, args.batch, args.gpus,
                            measure=args.measure, attention_mask=args.attention_mask,
                            replay=args.replay_allocator and args.measure,
                            expandable_segments=args.expandable_segments and args.measure,
                            max_split_size_mb=args.max_split_size_mb if args.measure else None,
+                           roundup_power2_divisions=(args.roundup_power2_divisions
+                                                     if args.measure else None),
                            progress=True)
             print(format_plan(planned))
             if args.max_context:  # the same rows: the plan's micro-batches
@@ -684,11 +688,13 @@ def main(argv: list[str] | None = None) -> int:
                                             attention_mask=args.attention_mask, progress=True,
                                             replay=args.replay_allocator,
                                             expandable_segments=args.expandable_segments,
-                                            max_split_size_mb=args.max_split_size_mb)
+                                            max_split_size_mb=args.max_split_size_mb,
+                                            roundup_power2_divisions=(
+                                                args.roundup_power2_divisions))
                 searched = {id(r["tries"]): len(r["tries"]) for r in rows if "tries" in r}
-                setting = ("" if not args.expandable_segments and args.max_split_size_mb is None
-                           else " with " + allocator_setting(args.expandable_segments,
-                                                             args.max_split_size_mb, env=False))
+                words = allocator_setting(args.expandable_segments, args.max_split_size_mb,
+                                          False, args.roundup_power2_divisions)
+                setting = "" if words == "the default allocator settings" else f" with {words}"
                 how = ("; one-device rows judged by their runs replayed through the caching "
                        f"allocator{setting}" if args.replay_allocator else "")
                 print(f"\nlongest sequence that fits, by measurement (batch {args.batch}; "

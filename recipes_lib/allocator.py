@@ -47,6 +47,17 @@ PyTorch's out-of-memory message suggested before expandable segments) keeps larg
   largest down to the request's size), and every whole free segment only if that was not
   enough.
 
+``PYTORCH_CUDA_ALLOC_CONF=roundup_power2_divisions:D`` (``roundup_power2_divisions=D``;
+axolotl's command line sets ``expandable_segments:True,roundup_power2_divisions:16``) rounds a
+request up to the next of D equal steps between two powers of two, in place of 512 bytes, so
+that requests of nearby sizes take blocks of one size: with 4 divisions a request of 5 MiB and
+a byte takes 6 MiB, with 16 divisions 5.25 MiB. D may differ per power-of-two interval of
+sizes, from 1 MiB (and below) to 32 GiB and above (``"[256:1,512:2,>:8]"``: each key is an
+interval's start in MiB); a request of at most 512 x D bytes, a power of two, or D of 0 or 1
+is rounded to 512 bytes as before (1 does not round to a power of two: pytorch#161139). It
+combines with either setting above. PyTorch's parser and interval table, compiled into every
+build's libc10, are the reference the tests compare against.
+
 Streams are not modelled: FSDP's collectives allocate on streams of their own, whose cached
 blocks serve only that stream, so an FSDP step replayed as one stream is an estimate below what
 those pools take.
@@ -77,26 +88,72 @@ SMALL_BUFFER = 2 << 20  # the small pool's segments
 MIN_LARGE_ALLOC = 10 << 20  # a large request under this gets a LARGE_BUFFER segment
 LARGE_BUFFER = 20 << 20  # also how much larger an oversize block may be than its request
 ROUND_LARGE = 2 << 20  # larger segments are rounded up to this
+# roundup_power2_divisions' intervals: [2^20, 2^21) bytes (and below) ... [2^35, 2^36) (and above)
+ROUNDUP_INTERVALS = 16
 
 
 class SimulatedOutOfMemory(RuntimeError):
     """A request the capacity cannot hold, even with every whole free segment released."""
 
 
-def round_size(nbytes: int) -> int:
-    """The block size a request of ``nbytes`` takes (a multiple of 512, at least 512).
+def round_size(nbytes: int, divisions: tuple[int, ...] | None = None) -> int:
+    """The block size a request of ``nbytes`` takes: a multiple of 512, at least 512, or with
+    ``roundup_power2_divisions`` the next of its interval's divisions.
 
     Args:
         nbytes: the bytes requested.
+        divisions: divisions per interval (:func:`roundup_divisions`; None: none).
 
     Returns:
         The rounded size.
 
     Example:
-        >>> round_size(1), round_size(513)
-        (512, 1024)
+        >>> round_size(1), round_size(513), round_size(5 * 2**20 + 1, roundup_divisions(4))
+        (512, 1024, 6291456)
     """
-    return max(MIN_BLOCK, -(-nbytes // MIN_BLOCK) * MIN_BLOCK)
+    if nbytes < MIN_BLOCK:
+        return MIN_BLOCK
+    d = divisions[min(max(nbytes.bit_length() - 21, 0), ROUNDUP_INTERVALS - 1)] if divisions else 0
+    if d > 1 and nbytes > MIN_BLOCK * d and nbytes & (nbytes - 1):
+        step = (1 << (nbytes.bit_length() - 1)) >> (d.bit_length() - 1)  # the interval / d
+        if step == 0:  # more divisions than bytes in the interval (PyTorch's guard)
+            return 1 << nbytes.bit_length()
+        return -(-nbytes // step) * step
+    return -(-nbytes // MIN_BLOCK) * MIN_BLOCK
+
+
+def roundup_divisions(value: int | Iterable[int] | None) -> tuple[int, ...] | None:
+    """``roundup_power2_divisions`` as one count per interval (PyTorch's table).
+
+    Args:
+        value: one count for every interval (a power of two), or ``ROUNDUP_INTERVALS`` counts
+            (each 0 or a power of two), or None.
+
+    Returns:
+        ``ROUNDUP_INTERVALS`` counts, or None.
+
+    Raises:
+        ValueError: naming ``roundup_power2_divisions``, for anything else.
+
+    Example:
+        >>> roundup_divisions(16)[:3]
+        (16, 16, 16)
+    """
+    if value is None:
+        return None
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value < 1 or value & (value - 1):
+            raise ValueError(f"roundup_power2_divisions={value!r}: a power of two (PyTorch "
+                             "refuses anything else)")
+        return (value,) * ROUNDUP_INTERVALS
+    table = tuple(value) if isinstance(value, (tuple, list)) else ()
+    if len(table) != ROUNDUP_INTERVALS or not all(
+            isinstance(d, int) and not isinstance(d, bool) and d >= 0 and not d & (d - 1)
+            for d in table):
+        raise ValueError(f"roundup_power2_divisions={value!r}: a power of two, or "
+                         f"{ROUNDUP_INTERVALS} counts (one per power-of-two interval from 1 MiB "
+                         "up), each 0 or a power of two")
+    return table
 
 
 def segment_size(nbytes: int) -> int:
@@ -149,6 +206,8 @@ class CachingAllocator:
         max_split_size_mb: as ``PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:N`` (None: unset,
             every block may be split); with the default rules only (the two together are
             not modelled).
+        roundup_power2_divisions: as ``PYTORCH_CUDA_ALLOC_CONF=roundup_power2_divisions:D``:
+            one count, or one per interval (:func:`roundup_divisions`); None: unset.
         fraction: ``capacity`` is a share of a larger card set with
             ``torch.cuda.set_per_process_memory_fraction`` (how a big GPU stands in for a
             small one), not the card's own memory. The default rules check both alike; with
@@ -165,13 +224,14 @@ class CachingAllocator:
     Raises:
         ValueError: for a ``max_split_size_mb`` that is not a whole number of MiB of at least
             20 (PyTorch's floor: a large block is cut from a 20 MiB segment), or one set with
-            ``expandable_segments``.
+            ``expandable_segments``; for divisions :func:`roundup_divisions` refuses.
     """
 
     capacity: int | None = None
     expandable_segments: bool = False
     fraction: bool = False
     max_split_size_mb: int | None = None
+    roundup_power2_divisions: int | tuple[int, ...] | None = None
     allocated: int = 0
     reserved: int = 0
     peak_allocated: int = 0
@@ -182,8 +242,10 @@ class CachingAllocator:
     _unmapped: dict[bool, list] = field(default_factory=lambda: {True: [], False: []})
     _next_addr: int = 0
     _max_split: int = 1 << 62  # bytes: no limit
+    _divisions: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
+        self._divisions = roundup_divisions(self.roundup_power2_divisions)
         mss = self.max_split_size_mb
         if mss is None:
             return
@@ -210,7 +272,7 @@ class CachingAllocator:
         """
         if not isinstance(nbytes, int) or nbytes <= 0:
             raise ValueError(f"nbytes={nbytes!r}: a positive number of bytes")
-        size = round_size(nbytes)
+        size = round_size(nbytes, self._divisions)
         small = size <= SMALL_SIZE
         if self.expandable_segments:
             block = self._take_cached_expandable(size, small) or self._grow(size, small)
@@ -479,7 +541,8 @@ INERT_SETTINGS = ("pinned_use_cuda_host_register", "pinned_num_register_threads"
 
 def parse_settings(conf: str, fraction: bool = False) -> dict[str, Any]:
     """The replay's keywords for a ``PYTORCH_CUDA_ALLOC_CONF`` (or ``PYTORCH_ALLOC_CONF``)
-    value, as PyTorch parses it: comma-separated ``key:value`` pairs; empty for the defaults.
+    value, as PyTorch parses it: comma-separated ``key:value`` pairs, a list in brackets for
+    ``roundup_power2_divisions``; empty for the defaults.
 
     ``garbage_collection_threshold`` is accepted and changes nothing: PyTorch collects only
     under ``torch.cuda.set_per_process_memory_fraction`` (its ``set_fraction``), so a launch
@@ -487,53 +550,114 @@ def parse_settings(conf: str, fraction: bool = False) -> dict[str, Any]:
     ``INERT_SETTINGS`` and ``backend:native`` (the default).
 
     Args:
-        conf: e.g. ``"expandable_segments:True"`` or
+        conf: e.g. ``"expandable_segments:True,roundup_power2_divisions:16"`` or
             ``"garbage_collection_threshold:0.6,max_split_size_mb:128"``.
         fraction: the run is under a per-process memory fraction (``replay(fraction=True)``),
             where a garbage-collection threshold acts: refused, not modelled.
 
     Returns:
-        ``{"expandable_segments": bool, "max_split_size_mb": int | None}``.
+        ``{"expandable_segments": bool, "max_split_size_mb": int | None,
+        "roundup_power2_divisions": int | tuple | None}``: the divisions as one count where
+        every interval has the same, else one per interval (PyTorch's list form: the first
+        entry's count also covers the intervals below it, ``>`` those after the last entry,
+        and an interval no entry names rounds nothing); None where none rounds.
 
     Raises:
         ValueError: naming the key, for one the replay does not model (it would predict the
-            wrong run: ``roundup_power2_divisions``, ``backend:cudaMallocAsync``, ...) or a
+            wrong run: ``backend:cudaMallocAsync``, ``max_non_split_rounding_mb``, ...) or a
             value that does not parse.
 
     Example:
         >>> parse_settings("garbage_collection_threshold:0.6,max_split_size_mb:128")
-        {'expandable_segments': False, 'max_split_size_mb': 128}
+        {'expandable_segments': False, 'max_split_size_mb': 128, 'roundup_power2_divisions': None}
+        >>> parse_settings("roundup_power2_divisions:[256:1,512:2,>:8]")["roundup_power2_divisions"]
+        (1, 1, 1, 1, 1, 1, 1, 1, 1, 2, 8, 8, 8, 8, 8, 8)
     """
     out: dict[str, Any] = {"expandable_segments": False, "max_split_size_mb": None}
-    for pair in filter(None, (p.strip() for p in conf.split(","))):
+    table = [0] * ROUNDUP_INTERVALS
+    for pair in _top_level_pairs(conf):
         key, _, value = (part.strip() for part in pair.partition(":"))
         if key == "expandable_segments" and value in ("True", "False"):
             out[key] = value == "True"
         elif key == "max_split_size_mb" and value.isdigit():
             out[key] = int(value)
+        elif key == "roundup_power2_divisions" and _read_divisions(value, table):
+            continue
         elif key == "garbage_collection_threshold" and _fraction_between_0_and_1(value):
             if fraction:
                 raise ValueError(f"conf={conf!r}: garbage_collection_threshold under a "
                                  "per-process memory fraction is not modelled by the replay")
         elif key in INERT_SETTINGS or (key, value) == ("backend", "native"):
             continue
-        elif key in ("expandable_segments", "max_split_size_mb", "garbage_collection_threshold"):
+        elif key in ("expandable_segments", "max_split_size_mb", "garbage_collection_threshold",
+                     "roundup_power2_divisions"):
             raise ValueError(f"conf={conf!r}: {key}:{value} does not parse (True or False; "
-                             "a whole number of MiB; a fraction between 0 and 1)")
+                             "a whole number of MiB; a fraction between 0 and 1; a power of two "
+                             "or a list such as [256:1,512:2,>:8])")
         else:
             raise ValueError(f"conf={conf!r}: {pair} is not modelled by the replay (it models "
-                             "expandable_segments and max_split_size_mb)")
+                             "expandable_segments, max_split_size_mb and "
+                             "roundup_power2_divisions)")
+    out["roundup_power2_divisions"] = (None if not any(table) else table[0]
+                                       if len(set(table)) == 1 else tuple(table))
     CachingAllocator(**out)  # refuses what it cannot replay
     return out
 
 
-def settings_conf(expandable_segments: bool = False,
-                  max_split_size_mb: int | None = None) -> str:
+def _top_level_pairs(conf: str) -> list[str]:
+    """``conf``'s comma-separated pairs, a bracketed list kept whole."""
+    pairs, depth, current = [], 0, ""
+    for ch in conf:
+        depth += (ch == "[") - (ch == "]")
+        if ch == "," and depth == 0:
+            pairs.append(current)
+            current = ""
+        else:
+            current += ch
+    return [p.strip() for p in [*pairs, current] if p.strip()]
+
+
+def _read_divisions(value: str, table: list[int]) -> bool:
+    """Apply a ``roundup_power2_divisions`` value to ``table`` as PyTorch's parser does
+    (``AcceleratorAllocatorConfig::parseRoundUpPower2Divisions``); False where it does not
+    parse (``table`` then left as it may be)."""
+    def count(text: str, zero: bool) -> int | None:
+        n = int(text) if text.isdigit() else -1
+        return n if (n > 0 or zero and n == 0) and not n & (n - 1) else None
+
+    value = value.replace(" ", "")
+    if not (value.startswith("[") and value.endswith("]")):
+        n = count(value, zero=False)
+        if n is not None:
+            table[:] = [n] * ROUNDUP_INTERVALS
+        return n is not None
+    last, first = 0, True
+    for entry in value[1:-1].split(","):
+        start, sep, divisions = entry.partition(":")
+        d = count(divisions, zero=True)
+        if not sep or d is None:
+            return False
+        if start == ">":
+            table[last + 1:] = [d] * (ROUNDUP_INTERVALS - last - 1)
+            continue
+        mib = count(start, zero=False)
+        if mib is None:
+            return False
+        last = min(mib.bit_length() - 1, ROUNDUP_INTERVALS - 1)
+        if first:
+            table[:last] = [d] * last
+            first = False
+        table[last] = d
+    return True
+
+
+def settings_conf(expandable_segments: bool = False, max_split_size_mb: int | None = None,
+                  roundup_power2_divisions: int | tuple[int, ...] | None = None) -> str:
     """The ``PYTORCH_CUDA_ALLOC_CONF`` value for the replay's keywords (what
     :func:`parse_settings` reads back).
 
     Args:
-        expandable_segments, max_split_size_mb: as :func:`replay`.
+        expandable_segments, max_split_size_mb, roundup_power2_divisions: as :func:`replay`.
 
     Returns:
         The value; empty for the defaults.
@@ -541,10 +665,22 @@ def settings_conf(expandable_segments: bool = False,
     Example:
         >>> settings_conf(max_split_size_mb=128), settings_conf()
         ('max_split_size_mb:128', '')
+        >>> settings_conf(True, roundup_power2_divisions=(1,) * 9 + (2, 4) + (8,) * 5)
+        'expandable_segments:True,roundup_power2_divisions:[256:1,512:2,1024:4,>:8]'
     """
-    if expandable_segments:
-        return "expandable_segments:True"
-    return f"max_split_size_mb:{max_split_size_mb}" if max_split_size_mb is not None else ""
+    parts = (["expandable_segments:True"] if expandable_segments else
+             [f"max_split_size_mb:{max_split_size_mb}"] if max_split_size_mb is not None else [])
+    table = roundup_divisions(roundup_power2_divisions)
+    if table is not None and any(table):
+        if len(set(table)) == 1:
+            parts.append(f"roundup_power2_divisions:{table[0]}")
+        else:  # the first entry covers the intervals below it; ">" the constant rest
+            low = next(i for i, d in enumerate(table) if d != table[0]) - 1
+            high = max(i for i, d in enumerate(table) if d != table[-1]) + 1
+            entries = [f"{1 << i}:{table[i]}" for i in range(low, high)]
+            entries.append(f">:{table[-1]}")  # high < ROUNDUP_INTERVALS: the last is constant
+            parts.append(f"roundup_power2_divisions:[{','.join(entries)}]")
+    return ",".join(parts)
 
 
 def smallest_cards(events: list[Event], settings: dict[str, str] | None = None
@@ -586,7 +722,8 @@ Event = tuple[str, int, int]
 
 def replay(events: Iterable[Event], capacity: int | None = None,
            expandable_segments: bool = False, fraction: bool = False,
-           max_split_size_mb: int | None = None) -> CachingAllocator:
+           max_split_size_mb: int | None = None,
+           roundup_power2_divisions: int | tuple[int, ...] | None = None) -> CachingAllocator:
     """Run a trace's allocations and frees through a fresh :class:`CachingAllocator`.
 
     Args:
@@ -598,6 +735,8 @@ def replay(events: Iterable[Event], capacity: int | None = None,
         fraction: ``capacity`` is a per-process share of a larger card
             (:attr:`CachingAllocator.fraction`).
         max_split_size_mb: as ``PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:N`` (None: unset).
+        roundup_power2_divisions: as ``PYTORCH_CUDA_ALLOC_CONF=roundup_power2_divisions:D``
+            (one count, or one per interval: :func:`roundup_divisions`; None: unset).
 
     Returns:
         The allocator after the trace: its ``peak_allocated`` and ``peak_reserved``.
@@ -612,7 +751,8 @@ def replay(events: Iterable[Event], capacity: int | None = None,
         >>> a.peak_allocated // 2**20, a.peak_reserved // 2**20  # one 20 MiB segment
         (6, 20)
     """
-    alloc = CachingAllocator(capacity, expandable_segments, fraction, max_split_size_mb)
+    alloc = CachingAllocator(capacity, expandable_segments, fraction, max_split_size_mb,
+                             roundup_power2_divisions)
     live: dict[int, _Block] = {}
     for kind, key, nbytes in events:
         if kind == "alloc":
@@ -627,11 +767,14 @@ def replay(events: Iterable[Event], capacity: int | None = None,
 
 
 def fits(events: Iterable[Event], capacity: int | None, expandable_segments: bool = False,
-         fraction: bool = False, max_split_size_mb: int | None = None) -> CachingAllocator | None:
+         fraction: bool = False, max_split_size_mb: int | None = None,
+         roundup_power2_divisions: int | tuple[int, ...] | None = None
+         ) -> CachingAllocator | None:
     """:func:`replay` on a card of ``capacity`` bytes, or None where the run runs out there.
 
     Args:
-        events, capacity, expandable_segments, fraction, max_split_size_mb: as :func:`replay`.
+        events, capacity, expandable_segments, fraction, max_split_size_mb,
+            roundup_power2_divisions: as :func:`replay`.
 
     Returns:
         The allocator after the trace, or None.
@@ -641,13 +784,15 @@ def fits(events: Iterable[Event], capacity: int | None, expandable_segments: boo
         True
     """
     try:
-        return replay(events, capacity, expandable_segments, fraction, max_split_size_mb)
+        return replay(events, capacity, expandable_segments, fraction, max_split_size_mb,
+                      roundup_power2_divisions)
     except SimulatedOutOfMemory:
         return None
 
 
 def min_capacity(events: list[Event], expandable_segments: bool = False,
-                 resolution: int = ROUND_LARGE, max_split_size_mb: int | None = None) -> int:
+                 resolution: int = ROUND_LARGE, max_split_size_mb: int | None = None,
+                 roundup_power2_divisions: int | tuple[int, ...] | None = None) -> int:
     """The smallest card (bytes for PyTorch) on which a trace's replay fits, found by bisection
     between its allocated peak and what an unlimited card reserves: how much memory the run
     needs, once the allocator releases its cache under pressure as a full card makes it do.
@@ -660,7 +805,7 @@ def min_capacity(events: list[Event], expandable_segments: bool = False,
         events: the trace (:attr:`AllocationLog.events`).
         expandable_segments: as ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``.
         resolution: the bisection's granularity in bytes (default 2 MiB).
-        max_split_size_mb: as ``PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:N`` (None: unset).
+        max_split_size_mb, roundup_power2_divisions: as :func:`replay`.
 
     Returns:
         The capacity in bytes.
@@ -678,11 +823,13 @@ def min_capacity(events: list[Event], expandable_segments: bool = False,
     """
     if not isinstance(resolution, int) or isinstance(resolution, bool) or resolution <= 0:
         raise ValueError(f"resolution={resolution!r}: a positive number of bytes")
-    unlimited = replay(events, None, expandable_segments, max_split_size_mb=max_split_size_mb)
+    setting = {"max_split_size_mb": max_split_size_mb,
+               "roundup_power2_divisions": roundup_power2_divisions}
+    unlimited = replay(events, None, expandable_segments, **setting)
     lo, hi = unlimited.peak_allocated - 1, unlimited.peak_reserved  # lo: known not to fit
     while hi - lo > resolution:
         mid = (lo + hi) // 2
-        if fits(events, mid, expandable_segments, max_split_size_mb=max_split_size_mb) is None:
+        if fits(events, mid, expandable_segments, **setting) is None:
             lo = mid
         else:
             hi = mid

@@ -1245,7 +1245,9 @@ def replay_allocator(model: Any, stack: Stack = Stack(), seq_len: int = 2048,
                      batch_size: int = 1, device: torch.device | str = "cpu", steps: int = 2,
                      capacity_bytes: int | None = None, fake: bool = True,
                      fsdp_one_stream: bool = False, expandable_segments: bool = False,
-                     max_split_size_mb: int | None = None) -> CachingAllocator:
+                     max_split_size_mb: int | None = None,
+                     roundup_power2_divisions: int | tuple[int, ...] | None = None
+                     ) -> CachingAllocator:
     """What CUDA's caching allocator would hold for a training run: its allocations and frees
     (:func:`allocation_trace`) replayed through the allocator's rules
     (:func:`recipes_lib.allocator.replay`).
@@ -1263,6 +1265,8 @@ def replay_allocator(model: Any, stack: Stack = Stack(), seq_len: int = 2048,
         expandable_segments: replay as ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``.
         max_split_size_mb: replay as ``PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:N`` (None:
             unset).
+        roundup_power2_divisions: replay as ``PYTORCH_CUDA_ALLOC_CONF=
+            roundup_power2_divisions:D`` (``allocator.roundup_divisions``; None: unset).
 
     Returns:
         The allocator after the run: ``peak_allocated``, ``peak_reserved``, ``segments``.
@@ -1278,7 +1282,8 @@ def replay_allocator(model: Any, stack: Stack = Stack(), seq_len: int = 2048,
     """
     return replay(allocation_trace(model, stack, seq_len, batch_size, device, steps, fake,
                                    fsdp_one_stream), capacity_bytes, expandable_segments,
-                  max_split_size_mb=max_split_size_mb)
+                  max_split_size_mb=max_split_size_mb,
+                  roundup_power2_divisions=roundup_power2_divisions)
 
 
 def allocation_trace(model: Any, stack: Stack = Stack(), seq_len: int = 2048,

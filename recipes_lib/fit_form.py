@@ -48,7 +48,8 @@ def make_stack(method: str = "qlora", checkpointing: bool = True, adamw_8bit: bo
 
 def verdict(model: str, gpu_mem: str | float, seq_len: int, batch_size: int,
             stack: Stack, replay: bool = False, expandable_segments: bool = False,
-            max_split_size_mb: int | None = None) -> dict[str, Any]:
+            max_split_size_mb: int | None = None,
+            roundup_power2_divisions: int | tuple[int, ...] | None = None) -> dict[str, Any]:
     """Measure one step and say whether it fits one GPU of ``gpu_mem``.
 
     Args:
@@ -66,6 +67,8 @@ def verdict(model: str, gpu_mem: str | float, seq_len: int, batch_size: int,
             ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` runs.
         max_split_size_mb: with ``replay``, replay as
             ``PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:N`` runs (None: unset).
+        roundup_power2_divisions: with ``replay``, replay as
+            ``PYTORCH_CUDA_ALLOC_CONF=roundup_power2_divisions:D`` runs (None: unset).
 
     Returns:
         ``{"report", "overhead_bytes", "need_bytes", "budget_bytes", "fits", "text",
@@ -80,7 +83,11 @@ def verdict(model: str, gpu_mem: str | float, seq_len: int, batch_size: int,
         ValueError: naming the parameter, for what ``fake_memory`` or ``planner.parse_bytes``
             refuse (``UnmeasuredStackError`` where no stack near it can be measured).
     """
-    planner.check_allocator_setting(replay, expandable_segments, max_split_size_mb)
+    setting = {"max_split_size_mb": max_split_size_mb,
+               "roundup_power2_divisions": roundup_power2_divisions}
+    planner.check_allocator_setting(replay, expandable_segments, **setting)
+    as_set = planner.allocator_setting(expandable_segments, env=False, **setting)
+    assumed = as_set != "the default allocator settings"
     budget = planner.parse_bytes(gpu_mem)
     said = []
     try:
@@ -94,12 +101,11 @@ def verdict(model: str, gpu_mem: str | float, seq_len: int, batch_size: int,
         report = measure_step(model, stack, seq_len, batch_size)
     if replay:
         replayed = planner.replayed_reserve(model, stack, seq_len, batch_size, budget,
-                                            expandable_segments, max_split_size_mb)
+                                            expandable_segments, **setting)
         need, fits = replayed["gpu_GiB"] * 2**30, replayed["measured_fits"]
         overhead, how = need - report.peak_bytes, "CUDA context and allocator cache, replayed"
-        if expandable_segments or max_split_size_mb is not None:
-            how += " with " + planner.allocator_setting(expandable_segments, max_split_size_mb,
-                                                        env=False)
+        if assumed:
+            how += " with " + as_set
         if replayed["cache_released"] and fits:
             said.append(f"fits once the allocator releases its cache "
                         f"({replayed['cache_released']}x), as a full card does")
@@ -132,9 +138,9 @@ def verdict(model: str, gpu_mem: str | float, seq_len: int, batch_size: int,
         code = f"# {err}"
     if fits:
         text += "\nin your trainer (TRL's SFTConfig takes the same args):\n" + code
-        if replay and (expandable_segments or max_split_size_mb is not None):  # it assumed it
-            setting = planner.allocator_setting(expandable_segments, max_split_size_mb)
-            text += f"\n# launch with {setting}: the replay assumed it"
+        if replay and assumed:  # it assumed it
+            launch = planner.allocator_setting(expandable_segments, **setting)
+            text += f"\n# launch with {launch}: the replay assumed it"
     return {"report": report, "overhead_bytes": overhead, "need_bytes": need,
             "budget_bytes": budget, "fits": fits, "text": text, "trainer_code": code}
 

@@ -47,14 +47,17 @@ EXPANDABLE_SEGMENTS_ENV = f"{ALLOC_CONF}=expandable_segments:True"
 
 
 def allocator_setting(expandable_segments: bool = False, max_split_size_mb: int | None = None,
-                      env: bool = True) -> str:
+                      env: bool = True,
+                      roundup_power2_divisions: int | tuple[int, ...] | None = None) -> str:
     """The allocator setting a replay assumed, as a launch sets it or in words.
 
     Args:
         expandable_segments: replayed with expandable segments.
         max_split_size_mb: replayed with that ``max_split_size_mb`` (None: unset).
-        env: the environment variable and its value; False: "expandable segments" or
-            "max_split_size_mb:N".
+        env: the environment variable and its value; False: the value in words
+            ("expandable segments", "max_split_size_mb:N", each followed by
+            ", roundup_power2_divisions:D" where set).
+        roundup_power2_divisions: replayed with those divisions (None: unset).
 
     Returns:
         The setting, or "the default allocator settings".
@@ -65,12 +68,15 @@ def allocator_setting(expandable_segments: bool = False, max_split_size_mb: int 
     """
     from recipes_lib.allocator import settings_conf
 
-    conf = settings_conf(expandable_segments, max_split_size_mb)
+    conf = settings_conf(expandable_segments, max_split_size_mb, roundup_power2_divisions)
     if not conf:
         return "the default allocator settings"
     if env:
         return f"{ALLOC_CONF}={conf}"
-    return "expandable segments" if expandable_segments else conf
+    base = settings_conf(expandable_segments, max_split_size_mb)
+    rounding = settings_conf(roundup_power2_divisions=roundup_power2_divisions)
+    return ", ".join(filter(None, ["expandable segments" if expandable_segments else base,
+                                   rounding]))
 
 
 def allocator_reserve(allocated_bytes: float) -> float:
@@ -692,7 +698,8 @@ def plan(model: str, gpu_mem: str | float, seq_len: int = 2048, batch_size: int 
          gpus: int = 1, grad_accum_steps: int | None = None, measure: bool = False,
          attention_mask: bool = False, progress: bool = False,
          replay: bool = False, expandable_segments: bool = False,
-         max_split_size_mb: int | None = None) -> dict[str, Any]:
+         max_split_size_mb: int | None = None,
+         roundup_power2_divisions: int | tuple[int, ...] | None = None) -> dict[str, Any]:
     """Predicted per-GPU memory of each escalation step and the cheapest one that fits.
 
     Args:
@@ -736,6 +743,8 @@ def plan(model: str, gpu_mem: str | float, seq_len: int = 2048, batch_size: int 
             ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` runs.
         max_split_size_mb: with ``replay``, replay as ``PYTORCH_CUDA_ALLOC_CONF=
             max_split_size_mb:N`` runs (None: unset); not with ``expandable_segments``.
+        roundup_power2_divisions: with ``replay``, replay as ``PYTORCH_CUDA_ALLOC_CONF=
+            roundup_power2_divisions:D`` runs (one count or one per interval; None: unset).
 
     Returns:
         ``{"model", "params_B", "gpu_bytes", "gpu", "rows", "cheapest", "notes", "trainer",
@@ -778,7 +787,8 @@ def plan(model: str, gpu_mem: str | float, seq_len: int = 2048, batch_size: int 
     if replay and not measure:
         raise ValueError("replay=True: replays the measured rows' runs; set measure=True too "
                          "(--measure)")
-    check_allocator_setting(replay, expandable_segments, max_split_size_mb)
+    check_allocator_setting(replay, expandable_segments, max_split_size_mb,
+                            roundup_power2_divisions)
     if not isinstance(attention_mask, bool):
         raise TypeError(f"attention_mask={attention_mask!r}: True (padded or packed rows, "
                          "which need a mask) or False (full rows)")
@@ -848,7 +858,8 @@ def plan(model: str, gpu_mem: str | float, seq_len: int = 2048, batch_size: int 
             if replay and stack.fsdp_ranks == 1:
                 row.update(replayed_reserve(model, stack, seq_len,
                                             _whole_shares(stack, batch_size), budget,
-                                            expandable_segments, max_split_size_mb))
+                                            expandable_segments, max_split_size_mb,
+                                            roundup_power2_divisions))
             if row is rows[0]:  # the full fine-tune: how a GPU runs AdamW moves its peak
                 row["adamw_GiB"] = {"for-loop (as measured)": peak / 2**30} | {
                     impl: fake_memory.measure_step(
@@ -870,7 +881,8 @@ def plan(model: str, gpu_mem: str | float, seq_len: int = 2048, batch_size: int 
             other = next((r["step"] for r in rows if r.get("other_allocator", r).get(
                 "measured_fits")), "nothing measured fits")
             out["cheapest_measured_other_allocator"] = {
-                "expandable_segments": not expandable_segments, "step": other}
+                "expandable_segments": not expandable_segments, "step": other,
+                "roundup_power2_divisions": roundup_power2_divisions}
         out["cheapest_measured"] = next((r["step"] for r in rows if r.get("measured_fits")),
                                         "nothing measured fits")
     step = out.get("cheapest_measured", out["cheapest"])
@@ -889,11 +901,13 @@ def plan(model: str, gpu_mem: str | float, seq_len: int = 2048, batch_size: int 
 
 def replayed_reserve(model: Any, stack: Any, seq_len: int, batch_size: int,
                      budget: float, expandable_segments: bool = False,
-                     max_split_size_mb: int | None = None) -> dict[str, Any]:
+                     max_split_size_mb: int | None = None,
+                     roundup_power2_divisions: int | tuple[int, ...] | None = None
+                     ) -> dict[str, Any]:
     """One row's run replayed through CUDA's caching allocator on a card of ``budget`` bytes
     (``fake_memory.allocation_trace``, ``allocator.replay``), the CUDA context set apart, with
     the allocator as set and with the other ``expandable_segments`` setting beside it (from
-    ``max_split_size_mb``: expandable segments).
+    ``max_split_size_mb``: expandable segments; the divisions kept).
 
     Args:
         model: the model planned.
@@ -903,6 +917,8 @@ def replayed_reserve(model: Any, stack: Any, seq_len: int, batch_size: int,
         expandable_segments: replay as ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``.
         max_split_size_mb: replay as ``PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:N`` (None:
             unset).
+        roundup_power2_divisions: replay as ``PYTORCH_CUDA_ALLOC_CONF=
+            roundup_power2_divisions:D`` (None: unset).
 
     Returns:
         ``reserved_GiB``: the reserved peak the card reaches, or, where the run does not fit
@@ -910,7 +926,8 @@ def replayed_reserve(model: Any, stack: Any, seq_len: int, batch_size: int,
         cached memory was released to fit; ``gpu_GiB``: the reserved peak plus the CUDA
         context; ``measured_fits``; ``needs_GiB``: the smallest card the run fits, the
         context included (``allocator.min_capacity``: the cache released under pressure, as a
-        full card does); ``expandable_segments`` and ``max_split_size_mb``;
+        full card does); ``expandable_segments``, ``max_split_size_mb`` and
+        ``roundup_power2_divisions``;
         ``other_allocator``: the same keys (but ``gpu_GiB`` and ``needs_GiB``) for the other
         setting, from the same trace; ``needs_by_setting``: the smallest card under each
         setting the course compares (``allocator.SETTINGS``, by name; seconds for an 8 B
@@ -923,16 +940,17 @@ def replayed_reserve(model: Any, stack: Any, seq_len: int, batch_size: int,
     capacity = max(0, int(budget - CUDA_CONTEXT_BYTES))
 
     def on_card(expandable: bool, mss: int | None) -> dict[str, Any]:
-        card = allocator.fits(events, capacity, expandable, max_split_size_mb=mss)
+        setting = {"max_split_size_mb": mss, "roundup_power2_divisions": roundup_power2_divisions}
+        card = allocator.fits(events, capacity, expandable, **setting)
         fits = card is not None
-        card = card or allocator.replay(events, None, expandable, max_split_size_mb=mss)
+        card = card or allocator.replay(events, None, expandable, **setting)
         return {"reserved_GiB": card.peak_reserved / 2**30, "cache_released": card.releases,
-                "measured_fits": fits, "expandable_segments": expandable,
-                "max_split_size_mb": mss}
+                "measured_fits": fits, "expandable_segments": expandable, **setting}
 
     out = on_card(expandable_segments, max_split_size_mb)
     out["gpu_GiB"] = out["reserved_GiB"] + CUDA_CONTEXT_BYTES / 2**30
-    as_set = allocator.settings_conf(expandable_segments, max_split_size_mb)
+    as_set = allocator.settings_conf(expandable_segments, max_split_size_mb,
+                                     roundup_power2_divisions)
     cards = {name: (card + CUDA_CONTEXT_BYTES) / 2**30 for name, card in allocator.smallest_cards(
         events, {**allocator.SETTINGS, "as set": as_set}).items()}
     out["needs_GiB"] = cards.pop("as set")
@@ -943,13 +961,15 @@ def replayed_reserve(model: Any, stack: Any, seq_len: int, batch_size: int,
 
 
 def check_allocator_setting(replay: bool, expandable_segments: bool,
-                            max_split_size_mb: int | None = None) -> None:
+                            max_split_size_mb: int | None = None,
+                            roundup_power2_divisions: int | tuple[int, ...] | None = None) -> None:
     """Refuse an allocator setting without ``replay`` (only the replay models them), and one
     the replay does not model.
 
     Args:
         replay: the verdict replays the caching allocator.
-        expandable_segments, max_split_size_mb: the replay's allocator settings.
+        expandable_segments, max_split_size_mb, roundup_power2_divisions: the replay's
+            allocator settings.
 
     Raises:
         ValueError: naming the parameters (and the command line's flag).
@@ -957,12 +977,14 @@ def check_allocator_setting(replay: bool, expandable_segments: bool,
     from recipes_lib import allocator
 
     for name, value in (("expandable_segments", expandable_segments),
-                        ("max_split_size_mb", max_split_size_mb)):
+                        ("max_split_size_mb", max_split_size_mb),
+                        ("roundup_power2_divisions", roundup_power2_divisions)):
         if value not in (False, None) and not replay:
             raise ValueError(f"{name}={value!r}: an allocator setting the replay models; set "
                              "replay=True too (--replay-allocator)")
     allocator.CachingAllocator(expandable_segments=expandable_segments,
-                               max_split_size_mb=max_split_size_mb)  # refuses what it cannot
+                               max_split_size_mb=max_split_size_mb,
+                               roundup_power2_divisions=roundup_power2_divisions)  # or refuses
 
 
 def allocator_advice(replayed: dict[str, Any]) -> str | None:
@@ -984,15 +1006,22 @@ def allocator_advice(replayed: dict[str, Any]) -> str | None:
     if replayed["measured_fits"] == other["measured_fits"]:
         return None
     if other["measured_fits"]:
-        setting = allocator_setting(other["expandable_segments"])
+        setting = allocator_setting(other["expandable_segments"],
+                                    roundup_power2_divisions=other.get("roundup_power2_divisions"))
         return f"fits with {setting} ({other['reserved_GiB']:.1f} GiB reserved, replayed)"
     unlimited = f"({other['reserved_GiB']:.1f} GiB reserved on an unlimited card)"
-    if replayed["expandable_segments"]:
-        return f"fits only with expandable segments: the default allocator runs out {unlimited}"
-    if replayed.get("max_split_size_mb") is not None:
-        return (f"fits only with max_split_size_mb:{replayed['max_split_size_mb']}: expandable "
-                f"segments run out {unlimited}")
-    return f"fits only with the default allocator: expandable segments run out {unlimited}"
+    divisions = replayed.get("roundup_power2_divisions")  # the other setting keeps them
+
+    def named(expandable: bool, mss: int | None) -> str:
+        words = allocator_setting(expandable, mss, False, divisions)
+        if expandable or mss is not None:
+            return words
+        return "the default allocator" + (f" with {words}" if divisions is not None else "")
+
+    ran_out = (f"{named(other['expandable_segments'], None)} "
+               f"{'run' if other['expandable_segments'] else 'runs'} out")
+    fitting = named(replayed["expandable_segments"], replayed.get("max_split_size_mb"))
+    return f"fits only with {fitting}: {ran_out} {unlimited}"
 
 
 def note_eager_attention(model: Any, seq_len: int, notes: list[str]) -> None:
@@ -1173,6 +1202,7 @@ def max_context(model: str, gpu_mem: str | float | list, stack: Any = None, batc
                 memo: Callable[[str, Callable[[], Any]], Any] | None = None,
                 replay: bool = False, expandable_segments: bool = False,
                 max_split_size_mb: int | None = None,
+                roundup_power2_divisions: int | tuple[int, ...] | None = None,
                 ) -> dict[str, Any] | list[dict[str, Any]]:
     """The longest sequence whose training step fits ``gpu_mem``, by measurement: a search over
     fake-tensor steps (``fake_memory.measure_step``, each peak plus ``gpu_overhead``), or with
@@ -1201,6 +1231,8 @@ def max_context(model: str, gpu_mem: str | float | list, stack: Any = None, batc
             expandable_segments:True`` runs.
         max_split_size_mb: with ``replay``, as ``PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:N``
             runs (None: unset).
+        roundup_power2_divisions: with ``replay``, as ``PYTORCH_CUDA_ALLOC_CONF=
+            roundup_power2_divisions:D`` runs (None: unset).
 
     Returns:
         ``{"max_seq_len", "gpu_GiB" and "host_GiB" (at that length: the trace's GPU peak with
@@ -1220,7 +1252,8 @@ def max_context(model: str, gpu_mem: str | float | list, stack: Any = None, batc
     from recipes_lib.max_context import max_seq_len
 
     stack = stack or fake_memory.Stack(method="lora", checkpointing=True)
-    check_allocator_setting(replay, expandable_segments, max_split_size_mb)
+    check_allocator_setting(replay, expandable_segments, max_split_size_mb,
+                            roundup_power2_divisions)
     budgets = [parse_bytes(g) for g in (gpu_mem if isinstance(gpu_mem, (list, tuple))
                                         else [gpu_mem])]
     config = fake_memory.model_config(model)
@@ -1244,11 +1277,14 @@ def max_context(model: str, gpu_mem: str | float | list, stack: Any = None, batc
                 def card() -> int:
                     events = fake_memory.allocation_trace(model, stack, n, batch_size)
                     return allocator.min_capacity(events, expandable_segments,
-                                                  max_split_size_mb=max_split_size_mb)
+                                                  max_split_size_mb=max_split_size_mb,
+                                                  roundup_power2_divisions=roundup_power2_divisions)
 
                 host[n] = 0.0
                 mss = (f", max_split_size_mb={max_split_size_mb}" if max_split_size_mb is not None
                        else "")  # unset: the key earlier searches recorded
+                if roundup_power2_divisions is not None:
+                    mss += f", roundup_power2_divisions={roundup_power2_divisions!r}"
                 return CUDA_CONTEXT_BYTES + run(
                     f"replayed run: {model!r}, {stack!r}, {batch_size} x {n}, "
                     f"expandable_segments={expandable_segments}{mss}", card)
@@ -1268,6 +1304,7 @@ def max_context(model: str, gpu_mem: str | float | list, stack: Any = None, batc
                         "budget_GiB": budget / 2**30, "stack": stack.label,
                         "replayed": replay, "expandable_segments": expandable_segments,
                         "max_split_size_mb": max_split_size_mb,
+                        "roundup_power2_divisions": roundup_power2_divisions,
                         "tries": [(k, v / 2**30) for k, v in probes.items()]})
     return out if isinstance(gpu_mem, (list, tuple)) else out[0]
 
@@ -1277,7 +1314,9 @@ def max_context_per_step(model: str, gpu_mem: str | float, batch_size: int = 1,
                          workers: int = 1, attention_mask: bool = False,
                          progress: bool = False, replay: bool = False,
                          expandable_segments: bool = False,
-                         max_split_size_mb: int | None = None) -> list[dict[str, Any]]:
+                         max_split_size_mb: int | None = None,
+                         roundup_power2_divisions: int | tuple[int, ...] | None = None
+                         ) -> list[dict[str, Any]]:
     """The longest sequence that fits ``gpu_mem`` under each escalation step's measured stack
     (``max_context`` per stack; rows with the same stack share one search).
 
@@ -1298,7 +1337,8 @@ def max_context_per_step(model: str, gpu_mem: str | float, batch_size: int = 1,
             time, the results the same).
         attention_mask: the rows need an attention mask (``fake_memory.Stack.attention_mask``).
         progress: a progress bar over the searches, on stderr (an 8 B model's take minutes).
-        replay, expandable_segments, max_split_size_mb: as :func:`max_context`, for the
+        replay, expandable_segments, max_split_size_mb, roundup_power2_divisions: as
+            :func:`max_context`, for the
             one-device rows; the FSDP rows keep the trace plus a fixed reserve (the replay
             models one stream).
 
@@ -1310,7 +1350,8 @@ def max_context_per_step(model: str, gpu_mem: str | float, batch_size: int = 1,
         ValueError: for counts below 1, naming the parameter.
     """
     _check_counts(batch_size=batch_size, gpus=gpus, workers=workers)
-    check_allocator_setting(replay, expandable_segments, max_split_size_mb)
+    check_allocator_setting(replay, expandable_segments, max_split_size_mb,
+                            roundup_power2_divisions)
     if grad_accum_steps is None:
         grad_accum_steps = _default_grad_accum_steps(batch_size)
     steps = calc.escalation_steps(grad_accum_steps) + _sharded_steps(gpus)  # each measured
@@ -1320,7 +1361,8 @@ def max_context_per_step(model: str, gpu_mem: str | float, batch_size: int = 1,
     search = functools.partial(_search_stack, model=model, gpu_mem=gpu_mem,
                                batch_size=batch_size, step=step, replay=replay,
                                expandable_segments=expandable_segments,
-                               max_split_size_mb=max_split_size_mb)
+                               max_split_size_mb=max_split_size_mb,
+                               roundup_power2_divisions=roundup_power2_divisions)
     from tqdm.auto import tqdm
 
     bar = {"desc": "longest-context searches", "disable": not progress, "leave": False}
@@ -1341,7 +1383,8 @@ def max_context_per_step(model: str, gpu_mem: str | float, batch_size: int = 1,
 
 def _search_stack(stack: Any, model: str, gpu_mem: str | float, batch_size: int,
                   step: int, replay: bool = False, expandable_segments: bool = False,
-                  max_split_size_mb: int | None = None) -> dict[str, Any]:
+                  max_split_size_mb: int | None = None,
+                  roundup_power2_divisions: int | tuple[int, ...] | None = None) -> dict[str, Any]:
     """One stack's :func:`max_context` (an MoE's fp32 experts: the substitute, as :func:`plan`
     measures it), or why it is not measured; a function of the module, for worker processes.
     ``replay`` applies to one-device stacks."""
@@ -1349,7 +1392,8 @@ def _search_stack(stack: Any, model: str, gpu_mem: str | float, batch_size: int,
     why, searched = _measured(lambda s: max_context(
         model, gpu_mem, s, _whole_shares(s, batch_size), step, replay=one,
         expandable_segments=expandable_segments and one,
-        max_split_size_mb=max_split_size_mb if one else None), stack)
+        max_split_size_mb=max_split_size_mb if one else None,
+        roundup_power2_divisions=roundup_power2_divisions if one else None), stack)
     return searched if searched is not None else {"measured_stack": why}
 
 
@@ -1406,8 +1450,10 @@ def format_plan(result: dict[str, Any]) -> str:
         lines += _needs_by_setting(result["rows"])
         other = result.get("cheapest_measured_other_allocator")
         if other and other["step"] != result["cheapest_measured"]:
-            lines.append(f"with {allocator_setting(other['expandable_segments'])}: "
-                         f"{other['step']}")
+            setting = allocator_setting(other["expandable_segments"],
+                                        roundup_power2_divisions=other.get(
+                                            "roundup_power2_divisions"))
+            lines.append(f"with {setting}: {other['step']}")
         impls = result["rows"][0].get("adamw_GiB")
         if impls:
             lines.append("AdamW is measured as a CPU steps it (one parameter at a time); on a GPU "
@@ -1444,7 +1490,9 @@ def _needs_by_setting(rows: list[dict[str, Any]]) -> list[str]:
 def _assumed_setting(row: dict[str, Any], env: bool = True) -> str | None:
     """The allocator setting a replayed row assumed, where not the default
     (:func:`allocator_setting`)."""
-    if row.get("expandable_segments") or row.get("max_split_size_mb") is not None:
+    if (row.get("expandable_segments") or row.get("max_split_size_mb") is not None
+            or row.get("roundup_power2_divisions") is not None):
         return allocator_setting(row.get("expandable_segments", False),
-                                 row.get("max_split_size_mb"), env)
+                                 row.get("max_split_size_mb"), env,
+                                 row.get("roundup_power2_divisions"))
     return None

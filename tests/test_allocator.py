@@ -201,20 +201,23 @@ def test_max_split_size_releases_oversize_segments_before_the_rest():
 
 def test_a_launch_setting_parses_into_the_replays_keywords():
     parse = allocator.parse_settings
-    assert parse("") == {"expandable_segments": False, "max_split_size_mb": None}
+    unset = {"expandable_segments": False, "max_split_size_mb": None,
+             "roundup_power2_divisions": None}
+    assert parse("") == unset
     for conf in allocator.SETTINGS.values():  # settings_conf writes back what parse reads
         assert allocator.settings_conf(**parse(conf)) == conf
-    assert parse("expandable_segments:True") == {"expandable_segments": True,
-                                                 "max_split_size_mb": None}
+    assert parse("expandable_segments:True") == {**unset, "expandable_segments": True}
     assert parse(" max_split_size_mb:128 , expandable_segments:False") == {
-        "expandable_segments": False, "max_split_size_mb": 128}
+        **unset, "max_split_size_mb": 128}
     # a threshold without a per-process fraction, and host-memory settings, change nothing
     assert parse("garbage_collection_threshold:0.6,max_split_size_mb:128,"
                  "pinned_use_cuda_host_register:True,backend:native") == {
-        "expandable_segments": False, "max_split_size_mb": 128}
+        **unset, "max_split_size_mb": 128}
+    # divisions that round nothing are no setting
+    assert parse("roundup_power2_divisions:[>:0]") == unset
     with pytest.raises(ValueError, match="per-process memory fraction is not modelled"):
         parse("garbage_collection_threshold:0.6", fraction=True)
-    for bad, why in (("roundup_power2_divisions:4", "roundup_power2_divisions:4 is not"),
+    for bad, why in (("max_non_split_rounding_mb:40", "max_non_split_rounding_mb:40 is not"),
                      ("backend:cudaMallocAsync", "backend:cudaMallocAsync is not modelled"),
                      ("garbage_collection_threshold:1.5", "threshold:1.5 does not parse"),
                      ("max_split_size_mb:1e3", "max_split_size_mb:1e3 does not parse"),
@@ -280,12 +283,14 @@ def _check_tiling(a: CachingAllocator, live: list) -> None:
     assert all(b.prev is None and b.next is None for b in oversize)
 
 
-@pytest.mark.parametrize("expandable, mss", [(False, None), (True, None), (False, 21)])
+@pytest.mark.parametrize("expandable, mss, divisions", [
+    (False, None, None), (True, None, None), (False, 21, None), (True, None, 16), (False, 21, 4)])
 @pytest.mark.parametrize("capacity", [None, 300 * MiB])
-def test_random_requests_keep_the_segments_consistent(expandable, mss, capacity):
+def test_random_requests_keep_the_segments_consistent(expandable, mss, divisions, capacity):
     import random
 
-    rng, a, live = random.Random(0), CachingAllocator(capacity, expandable, False, mss), []
+    a = CachingAllocator(capacity, expandable, False, mss, divisions)
+    rng, live = random.Random(0), []
     for _ in range(1500):
         if live and rng.random() < 0.45:
             a.free(live.pop(rng.randrange(len(live))))
@@ -404,3 +409,88 @@ def test_the_replay_predicts_the_h100s_reserved_memory():
                          / r["reserved_peak"] - 1))
     assert len(replayed) == 4 and max(replayed) < 0.025
     assert max(fixed) > 0.08
+
+
+def _pytorch_divisions(conf: str) -> tuple[int, ...] | None:
+    """PyTorch's own table for ``conf``: its parser and its interval lookup as compiled into this
+    build's libc10 (``AcceleratorAllocatorConfig``, shared by every device's allocator), or None
+    where this build has no such symbol."""
+    import ctypes
+    import os
+
+    lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so"))
+    # the static AcceleratorAllocatorConfig::roundup_power2_divisions(size_t), by its C++ name
+    name = "_ZN3c1016CachingAllocator26AcceleratorAllocatorConfig24roundup_power2_divisionsEm"
+    try:
+        lookup = getattr(lib, name)
+    except AttributeError:
+        return None
+    lookup.restype, lookup.argtypes = ctypes.c_size_t, [ctypes.c_size_t]
+    before = torch._C._accelerator_getAllocatorSettings()
+    torch._C._accelerator_setAllocatorSettings(conf)
+    try:
+        return tuple(lookup(1 << (20 + i)) for i in range(allocator.ROUNDUP_INTERVALS))
+    finally:
+        torch._C._accelerator_setAllocatorSettings(before)
+
+
+def test_roundup_power2_divisions_parse_as_pytorch_parses_them():
+    import random
+
+    confs = ["roundup_power2_divisions:16", "roundup_power2_divisions:[256:1,512:2,1024:4,>:8]",
+             "roundup_power2_divisions:[1:1,4:2,16:4]", "roundup_power2_divisions:[>:8]",
+             "roundup_power2_divisions:[65536:2]", "roundup_power2_divisions:[ 64:8 , >:0 ]"]
+    rng = random.Random(0)
+    for _ in range(40):  # random lists, and the value settings_conf writes for a random table
+        entries = [f"{1 << rng.randrange(18)}:{rng.choice([0, 1, 2, 4, 16])}"
+                   for _ in range(rng.randrange(1, 5))]
+        entries += [f">:{rng.choice([0, 2, 8])}"] * rng.randrange(2)
+        confs.append(f"roundup_power2_divisions:[{','.join(entries)}]")
+        table = tuple(rng.choice([0, 1, 2, 4, 8]) for _ in range(allocator.ROUNDUP_INTERVALS))
+        confs.append(allocator.settings_conf(roundup_power2_divisions=table) or "")
+        assert allocator.roundup_divisions(allocator.parse_settings(confs[-1])[
+            "roundup_power2_divisions"] or (0,) * 16) == (table if any(table) else (0,) * 16)
+    if _pytorch_divisions("") is None:
+        pytest.skip("this torch build's libc10 has no AcceleratorAllocatorConfig to compare")
+    for conf in confs:
+        ours = allocator.parse_settings(conf)["roundup_power2_divisions"]
+        assert (allocator.roundup_divisions(ours) or (0,) * 16) == _pytorch_divisions(conf), conf
+
+
+def test_roundup_power2_divisions_round_requests_to_the_next_division():
+    MiB = 2**20
+    table = allocator.roundup_divisions
+    assert allocator.round_size(5 * MiB + 1, table(4)) == 6 * MiB
+    assert allocator.round_size(5 * MiB + 1, table(16)) == 5 * MiB + MiB // 4
+    # pytorch#161139: 514 MiB with [>:2] takes 768 MiB; with [>:1], as without, 514
+    assert allocator.round_size(514 * MiB, table((0,) + (2,) * 15)) == 768 * MiB
+    assert allocator.round_size(514 * MiB, table(1)) == 514 * MiB
+    # a power of two, a request of at most 512 x D bytes, and D = 0 round to 512 bytes only
+    assert allocator.round_size(8 * MiB, table(16)) == 8 * MiB
+    assert allocator.round_size(8000, table(16)) == 8192 and allocator.round_size(
+        8193, table(16)) == 8704  # 8,192 = 512 x 16: above it, steps of 8,192 / 16 = 512
+    assert allocator.round_size(100_000, table(64)) == 100_352  # 65,536 / 64 = 1,024 steps
+    assert allocator.round_size(3 * MiB + 7, table((0,) * 16)) == 3 * MiB + 512
+    # the replay allocates and caches the rounded size, and a setting parses with the others
+    a = CachingAllocator(roundup_power2_divisions=4)
+    block = a.malloc(5 * MiB + 1)
+    assert block.size == a.allocated == 6 * MiB and a.reserved == 20 * MiB
+    assert allocator.parse_settings("expandable_segments:True,roundup_power2_divisions:16") == {
+        "expandable_segments": True, "max_split_size_mb": None, "roundup_power2_divisions": 16}
+    assert allocator.settings_conf(True, None, 16) == (
+        "expandable_segments:True,roundup_power2_divisions:16")
+    events = [("alloc", 0, 5 * MiB + 1), ("alloc", 1, 5 * MiB + 2), ("free", 0, 0),
+              ("alloc", 2, 5 * MiB + 3)]  # the freed block serves the third either way
+    for expandable in (False, True):
+        plain = replay(events, expandable_segments=expandable)
+        rounded = replay(events, expandable_segments=expandable, roundup_power2_divisions=4)
+        assert (plain.peak_allocated, rounded.peak_allocated) == (10 * MiB + 1024, 12 * MiB)
+    for bad, why in ((3, "roundup_power2_divisions=3: a power of two"),
+                     (0, "roundup_power2_divisions=0"), ((2,) * 15, r"\(2, 2"),
+                     (True, "roundup_power2_divisions=True")):
+        with pytest.raises(ValueError, match=why):
+            CachingAllocator(roundup_power2_divisions=bad)
+    for conf in ("roundup_power2_divisions:3", "roundup_power2_divisions:[3:2]",
+                 "roundup_power2_divisions:[256:3]", "roundup_power2_divisions:[256]"):
+        with pytest.raises(ValueError, match="does not parse"):
+            allocator.parse_settings(conf)

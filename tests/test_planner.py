@@ -632,6 +632,12 @@ def test_the_clis_replay_reaches_the_length_search_and_says_what_it_needs(monkey
     assert main([*argv, "--max-context", "--replay-allocator", "--alloc-conf", conf]) == 0
     assert calls[2]["max_split_size_mb"] == 512 and not calls[2]["expandable_segments"]
     assert "caching allocator with max_split_size_mb:512" in capsys.readouterr().out
+    # axolotl's: expandable segments, requests rounded to 16 steps a power of two
+    conf = "expandable_segments:True,roundup_power2_divisions:16"
+    assert main([*argv, "--max-context", "--replay-allocator", "--alloc-conf", conf]) == 0
+    assert calls[3]["roundup_power2_divisions"] == 16 and calls[3]["expandable_segments"]
+    assert ("caching allocator with expandable segments, roundup_power2_divisions:16"
+            in capsys.readouterr().out)
     replayed = ["--max-context", "--replay-allocator"]
     for bad, why in ((["--replay-allocator"], "add --measure or --max-context"),
                      (["--max-context", "--expandable-segments"], "add --replay-allocator"),
@@ -641,9 +647,11 @@ def test_the_clis_replay_reaches_the_length_search_and_says_what_it_needs(monkey
                       "not the two together"),
                      (["--max-context", "--alloc-conf", "expandable_segments:True"],
                       "add --replay-allocator"),
-                     ([*replayed, "--alloc-conf", "roundup_power2_divisions:4"],
-                      ("--alloc-conf: conf='roundup_power2_divisions:4': "
-                      "roundup_power2_divisions:4 is not modelled")),
+                     ([*replayed, "--alloc-conf", "max_non_split_rounding_mb:40"],
+                      ("--alloc-conf: conf='max_non_split_rounding_mb:40': "
+                      "max_non_split_rounding_mb:40 is not modelled")),
+                     ([*replayed, "--alloc-conf", "roundup_power2_divisions:3"],
+                      "roundup_power2_divisions:3 does not parse"),
                      ([*replayed, "--alloc-conf", "", "--expandable-segments"], "not both")):
         with pytest.raises(SystemExit):
             main([*argv, *bad])
@@ -1069,8 +1077,9 @@ def test_replay_puts_the_caching_allocator_in_place_of_the_fixed_reserve(tmp_pat
     assert [line[:52].strip() for line in table[1:1 + len(one_device)]] == [
         r["step"] for r in one_device]
     # both settings fit the same steps: no line for the other; where a cheaper one fits, one
-    assert out["cheapest_measured_other_allocator"] == {"expandable_segments": False,
-                                                        "step": out["cheapest_measured"]}
+    assert out["cheapest_measured_other_allocator"] == {
+        "expandable_segments": False, "step": out["cheapest_measured"],
+        "roundup_power2_divisions": None}
     assert "with the default allocator settings:" not in planner.format_plan(out)
     # the trainer's lines end by saying how to launch it as the replay assumed
     assert planner.format_plan(out).endswith(
@@ -1135,3 +1144,31 @@ def test_the_replay_says_where_expandable_segments_change_the_verdict(monkeypatc
     assert oversize["max_split_size_mb"] == 40 and other["expandable_segments"]
     assert other["measured_fits"] and other["max_split_size_mb"] is None
     assert oversize["needs_GiB"] <= 48 / 1024 + context and oversize["advice"] is None
+
+
+def test_a_rounding_setting_is_said_with_the_rest():
+    """``roundup_power2_divisions`` (axolotl's launch sets 16) travels with the replay's other
+    settings into the launch line and the advice, the other ``expandable_segments`` setting
+    keeping it."""
+    assert planner.allocator_setting(True, roundup_power2_divisions=16) == (
+        "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True,roundup_power2_divisions:16")
+    assert planner.allocator_setting(True, None, False, 16) == (
+        "expandable segments, roundup_power2_divisions:16")
+    assert planner.allocator_setting(roundup_power2_divisions=(0,) * 9 + (2,) * 7, env=False) \
+        == "roundup_power2_divisions:[256:0,>:2]"
+    replayed = {"measured_fits": True, "expandable_segments": True, "max_split_size_mb": None,
+                "roundup_power2_divisions": 16,
+                "other_allocator": {"measured_fits": False, "reserved_GiB": 25.0,
+                                    "expandable_segments": False, "max_split_size_mb": None,
+                                    "roundup_power2_divisions": 16}}
+    assert planner.allocator_advice(replayed) == (
+        "fits only with expandable segments, roundup_power2_divisions:16: the default allocator "
+        "with roundup_power2_divisions:16 runs out (25.0 GiB reserved on an unlimited card)")
+    replayed["measured_fits"], replayed["other_allocator"]["measured_fits"] = False, True
+    assert planner.allocator_advice(replayed) == (
+        "fits with PYTORCH_CUDA_ALLOC_CONF=roundup_power2_divisions:16 (25.0 GiB reserved, "
+        "replayed)")
+    with pytest.raises(ValueError, match=r"roundup_power2_divisions=16: .*replay=True"):
+        planner.check_allocator_setting(False, False, None, 16)
+    with pytest.raises(ValueError, match="roundup_power2_divisions=5: a power of two"):
+        planner.check_allocator_setting(True, False, None, 5)

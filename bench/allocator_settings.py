@@ -1,12 +1,12 @@
 """The caching allocator replayed under each setting users launch with, on two runs.
 
-    .venv/bin/python bench/allocator_settings.py [LENGTH ...]
+    .venv/bin/python bench/allocator_settings.py [LENGTH ... | rounding]
 
 ``recipes_lib.allocator`` replays a run's allocations through PyTorch's caching allocator as
 it behaves by default, with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` (pages mapped
 into one growing segment a pool instead of a segment a request) and with
 ``max_split_size_mb:N`` (blocks of N MiB or more kept whole, and released first when the card
-is full; 128 and 512 are the values users are most often told to try). This prints two
+is full; 128 and 512 are the values users are most often told to try). This prints three
 markdown tables:
 
 1. The H100 session's five runs of Llama-3.2-1B at 2 x 2048 tokens (their allocations traced
@@ -21,8 +21,16 @@ markdown tables:
    smallest card it fits under each (the context added: what ``plan --max-context
    --replay-allocator`` searches by), beside the trace plus a fixed 15 %. Default lengths: the
    source's 5,789 tokens and 6,900-8,960.
+3. ``roundup_power2_divisions`` (requests rounded up to D steps between two powers of two, so
+   that requests of nearby sizes share blocks; axolotl's command line launches with
+   ``expandable_segments:True,roundup_power2_divisions:16``), on what it exists for: the same
+   Llama-3.1-8B QLoRA stack trained on unpacked batches of varying length (eight steps, lengths
+   drawn at random between 256 and 4,096 tokens, seed 0), and on the H100's five fixed-length
+   runs: allocated, reserved on an unlimited card and the smallest card, under each setting
+   with and without the rounding.
 
-Outside ``make bench``: about 17 s a length on a 2-core CPU (the trace 13 s; each replay < 1 s).
+Outside ``make bench``: about 17 s a length on a 2-core CPU (the trace 13 s; each replay < 1 s);
+the varying lengths' trace about a minute.
 """
 
 from __future__ import annotations
@@ -97,9 +105,59 @@ def unsloth_table(lengths) -> None:
         print(f"<!-- {time.perf_counter() - start:.0f} s -->", flush=True)
 
 
+# the settings with and without axolotl's rounding, and a coarser one
+ROUNDING = {"default": "", "roundup_power2_divisions:16": "roundup_power2_divisions:16",
+            "roundup_power2_divisions:4": "roundup_power2_divisions:4",
+            "expandable segments": "expandable_segments:True",
+            "expandable segments, roundup_power2_divisions:16 (axolotl)":
+                "expandable_segments:True,roundup_power2_divisions:16",
+            "max_split_size_mb:128": "max_split_size_mb:128",
+            "max_split_size_mb:128, roundup_power2_divisions:16":
+                "max_split_size_mb:128,roundup_power2_divisions:16"}
+
+
+def varying_lengths(steps: int = 8, low: int = 256, high: int = 4096, seed: int = 0) -> list[int]:
+    """Each step's length, an unpacked dataset's batches of one sequence."""
+    import random
+
+    rng = random.Random(seed)
+    return [rng.randrange(low, high + 1) for _ in range(steps)]
+
+
+def rounding_table() -> None:
+    from recipes_lib import fake_memory, planner, published
+    from recipes_lib.allocator import load_traces, parse_settings, replay, smallest_cards
+
+    lengths = varying_lengths()
+    start = time.perf_counter()
+    events = fake_memory.allocation_trace("Llama-3.1-8B", published.TRL_2024_QLORA, lengths, 1)
+    runs = {"varying": events} | {
+        stack: events for path in sorted((ROOT / "results" / "h100" / "raw").glob(
+            "fake_traces_*.json.gz")) for stack, events in load_traces(path).items()}
+    context = planner.CUDA_CONTEXT_BYTES
+    print(f"\nLlama-3.1-8B QLoRA (TRL 2024), one sequence a step at {', '.join(map(str, lengths))}"
+          " tokens; then the H100's Llama-3.2-1B runs at 2 x 2048 (GiB: allocated / reserved on"
+          " an unlimited card / smallest card, the context added):\n")
+    print("| setting | " + " | ".join(runs) + " |")
+    print("|---" * (1 + len(runs)) + "|")
+    cards = {run: smallest_cards(trace, ROUNDING) for run, trace in runs.items()}
+    for name, conf in ROUNDING.items():
+        cells = []
+        for run, trace in runs.items():
+            a = replay(trace, **parse_settings(conf))
+            cells.append(f"{a.peak_allocated / 2**30:.2f} / {a.peak_reserved / 2**30:.2f} / "
+                         f"{(cards[run][name] + context) / 2**30:.2f}")
+        print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
+    print(f"<!-- {time.perf_counter() - start:.0f} s -->", flush=True)
+
+
 def main(argv: list[str]) -> None:
+    if argv == ["rounding"]:
+        rounding_table()
+        return
     h100_table()
     unsloth_table([int(a) for a in argv] or LENGTHS)
+    rounding_table()
 
 
 if __name__ == "__main__":

@@ -6,8 +6,9 @@
 
 Writes ``OUT_DIR/gpu_session.json``: what the GPU holds outside PyTorch's allocator (the CUDA
 context and the libraries' kernels), the fake-tensor memory prediction against the real run of
-a >= 1 B-parameter model (five recipe stacks, three again with expandable segments and three
-with ``max_split_size_mb:128``) and of Unsloth's Llama-3.1-8B QLoRA rows at four lengths (two
+a >= 1 B-parameter model (five recipe stacks, three again with expandable segments, three
+with ``max_split_size_mb:128`` and three with axolotl's ``expandable_segments:True,
+roundup_power2_divisions:16``) and of Unsloth's Llama-3.1-8B QLoRA rows at four lengths (two
 stacks; ``published``), whether that row fits a 24 GB share of the GPU at four lengths under
 each allocator setting beside the replay's verdict (``card_share``), the FP8 vs bf16 linear
 sweep (tensorwise and rowwise), an FP8 training step at a scale where it should pay, and the
@@ -331,6 +332,11 @@ def main(out_dir: str, smoke: bool) -> None:
     # to reserve more on a large card than the default and to need a smaller one
     part("fake_vs_real_max_split", lambda: fake_vs_real(model, stacks[:3], seq, batch, device,
                                                         True, "max_split_size_mb:128"))
+    # and axolotl's launch: requests rounded up to 16 steps a power of two, predicted to
+    # allocate 0.18 GiB more here (a 128,256 x 2,048 bf16 tensor's 501 MiB take 512)
+    part("fake_vs_real_rounding", lambda: fake_vs_real(
+        model, stacks[:3], seq, batch, device, True,
+        "expandable_segments:True,roundup_power2_divisions:16"))
     part("unsloth_8b", lambda: unsloth_rows(big, lengths, device))
     # last of the memory parts: the replay's fit / out-of-memory verdicts on a 24 GB share
     share = ([160, 192] if smoke else [7040, 7168, 8832, 8960], device,
@@ -393,7 +399,7 @@ def record(device_dir: str = "h100", results_dir: Path | None = None) -> Path:
     traced = {stack: replay(events) for f in sorted((folder / "raw").glob("fake_traces_*.json.gz"))
               for stack, events in load_traces(f).items()}
     for row in (part.get("fake_vs_real", []) + part.get("fake_vs_real_expandable", [])
-                + part.get("fake_vs_real_max_split", [])):
+                + part.get("fake_vs_real_max_split", []) + part.get("fake_vs_real_rounding", [])):
         if not row["allocated_peak"]:
             continue
         if not row.get("replayed_reserved") and row["stack"] in traced:
@@ -402,9 +408,17 @@ def record(device_dir: str = "h100", results_dir: Path | None = None) -> Path:
         conf = row.get("alloc_conf") or ("expandable_segments:True"
                                           if row.get("expandable_segments") else "")
         if conf:  # the same stacks again, under another setting
+            name = "_".join(filter(None, [
+                "expandable" if row.get("expandable_segments") else "",
+                f"max_split_{row['max_split_size_mb']}" if row.get("max_split_size_mb") else "",
+                f"roundup_{row['roundup_power2_divisions']}"
+                if row.get("roundup_power2_divisions") else ""]))
+            if row.get("roundup_power2_divisions") and row.get("replayed_allocated"):
+                out.add("fake_memory", f"replayed_over_allocated_{name}_{slug}",
+                        row["replayed_allocated"] / row["allocated_peak"], baseline=1.0,
+                        unit=f"x max_memory_allocated with {conf}: the requests rounded as the "
+                             "replay rounds them")
             if row.get("replayed_reserved") and row["reserved_peak"]:
-                name = ("expandable" if row.get("expandable_segments")
-                        else f"max_split_{row['max_split_size_mb']}")
                 out.add("fake_memory", f"replayed_over_reserved_{name}_{slug}",
                         row["replayed_reserved"] / row["reserved_peak"], baseline=1.0,
                         unit=f"x max_memory_reserved with {conf}: the run's allocations on fake "

@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -1286,17 +1286,19 @@ def replay_allocator(model: Any, stack: Stack = Stack(), seq_len: int = 2048,
                   roundup_power2_divisions=roundup_power2_divisions)
 
 
-def allocation_trace(model: Any, stack: Stack = Stack(), seq_len: int = 2048,
+def allocation_trace(model: Any, stack: Stack = Stack(), seq_len: int | Sequence[int] = 2048,
                      batch_size: int = 1, device: torch.device | str = "cpu", steps: int = 2,
                      fake: bool = True, fsdp_one_stream: bool = False) -> list[Event]:
     """A training run's allocations and frees on ``device``, in order, from the weights'
-    materialisation to the end of step ``steps`` (``allocator.AllocationLog``).
+    materialisation to the end of step ``steps`` (``allocator.AllocationLog``), or of one step
+    at each of several lengths (an unpacked dataset's batches, padded to their longest row).
 
     Args:
         model: a preset name, a ``config.json`` (or its folder) or a config.
         stack: the recipes applied. On a GPU, torch's AdamW defaults to its foreach kernels:
             ``optimizer="adamw-foreach"`` traces them.
-        seq_len, batch_size: tokens per sequence and sequences per optimizer step.
+        seq_len, batch_size: tokens per sequence and sequences per optimizer step; a list of
+            lengths runs one step at each, in order (``steps`` then unused).
         device: the device the trace is for ("cpu": CPU kernels' allocations; "cuda" on a
             CUDA build, where CUDA attention kernels run on fake tensors).
         steps: training steps run (the first creates the optimizer states).
@@ -1315,7 +1317,11 @@ def allocation_trace(model: Any, stack: Stack = Stack(), seq_len: int = 2048,
             host's shards share the trace's CPU device), ``steps`` < 1, or
             :func:`measure_step`'s bad sizes.
     """
-    per_rank = check_sizes(seq_len, batch_size, stack)
+    lengths = list(seq_len) if isinstance(seq_len, (list, tuple)) else None
+    if lengths is not None and not lengths:
+        raise ValueError("seq_len=[]: one length or a list of at least one")
+    for n in lengths or [seq_len]:
+        per_rank = check_sizes(n, batch_size, stack)
     if stack.fsdp_ranks > 1 and not fsdp_one_stream:
         raise ValueError(f"stack.fsdp_ranks={stack.fsdp_ranks}: FSDP's collectives allocate on "
                          "streams of their own, whose cached blocks the replay does not model; "
@@ -1328,14 +1334,17 @@ def allocation_trace(model: Any, stack: Stack = Stack(), seq_len: int = 2048,
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
         raise ValueError(f"steps={steps!r}: an integer >= 1")
     config = model_config(model)
-    check_positions(config, seq_len)
+    check_positions(config, max(lengths or [seq_len]))
     device = torch.device(device)
     log = AllocationLog(device.type, fake_only=fake)
     with _process_group(stack.fsdp_ranks, fake):
         prepared = _Prepared(config, stack, device, fake, log=log)
         with prepared.mode or contextlib.nullcontext(), _unpacked_rows(), log:
-            step = prepared.step_fn(seq_len, per_rank)
-            for _ in range(steps):
+            if lengths is None:  # one batch, made before the first step, for every step
+                step = prepared.step_fn(seq_len, per_rank)
+            for n in lengths or range(steps):
+                if lengths is not None:  # each length's batch, made and freed with its step
+                    step = prepared.step_fn(n, per_rank)
                 step()
                 gc.collect()  # what reference cycles hold is freed by the collector, as in a run
     return list(log.events)  # a copy: frees after the run would go on appending to the log

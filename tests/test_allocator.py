@@ -361,6 +361,24 @@ def test_a_fake_run_replays_as_the_same_run_on_real_tensors(config, stack):
     assert measured <= fake.peak_allocated <= measured + 512 * 200
 
 
+def test_steps_at_several_lengths_replay_as_the_same_run_on_real_tensors(config):
+    """Variable-length batches (an unpacked dataset): one step at each length, fake as real,
+    and each step's peak is its own length's."""
+    stack, lengths = Stack(checkpointing=True), [96, 32, 128, 64]
+    fake, real = (allocator.replay(fake_memory.allocation_trace(config, stack, lengths, 2,
+                                                                 fake=f)) for f in (True, False))
+    assert (fake.peak_allocated, fake.peak_reserved, fake.segments) == (
+        real.peak_allocated, real.peak_reserved, real.segments)
+    longest = replay(fake_memory.allocation_trace(config, stack, 128, 2, steps=2))
+    assert fake.peak_allocated == longest.peak_allocated  # the longest step sets the peak
+    with pytest.raises(ValueError, match=r"seq_len=\[\]"):
+        fake_memory.allocation_trace(config, stack, [], 2)
+    with pytest.raises(ValueError, match="seq_len=1: must be an integer >= 2"):
+        fake_memory.allocation_trace(config, stack, [64, 1], 2)
+    with pytest.raises(ValueError, match="seq_len=300"):  # beyond the model's 256 positions
+        fake_memory.allocation_trace(config, stack, [64, 300], 2)
+
+
 def test_replay_refuses_what_it_does_not_model(config):
     with pytest.raises(ValueError, match="stack.fsdp_ranks=2: .*fsdp_one_stream=True"):
         fake_memory.replay_allocator(config, Stack(fsdp_ranks=2), 128, 2)

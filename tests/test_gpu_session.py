@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from recipes_lib import allocator
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -21,11 +23,14 @@ def test_smoke_memory_parts_run_and_the_unsloth_lines_are_fitted(tmp_path, bench
                     "--smoke", "--memory-only"], check=True, cwd=ROOT, capture_output=True)
     report = json.loads((tmp_path / "gpu_session.json").read_text())
     assert "needs CUDA" in report["outside_allocator"]["skipped"]
-    settings = ("fake_vs_real", "fake_vs_real_expandable", "fake_vs_real_max_split")
+    settings = ("fake_vs_real", "fake_vs_real_expandable", "fake_vs_real_max_split",
+                "fake_vs_real_rounding")
     shares = ("card_share", "card_share_max_split")
     assert all("error" not in report[p] for p in (*settings, "unsloth_8b", *shares)), report
     assert all(r["expandable_segments"] for r in report["fake_vs_real_expandable"])
     assert all(r["max_split_size_mb"] == 128 for r in report["fake_vs_real_max_split"])
+    assert all(r["roundup_power2_divisions"] == 16 and r["expandable_segments"]
+               for r in report["fake_vs_real_rounding"])
     # the 24 GB share's check: on a CPU the replays' verdicts only, each length each setting
     share = report["card_share"] + report["card_share_max_split"]
     assert [(r["seq_len"], r["alloc_conf"]) for r in share] == [
@@ -76,6 +81,23 @@ def test_record_files_the_card_shares_verdicts_beside_the_replays(tmp_path, benc
     assert got == {"fits, 7040 tokens, default allocator": (1.0, 0.0),
                    "fits, 7040 tokens, expandable segments": (1.0, 1.0),
                    "fits, 7040 tokens, max_split_size_mb:128": (1.0, 0.0)}
+
+
+def test_record_names_each_settings_figures_after_the_setting(tmp_path, bench_script):
+    raw = tmp_path / "h200" / "raw"
+    raw.mkdir(parents=True)
+    row = {"stack": "full, bf16, adamw", "allocated_peak": 100, "reserved_peak": 200,
+           "replayed_reserved": 210, "replayed_allocated": 101}
+    part = {name: [{**row, "alloc_conf": conf, **allocator.parse_settings(conf)}]
+            for name, conf in (("fake_vs_real_max_split", "max_split_size_mb:128"),
+                               ("fake_vs_real_rounding",
+                                "expandable_segments:True,roundup_power2_divisions:16"))}
+    (raw / "gpu_session_memory.json").write_text(json.dumps({"device": "cuda: H200", **part}))
+    figures = json.loads(bench_script("gpu_session").record("h200", tmp_path).read_text())
+    got = {f["metric"]: f["value"] for f in figures["figures"]}
+    assert got == {"replayed_over_reserved_max_split_128_full_bf16_adamw": 1.05,
+                   "replayed_over_allocated_expandable_roundup_16_full_bf16_adamw": 1.01,
+                   "replayed_over_reserved_expandable_roundup_16_full_bf16_adamw": 1.05}
 
 
 def test_a_short_call_runs_the_parts_it_names_only(tmp_path, bench_script, monkeypatch):

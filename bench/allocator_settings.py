@@ -25,9 +25,9 @@ markdown tables:
    that requests of nearby sizes share blocks; axolotl's command line launches with
    ``expandable_segments:True,roundup_power2_divisions:16``), on what it exists for: the same
    Llama-3.1-8B QLoRA stack trained on unpacked batches of varying length (eight steps, lengths
-   drawn at random between 256 and 4,096 tokens, seed 0), and on the H100's five fixed-length
-   runs: allocated, reserved on an unlimited card and the smallest card, under each setting
-   with and without the rounding.
+   drawn at random between 256 and 4,096 tokens, seed 0; beside it two steps at its longest
+   length alone), and on the H100's five fixed-length runs: allocated, reserved on an
+   unlimited card and the smallest card, under each setting with and without the rounding.
 
 Outside ``make bench``: about 17 s a length on a 2-core CPU (the trace 13 s; each replay < 1 s);
 the varying lengths' trace about a minute.
@@ -131,12 +131,15 @@ def rounding_table() -> None:
     lengths = varying_lengths()
     start = time.perf_counter()
     events = fake_memory.allocation_trace("Llama-3.1-8B", published.TRL_2024_QLORA, lengths, 1)
-    runs = {"varying": events} | {
+    longest = fake_memory.allocation_trace("Llama-3.1-8B", published.TRL_2024_QLORA,
+                                           max(lengths), 1)  # two steps at the longest alone
+    runs = {"8B QLoRA, varying lengths": events, "8B QLoRA, the longest alone": longest} | {
         stack: events for path in sorted((ROOT / "results" / "h100" / "raw").glob(
             "fake_traces_*.json.gz")) for stack, events in load_traces(path).items()}
     context = planner.CUDA_CONTEXT_BYTES
     print(f"\nLlama-3.1-8B QLoRA (TRL 2024), one sequence a step at {', '.join(map(str, lengths))}"
-          " tokens; then the H100's Llama-3.2-1B runs at 2 x 2048 (GiB: allocated / reserved on"
+          " tokens, and its longest alone; then the H100's Llama-3.2-1B runs at 2 x 2048 (GiB:"
+          " allocated / reserved on"
           " an unlimited card / smallest card, the context added):\n")
     print("| setting | " + " | ".join(runs) + " |")
     print("|---" * (1 + len(runs)) + "|")

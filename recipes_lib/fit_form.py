@@ -19,6 +19,11 @@ from recipes_lib import allocator, calc, planner, trainers
 from recipes_lib.fake_memory import METHODS, PRECISIONS, Stack, UnmeasuredStackError, measure_step
 from recipes_lib.memory import MemoryReport
 
+# the form's allocator menu: the settings the course compares, and axolotl's launch (its command
+# line sets expandable segments and rounds requests to 16 steps a power of two)
+LAUNCHES = {**allocator.SETTINGS, "expandable segments, roundup_power2_divisions:16 (axolotl)":
+            "expandable_segments:True,roundup_power2_divisions:16"}
+
 
 def make_stack(method: str = "qlora", checkpointing: bool = True, adamw_8bit: bool = False,
                chunked_loss: int = 0, precision: str = "bf16-mixed",
@@ -210,7 +215,7 @@ def form(model: str = "Llama-3.1-8B", gpu_mem: str = "24GB", seq_len: int = 2048
         # the allocator's cache replayed (two more fake steps) instead of a fixed 15 %
         "replay": w.Checkbox(value=True, description="replay the caching allocator"),
         # the PYTORCH_CUDA_ALLOC_CONF the replay assumes (expandable segments: torchtitan's)
-        "allocator": w.Dropdown(options=list(allocator.SETTINGS), value="default",
+        "allocator": w.Dropdown(options=list(LAUNCHES), value="default",
                                 description="allocator"),
     }
     button = w.Button(description="Measure", button_style="primary")
@@ -231,8 +236,7 @@ def form(model: str = "Llama-3.1-8B", gpu_mem: str = "24GB", seq_len: int = 2048
                 result = verdict(fields["model"].value, fields["gpu_mem"].value,
                                  fields["seq_len"].value, fields["batch_size"].value, stack,
                                  fields["replay"].value,
-                                 **allocator.parse_settings(
-                                     allocator.SETTINGS[fields["allocator"].value]))
+                                 **allocator.parse_settings(LAUNCHES[fields["allocator"].value]))
             except ValueError as err:
                 out.clear_output(wait=True)
                 print(f"error: {err}")

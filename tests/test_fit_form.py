@@ -1,6 +1,6 @@
 import pytest
 
-from recipes_lib import fit_form
+from recipes_lib import allocator, fit_form
 
 
 @pytest.fixture(scope="module")
@@ -106,11 +106,13 @@ def test_the_form_measures_on_click_and_shows_bad_input_as_an_error(config_dir):
     assert "allocator cache, replayed with expandable segments) of 15.0 GiB: fits" in shown
     assert shown.endswith("\n# launch with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: "
                           "the replay assumed it")
-    box.children[11].value = "max_split_size_mb:128"
+    box.children[11].value = "expandable segments, roundup_power2_divisions:16 (axolotl)"
     shown = box.run()
-    assert "allocator cache, replayed with max_split_size_mb:128) of 15.0 GiB: fits" in shown
-    assert shown.endswith("\n# launch with PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:128: "
-                          "the replay assumed it")
+    assert ("allocator cache, replayed with expandable segments, roundup_power2_divisions:16) "
+            "of 15.0 GiB: fits") in shown
+    assert shown.endswith("\n# launch with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True,"
+                          "roundup_power2_divisions:16: the replay assumed it")
+    assert list(fit_form.LAUNCHES)[:len(allocator.SETTINGS)] == list(allocator.SETTINGS)
     box.children[1].value = "lots"
     assert box.run().startswith("error: gpu_mem='lots'")
     button = box.children[-2]  # disabled while it measures, clickable again after an error too

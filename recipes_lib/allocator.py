@@ -632,7 +632,10 @@ def _read_divisions(value: str, table: list[int]) -> bool:
             table[:] = [n] * ROUNDUP_INTERVALS
         return n is not None
     last, first = 0, True
-    for entry in value[1:-1].split(","):
+    entries = value[1:-1].split(",")
+    if entries[-1] == "":  # "[]" and a trailing comma, which PyTorch's parser passes over
+        entries.pop()
+    for entry in entries:
         start, sep, divisions = entry.partition(":")
         d = count(divisions, zero=True)
         if not sep or d is None:

@@ -457,7 +457,8 @@ def test_roundup_power2_divisions_parse_as_pytorch_parses_them():
 
     confs = ["roundup_power2_divisions:16", "roundup_power2_divisions:[256:1,512:2,1024:4,>:8]",
              "roundup_power2_divisions:[1:1,4:2,16:4]", "roundup_power2_divisions:[>:8]",
-             "roundup_power2_divisions:[65536:2]", "roundup_power2_divisions:[ 64:8 , >:0 ]"]
+             "roundup_power2_divisions:[65536:2]", "roundup_power2_divisions:[ 64:8 , >:0 ]",
+             "roundup_power2_divisions:[]", "roundup_power2_divisions:[256:4,]"]
     rng = random.Random(0)
     for _ in range(40):  # random lists, and the value settings_conf writes for a random table
         entries = [f"{1 << rng.randrange(18)}:{rng.choice([0, 1, 2, 4, 16])}"

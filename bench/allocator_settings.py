@@ -105,7 +105,8 @@ def unsloth_table(lengths) -> None:
         print(f"<!-- {time.perf_counter() - start:.0f} s -->", flush=True)
 
 
-# the settings with and without axolotl's rounding, and a coarser one
+# the settings with and without axolotl's rounding, a coarser one, and launch scripts' three
+# together
 ROUNDING = {"default": "", "roundup_power2_divisions:16": "roundup_power2_divisions:16",
             "roundup_power2_divisions:4": "roundup_power2_divisions:4",
             "expandable segments": "expandable_segments:True",
@@ -113,7 +114,11 @@ ROUNDING = {"default": "", "roundup_power2_divisions:16": "roundup_power2_divisi
                 "expandable_segments:True,roundup_power2_divisions:16",
             "max_split_size_mb:128": "max_split_size_mb:128",
             "max_split_size_mb:128, roundup_power2_divisions:16":
-                "max_split_size_mb:128,roundup_power2_divisions:16"}
+                "max_split_size_mb:128,roundup_power2_divisions:16",
+            "expandable segments, max_split_size_mb:128":
+                "expandable_segments:True,max_split_size_mb:128",
+            "expandable segments, max_split_size_mb:128, roundup_power2_divisions:16":
+                "expandable_segments:True,max_split_size_mb:128,roundup_power2_divisions:16"}
 
 
 def varying_lengths(steps: int = 8, low: int = 256, high: int = 4096, seed: int = 0) -> list[int]:

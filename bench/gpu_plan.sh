@@ -19,8 +19,8 @@
 #           stacks alone took 160 s on the H100 (results/h100/raw), the 8 B parts are untimed.
 #           GPU_SESSION_PARTS=name,... runs those of bench/gpu_session.py's parts only (in its
 #           order: outside_allocator, fake_vs_real, fake_vs_real_expandable,
-#           fake_vs_real_max_split, fake_vs_real_rounding, unsloth_8b, card_share,
-#           card_share_max_split), e.g.
+#           fake_vs_real_max_split, fake_vs_real_rounding, fake_vs_real_expandable_max_split,
+#           unsloth_8b, card_share, card_share_max_split), e.g.
 #           GPU_SESSION_PARTS=outside_allocator,fake_vs_real_expandable,card_share for a call
 #           that checks the replay's settings where no GPU has yet.
 #   04 ...  a notebook at SCALE="gpu" (the speed claims at the sizes where they should pay)

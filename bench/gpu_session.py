@@ -7,8 +7,9 @@
 Writes ``OUT_DIR/gpu_session.json``: what the GPU holds outside PyTorch's allocator (the CUDA
 context and the libraries' kernels), the fake-tensor memory prediction against the real run of
 a >= 1 B-parameter model (five recipe stacks, three again with expandable segments, three
-with ``max_split_size_mb:128`` and three with axolotl's ``expandable_segments:True,
-roundup_power2_divisions:16``) and of Unsloth's Llama-3.1-8B QLoRA rows at four lengths (two
+with ``max_split_size_mb:128``, three with axolotl's ``expandable_segments:True,
+roundup_power2_divisions:16`` and three with expandable segments and ``max_split_size_mb:128``
+together) and of Unsloth's Llama-3.1-8B QLoRA rows at four lengths (two
 stacks; ``published``), whether that row fits a 24 GB share of the GPU at four lengths under
 each allocator setting beside the replay's verdict (``card_share``), the FP8 vs bf16 linear
 sweep (tensorwise and rowwise), an FP8 training step at a scale where it should pay, and the
@@ -337,6 +338,12 @@ def main(out_dir: str, smoke: bool) -> None:
     part("fake_vs_real_rounding", lambda: fake_vs_real(
         model, stacks[:3], seq, batch, device, True,
         "expandable_segments:True,roundup_power2_divisions:16"))
+    # and launch scripts' expandable segments with max_split_size_mb:128: predicted to map
+    # 46 GiB for the full fine-tune's 20.5 allocated (best fit passes over merged free
+    # blocks of 128 MiB or more, and each such request maps new pages)
+    part("fake_vs_real_expandable_max_split", lambda: fake_vs_real(
+        model, stacks[:3], seq, batch, device, True,
+        "expandable_segments:True,max_split_size_mb:128"))
     part("unsloth_8b", lambda: unsloth_rows(big, lengths, device))
     # last of the memory parts: the replay's fit / out-of-memory verdicts on a 24 GB share
     share = ([160, 192] if smoke else [7040, 7168, 8832, 8960], device,
@@ -399,7 +406,8 @@ def record(device_dir: str = "h100", results_dir: Path | None = None) -> Path:
     traced = {stack: replay(events) for f in sorted((folder / "raw").glob("fake_traces_*.json.gz"))
               for stack, events in load_traces(f).items()}
     for row in (part.get("fake_vs_real", []) + part.get("fake_vs_real_expandable", [])
-                + part.get("fake_vs_real_max_split", []) + part.get("fake_vs_real_rounding", [])):
+                + part.get("fake_vs_real_max_split", []) + part.get("fake_vs_real_rounding", [])
+                + part.get("fake_vs_real_expandable_max_split", [])):
         if not row["allocated_peak"]:
             continue
         if not row.get("replayed_reserved") and row["stack"] in traced:

@@ -47,6 +47,14 @@ PyTorch's out-of-memory message suggested before expandable segments) keeps larg
   largest down to the request's size), and every whole free segment only if that was not
   enough.
 
+With expandable segments too (``expandable_segments:True,max_split_size_mb:N``, as some launch
+scripts set them), PyTorch's code applies only the first rule's search part: best fit passes
+over a free block of N MiB or more for a smaller request (and one 20 MiB larger than a larger
+request), which then maps pages where the lowest free-and-unmapped range has room (a free
+block at the segment's end still serves it there); any block is split as with expandable
+segments alone, and nothing is released first (PyTorch's release of oversize blocks passes
+over expandable ones).
+
 ``PYTORCH_CUDA_ALLOC_CONF=roundup_power2_divisions:D`` (``roundup_power2_divisions=D``;
 axolotl's command line sets ``expandable_segments:True,roundup_power2_divisions:16``) rounds a
 request up to the next of D equal steps between two powers of two, in place of 512 bytes, so
@@ -204,8 +212,8 @@ class CachingAllocator:
             more is taken, as on a full GPU.
         expandable_segments: as ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``.
         max_split_size_mb: as ``PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:N`` (None: unset,
-            every block may be split); with the default rules only (the two together are
-            not modelled).
+            every block may be split); with ``expandable_segments``, as PyTorch combines
+            them (the module's docstring).
         roundup_power2_divisions: as ``PYTORCH_CUDA_ALLOC_CONF=roundup_power2_divisions:D``:
             one count, or one per interval (:func:`roundup_divisions`); None: unset.
         fraction: ``capacity`` is a share of a larger card set with
@@ -223,8 +231,8 @@ class CachingAllocator:
 
     Raises:
         ValueError: for a ``max_split_size_mb`` that is not a whole number of MiB of at least
-            20 (PyTorch's floor: a large block is cut from a 20 MiB segment), or one set with
-            ``expandable_segments``; for divisions :func:`roundup_divisions` refuses.
+            20 (PyTorch's floor: a large block is cut from a 20 MiB segment); for divisions
+            :func:`roundup_divisions` refuses.
     """
 
     capacity: int | None = None
@@ -252,9 +260,6 @@ class CachingAllocator:
         if not isinstance(mss, int) or isinstance(mss, bool) or mss < LARGE_BUFFER >> 20:
             raise ValueError(f"max_split_size_mb={mss!r}: a whole number of MiB, at least "
                              f"{LARGE_BUFFER >> 20} (PyTorch refuses less)")
-        if self.expandable_segments:
-            raise ValueError(f"max_split_size_mb={mss} with expandable_segments=True: the "
-                             "replay models either setting, not the two together")
         self._max_split = mss << 20
 
     def malloc(self, nbytes: int) -> _Block:
@@ -279,7 +284,8 @@ class CachingAllocator:
         else:
             block = self._take_cached(size, small) or self._new_segment(size, small)
         least = MIN_BLOCK if small or self.expandable_segments else SMALL_SIZE + 1
-        if block.size - size >= least and (small or size < self._max_split):  # split the rest
+        if block.size - size >= least and (small or self.expandable_segments
+                                           or size < self._max_split):  # split the rest
             self._cache(self._split(block, size))
         block.allocated = True
         self.allocated += block.size
@@ -366,12 +372,14 @@ class CachingAllocator:
         the limit, nor one 20 MiB or more larger than an oversize request."""
         pool = self._free[small]
         i = bisect.bisect_left(pool, (size, -1), key=lambda e: e[:2])
-        if i == len(pool):
-            return None
-        found = pool[i][2].size
-        if found >= self._max_split and (size < self._max_split or found >= size + LARGE_BUFFER):
+        if i == len(pool) or self._refused(pool[i][2].size, size):
             return None  # PyTorch looks no further
         return pool.pop(i)[2]
+
+    def _refused(self, found: int, size: int) -> bool:
+        """``max_split_size_mb``'s rule for the best-fit block of ``found`` bytes."""
+        return found >= self._max_split and (size < self._max_split
+                                             or found >= size + LARGE_BUFFER)
 
     def _release_oversize(self, size: int, small: bool) -> bool:
         """Release cached oversize segments for a request of ``size`` (PyTorch's
@@ -398,7 +406,8 @@ class CachingAllocator:
         return released >= need
 
     def _take_cached_expandable(self, size: int, small: bool) -> _Block | None:
-        """Best fit, where a block that could grow into unmapped space counts as that large."""
+        """Best fit, where a block that could grow into unmapped space counts as that large; with
+        ``max_split_size_mb``, not an oversize block :meth:`_take_cached` would refuse."""
         pool = self._free[small]
         i = bisect.bisect_left(pool, (size, -1), key=lambda e: e[:2])
         if i == len(pool):
@@ -410,6 +419,8 @@ class CachingAllocator:
 
         while i + 1 < len(pool) and reach(pool[i + 1][2]) < reach(pool[i][2]):
             i += 1
+        if self._refused(pool[i][2].size, size):  # max_split_size_mb's search rule holds too
+            return None
         return pool.pop(i)[2]
 
     def _new_segment(self, size: int, small: bool) -> _Block:
@@ -671,8 +682,9 @@ def settings_conf(expandable_segments: bool = False, max_split_size_mb: int | No
         >>> settings_conf(True, roundup_power2_divisions=(1,) * 9 + (2, 4) + (8,) * 5)
         'expandable_segments:True,roundup_power2_divisions:[256:1,512:2,1024:4,>:8]'
     """
-    parts = (["expandable_segments:True"] if expandable_segments else
-             [f"max_split_size_mb:{max_split_size_mb}"] if max_split_size_mb is not None else [])
+    parts = ["expandable_segments:True"] if expandable_segments else []
+    if max_split_size_mb is not None:
+        parts.append(f"max_split_size_mb:{max_split_size_mb}")
     table = roundup_divisions(roundup_power2_divisions)
     if table is not None and any(table):
         if len(set(table)) == 1:

@@ -73,10 +73,10 @@ def allocator_setting(expandable_segments: bool = False, max_split_size_mb: int 
         return "the default allocator settings"
     if env:
         return f"{ALLOC_CONF}={conf}"
-    base = settings_conf(expandable_segments, max_split_size_mb)
-    rounding = settings_conf(roundup_power2_divisions=roundup_power2_divisions)
-    return ", ".join(filter(None, ["expandable segments" if expandable_segments else base,
-                                   rounding]))
+    return ", ".join(filter(None, [
+        "expandable segments" if expandable_segments else "",
+        settings_conf(max_split_size_mb=max_split_size_mb),
+        settings_conf(roundup_power2_divisions=roundup_power2_divisions)]))
 
 
 def allocator_reserve(allocated_bytes: float) -> float:
@@ -742,7 +742,7 @@ def plan(model: str, gpu_mem: str | float, seq_len: int = 2048, batch_size: int 
         expandable_segments: with ``replay``, replay as
             ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` runs.
         max_split_size_mb: with ``replay``, replay as ``PYTORCH_CUDA_ALLOC_CONF=
-            max_split_size_mb:N`` runs (None: unset); not with ``expandable_segments``.
+            max_split_size_mb:N`` runs (None: unset).
         roundup_power2_divisions: with ``replay``, replay as ``PYTORCH_CUDA_ALLOC_CONF=
             roundup_power2_divisions:D`` runs (one count or one per interval; None: unset).
 

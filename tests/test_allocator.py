@@ -195,8 +195,28 @@ def test_max_split_size_releases_oversize_segments_before_the_rest():
         CachingAllocator(max_split_size_mb=19)
     with pytest.raises(ValueError, match="max_split_size_mb=True"):
         CachingAllocator(max_split_size_mb=True)
-    with pytest.raises(ValueError, match="not the two together"):
-        replay(events, expandable_segments=True, max_split_size_mb=128)
+
+
+
+def test_max_split_size_with_expandable_segments_passes_over_oversize_blocks_in_search_only():
+    """PyTorch's best fit refuses a free block of N MiB or more to a smaller request with
+    expandable segments too; the request then maps pages where the lowest free-and-unmapped
+    range has room, which a free block at the segment's end is part of."""
+    def run(events, mss):
+        return replay(events, expandable_segments=True, max_split_size_mb=mss)
+
+    # A (60 MiB) freed between B and the segment's end: C (30 MiB) maps a new page past B
+    middle = [("alloc", 0, 60 * MiB), ("alloc", 1, 10 * MiB), ("free", 0, 0),
+              ("alloc", 2, 30 * MiB)]
+    assert (run(middle, None).reserved, run(middle, 40).reserved) == (80 * MiB, 100 * MiB)
+    # A freed at the segment's end: the same request is served there, split as always
+    end = [("alloc", 0, 60 * MiB), ("free", 0, 0), ("alloc", 2, 30 * MiB)]
+    assert run(end, 40).reserved == 60 * MiB and run(end, 40).segments == 1
+    # an oversize request takes a free block less than 20 MiB larger, not one 20 MiB larger
+    near = [("alloc", 0, 60 * MiB), ("alloc", 1, 10 * MiB), ("free", 0, 0),
+            ("alloc", 2, 45 * MiB)]
+    far = near[:3] + [("alloc", 2, 40 * MiB)]
+    assert (run(near, 40).reserved, run(far, 40).reserved) == (80 * MiB, 120 * MiB)
 
 
 def test_a_launch_setting_parses_into_the_replays_keywords():
@@ -215,6 +235,12 @@ def test_a_launch_setting_parses_into_the_replays_keywords():
         **unset, "max_split_size_mb": 128}
     # divisions that round nothing are no setting
     assert parse("roundup_power2_divisions:[>:0]") == unset
+    # launch scripts' combination of all three
+    conf = "max_split_size_mb:128,expandable_segments:True,roundup_power2_divisions:16"
+    assert parse(conf) == {"expandable_segments": True, "max_split_size_mb": 128,
+                           "roundup_power2_divisions": 16}
+    assert allocator.settings_conf(**parse(conf)) == (
+        "expandable_segments:True,max_split_size_mb:128,roundup_power2_divisions:16")
     with pytest.raises(ValueError, match="per-process memory fraction is not modelled"):
         parse("garbage_collection_threshold:0.6", fraction=True)
     for bad, why in (("max_non_split_rounding_mb:40", "max_non_split_rounding_mb:40 is not"),
@@ -222,8 +248,7 @@ def test_a_launch_setting_parses_into_the_replays_keywords():
                      ("garbage_collection_threshold:1.5", "threshold:1.5 does not parse"),
                      ("max_split_size_mb:1e3", "max_split_size_mb:1e3 does not parse"),
                      ("expandable_segments:yes", "expandable_segments:yes does not parse"),
-                     ("max_split_size_mb:10", "max_split_size_mb=10"),
-                     ("expandable_segments:True,max_split_size_mb:128", "not the two together")):
+                     ("max_split_size_mb:10", "max_split_size_mb=10")):
         with pytest.raises(ValueError, match=why):
             parse(bad)
 
@@ -278,13 +303,15 @@ def _check_tiling(a: CachingAllocator, live: list) -> None:
     assert seen == blocks
     assert a.reserved == sum(b.size for b in seen if b.mapped)
     assert a.allocated == sum(b.size for b in live)
-    # an oversize block is never split: it is a whole segment, free or allocated
-    oversize = [b for b in seen if b.size >= a._max_split]
+    # an oversize block is never split: it is a whole segment, free or allocated (expandable
+    # segments split any block)
+    oversize = [b for b in seen if b.size >= a._max_split and not a.expandable_segments]
     assert all(b.prev is None and b.next is None for b in oversize)
 
 
 @pytest.mark.parametrize("expandable, mss, divisions", [
-    (False, None, None), (True, None, None), (False, 21, None), (True, None, 16), (False, 21, 4)])
+    (False, None, None), (True, None, None), (False, 21, None), (True, None, 16), (False, 21, 4),
+    (True, 21, None)])
 @pytest.mark.parametrize("capacity", [None, 300 * MiB])
 def test_random_requests_keep_the_segments_consistent(expandable, mss, divisions, capacity):
     import random

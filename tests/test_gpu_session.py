@@ -24,13 +24,15 @@ def test_smoke_memory_parts_run_and_the_unsloth_lines_are_fitted(tmp_path, bench
     report = json.loads((tmp_path / "gpu_session.json").read_text())
     assert "needs CUDA" in report["outside_allocator"]["skipped"]
     settings = ("fake_vs_real", "fake_vs_real_expandable", "fake_vs_real_max_split",
-                "fake_vs_real_rounding")
+                "fake_vs_real_rounding", "fake_vs_real_expandable_max_split")
     shares = ("card_share", "card_share_max_split")
     assert all("error" not in report[p] for p in (*settings, "unsloth_8b", *shares)), report
     assert all(r["expandable_segments"] for r in report["fake_vs_real_expandable"])
     assert all(r["max_split_size_mb"] == 128 for r in report["fake_vs_real_max_split"])
     assert all(r["roundup_power2_divisions"] == 16 and r["expandable_segments"]
                for r in report["fake_vs_real_rounding"])
+    assert all(r["max_split_size_mb"] == 128 and r["expandable_segments"]
+               for r in report["fake_vs_real_expandable_max_split"])
     # the 24 GB share's check: on a CPU the replays' verdicts only, each length each setting
     share = report["card_share"] + report["card_share_max_split"]
     assert [(r["seq_len"], r["alloc_conf"]) for r in share] == [
@@ -91,13 +93,16 @@ def test_record_names_each_settings_figures_after_the_setting(tmp_path, bench_sc
     part = {name: [{**row, "alloc_conf": conf, **allocator.parse_settings(conf)}]
             for name, conf in (("fake_vs_real_max_split", "max_split_size_mb:128"),
                                ("fake_vs_real_rounding",
-                                "expandable_segments:True,roundup_power2_divisions:16"))}
+                                "expandable_segments:True,roundup_power2_divisions:16"),
+                               ("fake_vs_real_expandable_max_split",
+                                "expandable_segments:True,max_split_size_mb:128"))}
     (raw / "gpu_session_memory.json").write_text(json.dumps({"device": "cuda: H200", **part}))
     figures = json.loads(bench_script("gpu_session").record("h200", tmp_path).read_text())
     got = {f["metric"]: f["value"] for f in figures["figures"]}
     assert got == {"replayed_over_reserved_max_split_128_full_bf16_adamw": 1.05,
                    "replayed_over_allocated_expandable_roundup_16_full_bf16_adamw": 1.01,
-                   "replayed_over_reserved_expandable_roundup_16_full_bf16_adamw": 1.05}
+                   "replayed_over_reserved_expandable_roundup_16_full_bf16_adamw": 1.05,
+                   "replayed_over_reserved_expandable_max_split_128_full_bf16_adamw": 1.05}
 
 
 def test_a_short_call_runs_the_parts_it_names_only(tmp_path, bench_script, monkeypatch):

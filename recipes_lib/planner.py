@@ -931,7 +931,7 @@ def replayed_reserve(model: Any, stack: Any, seq_len: int, batch_size: int,
         ``other_allocator``: the same keys (but ``gpu_GiB`` and ``needs_GiB``) for the other
         setting, from the same trace; ``needs_by_setting``: the smallest card under each
         setting the course compares (``allocator.SETTINGS``, by name; seconds for an 8 B
-        model's trace); ``advice``:
+        model's trace), then under the setting as set where it is none of them; ``advice``:
         what the other setting changes in the verdict (:func:`allocator_advice`), or None.
     """
     from recipes_lib import allocator, fake_memory
@@ -951,8 +951,12 @@ def replayed_reserve(model: Any, stack: Any, seq_len: int, batch_size: int,
     out["gpu_GiB"] = out["reserved_GiB"] + CUDA_CONTEXT_BYTES / 2**30
     as_set = allocator.settings_conf(expandable_segments, max_split_size_mb,
                                      roundup_power2_divisions)
+    named = dict(allocator.SETTINGS)
+    if as_set not in named.values():  # a launch's own setting joins the ones compared
+        named[allocator_setting(expandable_segments, max_split_size_mb, False,
+                                roundup_power2_divisions)] = as_set
     cards = {name: (card + CUDA_CONTEXT_BYTES) / 2**30 for name, card in allocator.smallest_cards(
-        events, {**allocator.SETTINGS, "as set": as_set}).items()}
+        events, {**named, "as set": as_set}).items()}
     out["needs_GiB"] = cards.pop("as set")
     out["other_allocator"] = on_card(not expandable_segments, None)
     out["needs_by_setting"] = cards

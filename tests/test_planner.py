@@ -1170,3 +1170,16 @@ def test_a_rounding_setting_is_said_with_the_rest():
         planner.check_allocator_setting(False, False, None, 16)
     with pytest.raises(ValueError, match="roundup_power2_divisions=5: a power of two"):
         planner.check_allocator_setting(True, False, None, 5)
+
+
+def test_a_launchs_own_setting_joins_the_smallest_cards_compared(tmp_path, small_llama):
+    from recipes_lib import allocator, fake_memory
+
+    small_llama.config.save_pretrained(tmp_path)
+    out = planner.replayed_reserve(str(tmp_path), fake_memory.Stack(), 64, 2, 2**30, True, None,
+                                   16)  # axolotl's launch
+    words = "expandable segments, roundup_power2_divisions:16"
+    assert list(out["needs_by_setting"]) == [*allocator.SETTINGS, words]
+    assert out["needs_by_setting"][words] == out["needs_GiB"]
+    assert out["roundup_power2_divisions"] == 16
+    assert out["other_allocator"]["roundup_power2_divisions"] == 16  # kept on the other side

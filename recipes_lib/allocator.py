@@ -124,13 +124,12 @@ def round_size(nbytes: int, divisions: tuple[int, ...] | None = None) -> int:
     d = divisions[min(max(nbytes.bit_length() - 21, 0), ROUNDUP_INTERVALS - 1)] if divisions else 0
     if d > 1 and nbytes > MIN_BLOCK * d and nbytes & (nbytes - 1):
         step = (1 << (nbytes.bit_length() - 1)) >> (d.bit_length() - 1)  # the interval / d
-        if step == 0:  # more divisions than bytes in the interval (PyTorch's guard)
-            return 1 << nbytes.bit_length()
         return -(-nbytes // step) * step
     return -(-nbytes // MIN_BLOCK) * MIN_BLOCK
 
 
-def roundup_divisions(value: int | Iterable[int] | None) -> tuple[int, ...] | None:
+def roundup_divisions(value: int | tuple[int, ...] | list[int] | None
+                      ) -> tuple[int, ...] | None:
     """``roundup_power2_divisions`` as one count per interval (PyTorch's table).
 
     Args:

@@ -1340,11 +1340,11 @@ def allocation_trace(model: Any, stack: Stack = Stack(), seq_len: int | Sequence
     with _process_group(stack.fsdp_ranks, fake):
         prepared = _Prepared(config, stack, device, fake, log=log)
         with prepared.mode or contextlib.nullcontext(), _unpacked_rows(), log:
-            if lengths is None:  # one batch, made before the first step, for every step
-                step = prepared.step_fn(seq_len, per_rank)
-            for n in lengths or range(steps):
-                if lengths is not None:  # each length's batch, made and freed with its step
-                    step = prepared.step_fn(n, per_rank)
+            # one batch made before the first step for every step, or each length's own, made
+            # with its step and freed after the next one's
+            run = ([prepared.step_fn(seq_len, per_rank)] * steps if lengths is None
+                   else (prepared.step_fn(n, per_rank) for n in lengths))
+            for step in run:
                 step()
                 gc.collect()  # what reference cycles hold is freed by the collector, as in a run
     return list(log.events)  # a copy: frees after the run would go on appending to the log

@@ -148,7 +148,8 @@ def card_share_check(model, seq_lens, device, card: str = "24GiB",
     of ``settings`` (``PYTORCH_CUDA_ALLOC_CONF`` values), whether the real run fits beside
     whether its replay does (``allocator.replay(..., fraction=True)``: the share's check, as
     PyTorch makes it). The replay says the default rules fit such a card at some lengths and
-    not at shorter ones (README); this is the check. On a CPU (smoke) only the replays run."""
+    not at shorter ones (docs/planner.md); this is the check. On a CPU (smoke) only the replays
+    run."""
     from recipes_lib import allocator, planner, published
 
     capacity = int(planner.parse_bytes(card) - planner.CUDA_CONTEXT_BYTES)

@@ -288,7 +288,7 @@ def real_scale_benchmark() -> None:
     checks.check_speed(r, "fake_memory", "Llama-3.1-8B step on fake tensors (s)", seconds, 90.0,
                        at_least=False, unit="s")
     # published GPU figures beside our predictions (misses stay in the table, with the reason
-    # in published.py and the README)
+    # in published.py and docs/planner.md)
     rows = published.predict(memo=kept.value)
     published.record(r, rows)
     print(published.format_table(rows))

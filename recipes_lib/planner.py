@@ -34,7 +34,8 @@ from recipes_lib.max_context import check_positions
 # hands out (on the H100 runs in results/h100/, max_memory_reserved was 2-29 % above
 # max_memory_allocated). Library workspaces (cuBLAS, attention kernels) come on top. Under FSDP1
 # with bitsandbytes and a reserved peak counted since loading, Answer.AI's figures read 1.30-1.47x
-# the fake trace, 1.35-1.69x with CPU offload (README, published.REASONS): 15 % is no ceiling.
+# the fake trace, 1.35-1.69x with CPU offload (docs/planner.md, published.REASONS): 15 % is
+# no ceiling.
 # plan(replay=True) replaces it on one-device rows by the run replayed through the allocator's
 # rules (recipes_lib.allocator: within 2.4 % of the H100's reserved peaks in bf16).
 CUDA_CONTEXT_BYTES = 0.5 * 2**30

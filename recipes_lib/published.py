@@ -785,16 +785,18 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
 
 
 def update_readme(rows: list[dict[str, Any]]) -> bool:
-    """Write :func:`markdown_table` between the README's published-table markers (only when
-    results go to the repository's ``results/``, as ``results.update_readme``).
+    """Write :func:`markdown_table` between the published-table markers of the planner's page,
+    ``docs/planner.md`` (only when results go to the repository's ``results/``, as
+    ``results.update_readme``).
 
     Args:
         rows: :func:`predict`'s rows.
 
     Returns:
-        True if the README changed.
+        True if the page changed.
     """
-    return results.write_readme_section("published-table", markdown_table(rows))
+    return results.write_readme_section("published-table", markdown_table(rows),
+                                        results.PLANNER_DOC)
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:

@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = ROOT / "results"  # the committed figures; see output_dir() for the setting
 RESULTS_ENV = "RECIPES_RESULTS_DIR"
 README = ROOT / "README.md"
+PLANNER_DOC = ROOT / "docs" / "planner.md"  # the planner in full: the published table
 PACKAGES = ("torch", "transformers", "peft", "bitsandbytes", "accelerate", "datasets", "torchao")
 PARTIAL_DIR = ".partial"  # <results dir>/.partial/<stem>.json: a run's figures so far
 README_BEGIN = "<!-- results-table:begin -->"
@@ -370,31 +371,34 @@ def _markers(section: str | None) -> tuple[str, str]:
     return f"<!-- results-table:{section}:begin -->", f"<!-- results-table:{section}:end -->"
 
 
-def write_readme_section(name: str, table: str) -> bool:
+def write_readme_section(name: str, table: str, doc: Path | str | None = None) -> bool:
     """Put ``table`` between the README's ``<!-- {name}:begin -->`` and ``<!-- {name}:end -->``
-    markers, only when results go to the repository's ``results/`` (a test run's figures never
-    reach the README).
+    markers (or another page's of the repository), only when results go to the repository's
+    ``results/`` (a test run's figures never reach the README).
 
     Args:
         name: the markers' name.
         table: the text to put there.
+        doc: the page that has the markers (None: the README; ``PLANNER_DOC``: the planner's
+            page, where the published figures' table is).
 
     Returns:
-        True if the README changed.
+        True if the page changed.
 
     Raises:
-        ValueError: if the README lacks the markers.
+        ValueError: if the page lacks the markers.
     """
+    doc = Path(doc) if doc is not None else README
     if output_dir().resolve() != RESULTS_DIR.resolve():
-        print(f"README {name} not refreshed: results went to {output_dir()} ({RESULTS_ENV})")
+        print(f"{doc.name} {name} not refreshed: results went to {output_dir()} ({RESULTS_ENV})")
         return False
-    text = README.read_text()
+    text = doc.read_text()
     begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
     if begin not in text or end not in text:
-        raise ValueError(f"README: missing {begin} / {end} markers")
+        raise ValueError(f"{doc.name}: missing {begin} / {end} markers")
     head, rest = text.split(begin, 1)
     new = f"{head}{begin}\n{table}\n{end}{rest.split(end, 1)[1]}"
-    README.write_text(new)
+    doc.write_text(new)
     return new != text
 
 

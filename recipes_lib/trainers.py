@@ -757,8 +757,8 @@ def stack_settings(stack: Any, batch_size: int,
 # (the published phi-1.5 rows measure the difference: transformers' Phi with each, beside litgpt's)
 GELU_NEW_NOTE = ("this model computes GELU as gelu_new, eight elementwise ops that each keep a "
                  "tensor for backward: from_pretrained(..., hidden_act='gelu_pytorch_tanh') "
-                 "computes the same function in one op and keeps less (the README's published "
-                 "table measures it on phi-1.5); a plan's figures are gelu_new's")
+                 "computes the same function in one op and keeps less (the published table of "
+                 "docs/planner.md measures it on phi-1.5); a plan's figures are gelu_new's")
 
 
 def format_settings(settings: dict[str, Any], model_id: str) -> str:

@@ -148,7 +148,7 @@ def test_bad_figures_name_the_field():
                          seq_len=8, reads="peak")
 
 
-def test_the_readme_table_shows_each_miss_with_its_reason():
+def test_the_published_table_shows_each_miss_with_its_reason():
     rows = [{"source": published.UNSLOTH_README, "row": "r1", "kind": "max_context",
              "config": "c", "unit": "tokens", "published": 932, "predicted": 320,
              "error": 320 / 932 - 1, "met": False, "stack": "s",
@@ -161,6 +161,11 @@ def test_the_readme_table_shows_each_miss_with_its_reason():
     assert "| 932 tokens | 320 | 1,920 (bf16 base) | -65.7% | MISSED: The source's" in table
     assert "| 21.30 GB (allocated) | 22.30 |  | +4.7% | met |" in table
     assert published.REASONS.keys() <= {f.source for f in published.FIGURES}
+    # make bench writes it into the planner's page, which the README links to
+    from recipes_lib import results
+    page = results.PLANNER_DOC.read_text()
+    assert "<!-- published-table:begin -->" in page and "<!-- published-table:end -->" in page
+    assert "(docs/planner.md)" in results.README.read_text()
 
 
 def test_a_line_fit_gives_the_memory_each_token_adds_and_the_memory_before_the_first():

@@ -119,7 +119,16 @@ def test_readme_section_is_written_only_for_the_repositorys_results(tmp_path, mo
         results.write_readme_section("other", "x")
     monkeypatch.setenv(results.RESULTS_ENV, str(tmp_path / "elsewhere"))
     assert not results.write_readme_section("archs", "| newer |")
-    assert "README archs not refreshed" in capsys.readouterr().out
+    assert "README.md archs not refreshed" in capsys.readouterr().out
+    # another page of the repository: the planner's, where the published figures' table is
+    page = tmp_path / "planner.md"
+    page.write_text("<!-- published-table:begin -->\n<!-- published-table:end -->\n")
+    assert not results.write_readme_section("published-table", "| row |", page)
+    monkeypatch.setenv(results.RESULTS_ENV, str(tmp_path))
+    assert results.write_readme_section("published-table", "| row |", page)
+    assert "| row |" in page.read_text() and "| new |" in readme.read_text()
+    with pytest.raises(ValueError, match=r"planner.md: missing <!-- archs:begin -->"):
+        results.write_readme_section("archs", "x", page)
     results.Results("architectures", "cpu", tmp_path).save()
     assert "architectures" not in results.markdown_table(tmp_path)
 

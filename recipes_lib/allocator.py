@@ -557,7 +557,9 @@ def parse_settings(conf: str, fraction: bool = False) -> dict[str, Any]:
     ``garbage_collection_threshold`` is accepted and changes nothing: PyTorch collects only
     under ``torch.cuda.set_per_process_memory_fraction`` (its ``set_fraction``), so a launch
     that sets the threshold alone runs as without it. So are the settings of
-    ``INERT_SETTINGS`` and ``backend:native`` (the default).
+    ``INERT_SETTINGS`` and ``backend:native`` (the default), and ``max_non_split_rounding_mb``
+    where no block is ever oversize (no ``max_split_size_mb``) or at its default, 20: it only
+    widens how much larger than a large request an oversize block may be and still serve it.
 
     Args:
         conf: e.g. ``"expandable_segments:True,roundup_power2_divisions:16"`` or
@@ -574,8 +576,9 @@ def parse_settings(conf: str, fraction: bool = False) -> dict[str, Any]:
 
     Raises:
         ValueError: naming the key, for one the replay does not model (it would predict the
-            wrong run: ``backend:cudaMallocAsync``, ``max_non_split_rounding_mb``, ...) or a
-            value that does not parse.
+            wrong run: ``backend:cudaMallocAsync``, ``max_non_split_rounding_mb`` above 20
+            with ``max_split_size_mb``, ...) or a value that does not parse (or that PyTorch
+            refuses: ``max_non_split_rounding_mb`` under 20).
 
     Example:
         >>> parse_settings("garbage_collection_threshold:0.6,max_split_size_mb:128")
@@ -585,6 +588,7 @@ def parse_settings(conf: str, fraction: bool = False) -> dict[str, Any]:
     """
     out: dict[str, Any] = {"expandable_segments": False, "max_split_size_mb": None}
     table = [0] * ROUNDUP_INTERVALS
+    rounding = None  # max_non_split_rounding_mb, in MiB
     for pair in _top_level_pairs(conf):
         key, _, value = (part.strip() for part in pair.partition(":"))
         if key == "expandable_segments" and value in ("True", "False"):
@@ -599,8 +603,13 @@ def parse_settings(conf: str, fraction: bool = False) -> dict[str, Any]:
                                  "per-process memory fraction is not modelled by the replay")
         elif key in INERT_SETTINGS or (key, value) == ("backend", "native"):
             continue
+        elif key == "max_non_split_rounding_mb" and value.isdigit():
+            rounding = int(value)
+            if rounding < LARGE_BUFFER >> 20:
+                raise ValueError(f"conf={conf!r}: max_non_split_rounding_mb:{value} is under "
+                                 f"{LARGE_BUFFER >> 20} (PyTorch refuses less)")
         elif key in ("expandable_segments", "max_split_size_mb", "garbage_collection_threshold",
-                     "roundup_power2_divisions"):
+                     "roundup_power2_divisions", "max_non_split_rounding_mb"):
             raise ValueError(f"conf={conf!r}: {key}:{value} does not parse (True or False; "
                              "a whole number of MiB; a fraction between 0 and 1; a power of two "
                              "or a list such as [256:1,512:2,>:8])")
@@ -608,6 +617,11 @@ def parse_settings(conf: str, fraction: bool = False) -> dict[str, Any]:
             raise ValueError(f"conf={conf!r}: {pair} is not modelled by the replay (it models "
                              "expandable_segments, max_split_size_mb and "
                              "roundup_power2_divisions)")
+    if rounding not in (None, LARGE_BUFFER >> 20) and out["max_split_size_mb"] is not None:
+        raise ValueError(f"conf={conf!r}: max_non_split_rounding_mb:{rounding} with "
+                         "max_split_size_mb lets a cached block up to that much larger than a "
+                         "large request serve it, which the replay does not model (it models "
+                         f"PyTorch's default, {LARGE_BUFFER >> 20} MiB)")
     out["roundup_power2_divisions"] = (None if not any(table) else table[0]
                                        if len(set(table)) == 1 else tuple(table))
     CachingAllocator(**out)  # refuses what it cannot replay

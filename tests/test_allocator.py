@@ -243,7 +243,17 @@ def test_a_launch_setting_parses_into_the_replays_keywords():
         "expandable_segments:True,max_split_size_mb:128,roundup_power2_divisions:16")
     with pytest.raises(ValueError, match="per-process memory fraction is not modelled"):
         parse("garbage_collection_threshold:0.6", fraction=True)
-    for bad, why in (("max_non_split_rounding_mb:40", "max_non_split_rounding_mb:40 is not"),
+    # max_non_split_rounding_mb acts only on oversize blocks: without max_split_size_mb there
+    # are none (vLLM launches set it beside expandable segments), and 20 is its default
+    assert parse("expandable_segments:True,max_non_split_rounding_mb:256") == {
+        **unset, "expandable_segments": True}
+    assert parse("max_split_size_mb:128,max_non_split_rounding_mb:20") == {
+        **unset, "max_split_size_mb": 128}
+    gc_and_rounding = ("max_split_size_mb:128,garbage_collection_threshold:0.8,"
+                       "max_non_split_rounding_mb:512")  # a launch's, seen in public scripts
+    for bad, why in ((gc_and_rounding, "max_non_split_rounding_mb:512 with max_split_size_mb lets"),
+                     ("max_non_split_rounding_mb:19", "max_non_split_rounding_mb:19 is under 20"),
+                     ("max_non_split_rounding_mb:1.5", "max_non_split_rounding_mb:1.5 does not"),
                      ("backend:cudaMallocAsync", "backend:cudaMallocAsync is not modelled"),
                      ("garbage_collection_threshold:1.5", "threshold:1.5 does not parse"),
                      ("max_split_size_mb:1e3", "max_split_size_mb:1e3 does not parse"),
@@ -501,6 +511,31 @@ def test_roundup_power2_divisions_parse_as_pytorch_parses_them():
     for conf in confs:
         ours = allocator.parse_settings(conf)["roundup_power2_divisions"]
         assert (allocator.roundup_divisions(ours) or (0,) * 16) == _pytorch_divisions(conf), conf
+
+
+def test_max_non_split_rounding_mb_is_refused_where_pytorch_refuses_it():
+    """Our parse refuses the values this build's own parser refuses (under 20 MiB, not a
+    number), and reads the others as PyTorch does: acting only beside max_split_size_mb."""
+    set_settings = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    if set_settings is None:
+        pytest.skip("this torch build has no AcceleratorAllocatorConfig parser to compare")
+    before = torch._C._accelerator_getAllocatorSettings()
+    try:
+        for value in ("0", "1", "19", "20", "21", "512", "x"):
+            conf = f"max_non_split_rounding_mb:{value}"
+            try:
+                set_settings(conf)
+                theirs = True
+            except (RuntimeError, ValueError):
+                theirs = False
+            try:
+                allocator.parse_settings(conf)
+                ours = True
+            except ValueError:
+                ours = False
+            assert ours == theirs, conf
+    finally:
+        set_settings(before)
 
 
 def test_roundup_power2_divisions_round_requests_to_the_next_division():

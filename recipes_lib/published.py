@@ -380,6 +380,12 @@ FIGURES = [
                                           qlora=", bitsandbytes NF4 stored in bf16",
                                           reads="peak memory: max reserved, GiB"),
            seq_len=2048, batch_size=8, reads="reserved"),
+    # the same table's LoRA row under NO_SHARD: the whole bf16 base on each GPU
+    Figure(ANSWERAI, "Llama-2-7B LoRA, DDP over 2 GPUs, batch 4 x 2048 (Answer.AI)",
+           "Llama-2-7B", Stack(method="lora", gpu_dropout=True, **_ANSWERAI), "peak", 22.04,
+           config=_ANSWERAI_CONFIG.format(how="FSDP's NO_SHARD (one GPU's step)", b=4, qlora="",
+                                          reads="peak memory: max reserved, GiB"),
+           seq_len=2048, batch_size=4, reads="reserved"),
     *(Figure(ANSWERAI, f"Llama-2-7B LoRA, FSDP over 2 GPUs, batch {b} x {seq} (Answer.AI)",
              "Llama-2-7B", Stack(method="lora", fsdp_ranks=2, gpu_dropout=True, **_ANSWERAI),
              "peak", gib,

@@ -646,9 +646,10 @@ def test_the_clis_replay_reaches_the_length_search_and_says_what_it_needs(monkey
                      ([*replayed, "--max-split-size-mb", "64", "--alloc-conf", ""], "not both"),
                      (["--max-context", "--alloc-conf", "expandable_segments:True"],
                       "add --replay-allocator"),
-                     ([*replayed, "--alloc-conf", "max_non_split_rounding_mb:40"],
-                      ("--alloc-conf: conf='max_non_split_rounding_mb:40': "
-                      "max_non_split_rounding_mb:40 is not modelled")),
+                     ([*replayed, "--alloc-conf",
+                       "max_split_size_mb:128,max_non_split_rounding_mb:40"],
+                      ("--alloc-conf: conf='max_split_size_mb:128,max_non_split_rounding_mb:"
+                       "40': max_non_split_rounding_mb:40 with max_split_size_mb lets")),
                      ([*replayed, "--alloc-conf", "roundup_power2_divisions:3"],
                       "roundup_power2_divisions:3 does not parse"),
                      ([*replayed, "--alloc-conf", "", "--expandable-segments"], "not both")):

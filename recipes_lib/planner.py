@@ -11,6 +11,7 @@ transformers ``config.json`` works too.
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import re
@@ -832,14 +833,20 @@ def plan(model: str, gpu_mem: str | float, seq_len: int = 2048, batch_size: int 
 
         # the first measured row with adapters, and its stack; the checkpointed row, and its
         adapted = checkpointed = None
+        # a stack an earlier row measured (the accumulation row at k=1 is the checkpointed
+        # row's step): its measurement and its replay, not taken again
+        done: dict[Any, tuple[Any, Any, dict[str, Any] | None]] = {}
         for row in tqdm(rows, desc="fake-tensor steps, one a row", disable=not progress,
                         leave=False):
             stack = _measured_stack(row["step"], grad_accum_steps, gpus, attention_mask)
             if isinstance(stack, str):
                 row["measured_stack"] = stack
                 continue
-            stack, report = _measured(lambda s: fake_memory.measure_step(
-                model, s, seq_len, _whole_shares(s, batch_size)), stack, out["notes"])
+            asked = stack
+            if asked not in done:
+                done[asked] = (*_measured(lambda s: fake_memory.measure_step(
+                    model, s, seq_len, _whole_shares(s, batch_size)), stack, out["notes"]), None)
+            stack, report, replayed = done[asked]
             if report is None:
                 row["measured_stack"] = stack
                 continue
@@ -857,10 +864,13 @@ def plan(model: str, gpu_mem: str | float, seq_len: int = 2048, batch_size: int 
                        gpu_GiB=(peak + gpu_overhead(peak)) / 2**30,
                        measured_fits=peak + gpu_overhead(peak) <= budget)
             if replay and stack.fsdp_ranks == 1:
-                row.update(replayed_reserve(model, stack, seq_len,
-                                            _whole_shares(stack, batch_size), budget,
-                                            expandable_segments, max_split_size_mb,
-                                            roundup_power2_divisions))
+                if replayed is None:
+                    replayed = replayed_reserve(model, stack, seq_len,
+                                                _whole_shares(stack, batch_size), budget,
+                                                expandable_segments, max_split_size_mb,
+                                                roundup_power2_divisions)
+                    done[asked] = stack, report, replayed
+                row.update(copy.deepcopy(replayed))
             if row is rows[0]:  # the full fine-tune: how a GPU runs AdamW moves its peak
                 row["adamw_GiB"] = {"for-loop (as measured)": peak / 2**30} | {
                     impl: fake_memory.measure_step(

@@ -1041,7 +1041,8 @@ def test_fp16_holds_the_bytes_bf16_does_in_a_step():
         assert bf16.by_category == fp16.by_category, kw
 
 
-def test_replay_puts_the_caching_allocator_in_place_of_the_fixed_reserve(tmp_path, small_llama):
+def test_replay_puts_the_caching_allocator_in_place_of_the_fixed_reserve(tmp_path, small_llama,
+                                                                        monkeypatch):
     from recipes_lib import allocator, fake_memory
 
     small_llama.config.save_pretrained(tmp_path)
@@ -1049,8 +1050,27 @@ def test_replay_puts_the_caching_allocator_in_place_of_the_fixed_reserve(tmp_pat
         planner.plan(str(tmp_path), "1GB", 64, 2, replay=True)
     with pytest.raises(ValueError, match=r"expandable_segments=True: .*replay=True"):
         planner.plan(str(tmp_path), "1GB", 64, 2, measure=True, expandable_segments=True)
-    out = planner.plan(str(tmp_path), "1GB", 64, 2, gpus=2, measure=True, replay=True,
-                       expandable_segments=True)
+    stacks: dict[str, list] = {"measure_step": [], "allocation_trace": []}
+
+    def counting(name):  # the stacks measured and traced, in order
+        run = getattr(fake_memory, name)
+
+        def counted(model, stack, *args, **kwargs):
+            stacks[name].append(stack)
+            return run(model, stack, *args, **kwargs)
+        return counted
+    for name in stacks:
+        monkeypatch.setattr(fake_memory, name, counting(name))
+    out = planner.plan(str(tmp_path), "1GB", 64, 2, gpus=2, grad_accum_steps=1, measure=True,
+                       replay=True, expandable_segments=True)
+    # the accumulation row at k=1 is the checkpointed row's step: measured and replayed once
+    rows = {r["step"]: r for r in out["rows"]}
+    for key in ("measured_stack", "measured_GiB", "reserved_GiB", "needs_GiB",
+                "needs_by_setting"):
+        assert rows["+ gradient accumulation (k=1)"][key] == rows[
+            "+ activation checkpointing"][key]
+    for name, asked in stacks.items():
+        assert asked and len(asked) == len(set(asked)), name
     measured = [r for r in out["rows"] if "measured_GiB" in r]
     one_device = [r for r in measured if "FSDP" not in r["measured_stack"]]
     assert one_device and len(one_device) < len(measured)  # FSDP rows keep the fixed reserve

@@ -1041,8 +1041,40 @@ def test_fp16_holds_the_bytes_bf16_does_in_a_step():
         assert bf16.by_category == fp16.by_category, kw
 
 
-def test_replay_puts_the_caching_allocator_in_place_of_the_fixed_reserve(tmp_path, small_llama,
-                                                                        monkeypatch):
+def test_a_stack_two_rows_share_is_measured_and_replayed_once(tmp_path, small_llama,
+                                                              monkeypatch):
+    """At one micro-batch the accumulation row (k=1) is the checkpointed row's step: the plan
+    measures and replays it once and gives both rows its figures (each call here returns other
+    bytes, so equal figures come from one call)."""
+    from types import SimpleNamespace
+
+    from recipes_lib import fake_memory
+
+    small_llama.config.save_pretrained(tmp_path)
+    asked: dict[str, list] = {"measure_step": [], "allocation_trace": []}
+
+    def measure_step(model, stack, *args, **kwargs):
+        asked["measure_step"].append(stack)
+        return SimpleNamespace(peak_bytes=len(asked["measure_step"]) * 2**20, host_bytes=0,
+                               by_category={"activations": 2**20})
+
+    def allocation_trace(model, stack, *args, **kwargs):
+        asked["allocation_trace"].append(stack)
+        return [("alloc", 0, len(asked["allocation_trace"]) * 2**20)]
+    monkeypatch.setattr(fake_memory, "measure_step", measure_step)
+    monkeypatch.setattr(fake_memory, "allocation_trace", allocation_trace)
+    out = planner.plan(str(tmp_path), "1GB", 64, 1, grad_accum_steps=1, measure=True,
+                       replay=True)
+    rows = {r["step"]: r for r in out["rows"]}
+    for key in ("measured_stack", "measured_GiB", "reserved_GiB", "needs_GiB",
+                "needs_by_setting"):
+        assert rows["+ gradient accumulation (k=1)"][key] == rows[
+            "+ activation checkpointing"][key]
+    for name, stacks in asked.items():
+        assert stacks and len(stacks) == len(set(stacks)), name
+
+
+def test_replay_puts_the_caching_allocator_in_place_of_the_fixed_reserve(tmp_path, small_llama):
     from recipes_lib import allocator, fake_memory
 
     small_llama.config.save_pretrained(tmp_path)
@@ -1050,27 +1082,8 @@ def test_replay_puts_the_caching_allocator_in_place_of_the_fixed_reserve(tmp_pat
         planner.plan(str(tmp_path), "1GB", 64, 2, replay=True)
     with pytest.raises(ValueError, match=r"expandable_segments=True: .*replay=True"):
         planner.plan(str(tmp_path), "1GB", 64, 2, measure=True, expandable_segments=True)
-    stacks: dict[str, list] = {"measure_step": [], "allocation_trace": []}
-
-    def counting(name):  # the stacks measured and traced, in order
-        run = getattr(fake_memory, name)
-
-        def counted(model, stack, *args, **kwargs):
-            stacks[name].append(stack)
-            return run(model, stack, *args, **kwargs)
-        return counted
-    for name in stacks:
-        monkeypatch.setattr(fake_memory, name, counting(name))
-    out = planner.plan(str(tmp_path), "1GB", 64, 2, gpus=2, grad_accum_steps=1, measure=True,
-                       replay=True, expandable_segments=True)
-    # the accumulation row at k=1 is the checkpointed row's step: measured and replayed once
-    rows = {r["step"]: r for r in out["rows"]}
-    for key in ("measured_stack", "measured_GiB", "reserved_GiB", "needs_GiB",
-                "needs_by_setting"):
-        assert rows["+ gradient accumulation (k=1)"][key] == rows[
-            "+ activation checkpointing"][key]
-    for name, asked in stacks.items():
-        assert asked and len(asked) == len(set(asked)), name
+    out = planner.plan(str(tmp_path), "1GB", 64, 2, gpus=2, measure=True, replay=True,
+                       expandable_segments=True)
     measured = [r for r in out["rows"] if "measured_GiB" in r]
     one_device = [r for r in measured if "FSDP" not in r["measured_stack"]]
     assert one_device and len(one_device) < len(measured)  # FSDP rows keep the fixed reserve

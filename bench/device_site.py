@@ -10,8 +10,8 @@ closure of ``requirements.txt`` from the local ``.venv`` (the versions the CPU r
 out the heavy packages the image has (``DEVICE_HAS``), installs the rest for the device's Python
 with ``pip install --target`` (wheels only, no dependency resolution: the closure is already
 complete), keeps only the bitsandbytes library for the device's CUDA (its wheel ships one per
-CUDA version, 129 MB unpacked) and packs the folder into ``.device_site.tar.xz`` (~165 MiB
-unpacked, ~25 MiB packed; git ignores it). A device ``run`` per notebook, with
+CUDA version, 129 MB unpacked) and packs the folder into ``.device_site.tar.xz`` (~185 MiB
+unpacked, ~28 MiB packed; git ignores it). A device ``run`` per notebook, with
 ``.device_site.tar.xz`` named in ``carry`` (``NB`` one of the four notebooks' stems):
 
     python3 -c "import tarfile; tarfile.open('.device_site.tar.xz').extractall('/tmp/site')" &&

@@ -12,6 +12,7 @@ import os
 import platform
 import re
 import shutil
+import sys
 import warnings
 from collections.abc import Iterator
 
@@ -379,6 +380,40 @@ def has_module(name: str) -> bool:
     return importlib.util.find_spec(name) is not None
 
 
+# bitsandbytes 0.50's CPU backend, where the CPU has AVX512-BF16, loads this Hub kernel through the
+# ``kernels`` package when it is imported (bitsandbytes/backends/cpu/ops.py) for one token's bf16
+# product with 4-bit weights (``gemv_4bit``); offline, or where it is refused, its own kernel runs.
+BNB_HUB_KERNEL = "kernels-community/quantization-bitsandbytes"
+
+
+def bnb_cpu_gemv_kernel() -> str:
+    """Which kernel bitsandbytes' CPU backend runs for a single token's bf16 product with 4-bit
+    weights (``gemv_4bit``: batch-1 decode through NF4 layers), without importing it (importing
+    bitsandbytes is what asks the Hub).
+
+    Returns:
+        "" where the question does not arise (no bitsandbytes, or a CPU without AVX512-BF16 in
+        ``/proc/cpuinfo``'s flags); else which kernel was loaded, where bitsandbytes has been
+        imported, or that it asks the Hub for :data:`BNB_HUB_KERNEL` when imported.
+
+    Example:
+        >>> bnb_cpu_gemv_kernel() == "" or BNB_HUB_KERNEL in bnb_cpu_gemv_kernel()
+        True
+    """
+    if not has_module("bitsandbytes") or "avx512_bf16" not in cpuinfo().get("flags", "").split():
+        return ""
+    ops = sys.modules.get("bitsandbytes.backends.cpu.ops")
+    if ops is None or not hasattr(ops, "gemm_4bit_forward_kernel"):
+        return (f"on this CPU (AVX512-BF16) bitsandbytes asks the Hub for {BNB_HUB_KERNEL} when "
+                "imported and runs it for one token's bf16 product with 4-bit weights; offline "
+                "(HF_HUB_OFFLINE=1) it keeps its own unless that kernel is cached")
+    if ops.gemm_4bit_forward_kernel is None:
+        return (f"bitsandbytes' own kernel for one token's bf16 product with 4-bit weights "
+                f"({BNB_HUB_KERNEL} not loaded: offline, not cached or refused)")
+    return (f"the Hub's {BNB_HUB_KERNEL} for one token's bf16 product with 4-bit weights, "
+            "loaded when bitsandbytes was imported")
+
+
 def capabilities(device: torch.device | None = None) -> dict[str, str]:
     """What this machine can do, and which fallback each recipe takes when it cannot.
 
@@ -392,13 +427,15 @@ def capabilities(device: torch.device | None = None) -> dict[str, str]:
     device = device or pick_device()
     cuda = torch.cuda.is_available()
     bf16 = supports_bf16(device)
+    bnb_cpu = "" if cuda else bnb_cpu_gemv_kernel()
     return {
         "device": describe_device(device),
         "CUDA": "yes" if cuda else "no: everything runs on CPU; GPU-only cells say they skip",
         "bf16": "yes" if bf16 else ("no: fp16 autocast with a gradient scaler" if cuda
                                     else "no (emulated, ~20x slower): fp32"),
         "bitsandbytes 4-bit": (
-            ("yes (CUDA kernels)" if cuda else "yes (CPU backend, slower than CUDA)")
+            ("yes (CUDA kernels)" if cuda else "yes (CPU backend, slower than CUDA"
+             + (f"; {bnb_cpu}" if bnb_cpu else "") + ")")
             if has_module("bitsandbytes")
             else "no: QLoRA cells raise a clear error; pip install bitsandbytes"
         ),

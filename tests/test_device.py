@@ -131,3 +131,43 @@ def test_capping_the_isa_runs_the_lower_kernels_and_says_so():
 def test_capping_an_unknown_isa_names_the_parameter():
     with pytest.raises(ValueError, match="isa='avx3'"):
         device.cap_cpu_isa("avx3")
+
+
+def test_bitsandbytes_cpu_kernel_is_said_without_importing_it(monkeypatch):
+    """On a CPU with AVX512-BF16, bitsandbytes asks the Hub for a kernel when imported: the
+    capability line says so before the import and which kernel loaded after it."""
+    import types
+
+    if not device.has_module("bitsandbytes"):
+        pytest.skip("bitsandbytes is not installed")
+    ops = "bitsandbytes.backends.cpu.ops"
+    monkeypatch.setattr(device, "cpuinfo", lambda: {"flags": "fpu avx2 avx512f"})
+    assert device.bnb_cpu_gemv_kernel() == ""  # no AVX512-BF16: bitsandbytes' own, no question
+    monkeypatch.setattr(device, "cpuinfo", lambda: {"flags": "avx2 avx512f avx512_bf16"})
+    monkeypatch.delitem(sys.modules, ops, raising=False)
+    before = device.bnb_cpu_gemv_kernel()
+    assert f"asks the Hub for {device.BNB_HUB_KERNEL} when imported" in before
+    assert ops not in sys.modules  # saying so did not import it
+    monkeypatch.setitem(sys.modules, ops, types.SimpleNamespace(gemm_4bit_forward_kernel=None))
+    assert device.bnb_cpu_gemv_kernel().startswith("bitsandbytes' own kernel")
+    monkeypatch.setitem(sys.modules, ops, types.SimpleNamespace(gemm_4bit_forward_kernel=print))
+    assert device.bnb_cpu_gemv_kernel().startswith(f"the Hub's {device.BNB_HUB_KERNEL}")
+    if not torch.cuda.is_available():
+        assert device.bnb_cpu_gemv_kernel() in device.capabilities(
+            torch.device("cpu"))["bitsandbytes 4-bit"]
+
+
+def test_bitsandbytes_cpu_kernel_is_read_from_the_library_as_it_names_it():
+    """Where this CPU has AVX512-BF16, bitsandbytes' CPU backend keeps the Hub kernel (or None)
+    in the module global the line reads."""
+    if not device.has_module("bitsandbytes"):
+        pytest.skip("bitsandbytes is not installed")
+    if "avx512_bf16" not in device.cpuinfo().get("flags", "").split():
+        pytest.skip("this CPU has no AVX512-BF16: bitsandbytes asks the Hub for nothing")
+    import bitsandbytes  # noqa: F401  (registers the CPU backend's kernels)
+    from bitsandbytes.backends.cpu import ops
+
+    assert hasattr(ops, "gemm_4bit_forward_kernel")
+    said = device.bnb_cpu_gemv_kernel()
+    assert said.startswith("bitsandbytes' own kernel" if ops.gemm_4bit_forward_kernel is None
+                           else f"the Hub's {device.BNB_HUB_KERNEL}")

@@ -274,6 +274,19 @@ def cpu_microarchitecture() -> str:
                              int(fields["model"]))
 
 
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags as ``/proc/cpuinfo`` lists them (x86 Linux).
+
+    Returns:
+        E.g. {"avx2", "fma", "avx512_bf16", ...}; an empty set where the file gives none.
+
+    Example:
+        >>> cpu_flags() == set() or "fpu" in cpu_flags() or "fp" in cpu_flags()
+        True
+    """
+    return set(cpuinfo().get("flags", "").split())
+
+
 def native_cpu_isa() -> str:
     """The vector ISA this CPU's hardware offers, named as torch names its kernel levels
     (``AVX512``, ``AVX2``, ``DEFAULT``), whatever :data:`ISA_CAPS`' variables say: read from
@@ -283,7 +296,7 @@ def native_cpu_isa() -> str:
     Returns:
         "AVX512", "AVX2" or "DEFAULT" (or torch's level name elsewhere).
     """
-    flags = set(cpuinfo().get("flags", "").split())
+    flags = cpu_flags()
     if not flags or platform.machine() not in ("x86_64", "AMD64"):
         return torch.backends.cpu.get_cpu_capability()
     if {"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma"} <= flags:
@@ -392,18 +405,21 @@ def bnb_cpu_gemv_kernel() -> str:
     bitsandbytes is what asks the Hub).
 
     Returns:
-        "" where the question does not arise (no bitsandbytes, or a CPU without AVX512-BF16 in
-        ``/proc/cpuinfo``'s flags); else which kernel was loaded, where bitsandbytes has been
-        imported, or that it asks the Hub for :data:`BNB_HUB_KERNEL` when imported.
+        "" where the question does not arise (no bitsandbytes, a CPU without AVX512-BF16 in
+        ``/proc/cpuinfo``'s flags, or an imported bitsandbytes that asks for no kernel); else
+        which kernel was loaded, where bitsandbytes has been imported, or that it asks the Hub
+        for :data:`BNB_HUB_KERNEL` when imported.
 
     Example:
         >>> bnb_cpu_gemv_kernel() == "" or BNB_HUB_KERNEL in bnb_cpu_gemv_kernel()
         True
     """
-    if not has_module("bitsandbytes") or "avx512_bf16" not in cpuinfo().get("flags", "").split():
+    if not has_module("bitsandbytes") or "avx512_bf16" not in cpu_flags():
         return ""
     ops = sys.modules.get("bitsandbytes.backends.cpu.ops")
-    if ops is None or not hasattr(ops, "gemm_4bit_forward_kernel"):
+    if ops is not None and not hasattr(ops, "gemm_4bit_forward_kernel"):
+        return ""  # imported, and this bitsandbytes asked the Hub for nothing
+    if ops is None:
         return (f"on this CPU (AVX512-BF16) bitsandbytes asks the Hub for {BNB_HUB_KERNEL} when "
                 "imported and runs it for one token's bf16 product with 4-bit weights; offline "
                 "(HF_HUB_OFFLINE=1) it keeps its own unless that kernel is cached")

@@ -148,6 +148,8 @@ def test_bitsandbytes_cpu_kernel_is_said_without_importing_it(monkeypatch):
     before = device.bnb_cpu_gemv_kernel()
     assert f"asks the Hub for {device.BNB_HUB_KERNEL} when imported" in before
     assert ops not in sys.modules  # saying so did not import it
+    monkeypatch.setitem(sys.modules, ops, types.SimpleNamespace())  # a version without it
+    assert device.bnb_cpu_gemv_kernel() == ""
     monkeypatch.setitem(sys.modules, ops, types.SimpleNamespace(gemm_4bit_forward_kernel=None))
     assert device.bnb_cpu_gemv_kernel().startswith("bitsandbytes' own kernel")
     monkeypatch.setitem(sys.modules, ops, types.SimpleNamespace(gemm_4bit_forward_kernel=print))
@@ -162,7 +164,7 @@ def test_bitsandbytes_cpu_kernel_is_read_from_the_library_as_it_names_it():
     in the module global the line reads."""
     if not device.has_module("bitsandbytes"):
         pytest.skip("bitsandbytes is not installed")
-    if "avx512_bf16" not in device.cpuinfo().get("flags", "").split():
+    if "avx512_bf16" not in device.cpu_flags():
         pytest.skip("this CPU has no AVX512-BF16: bitsandbytes asks the Hub for nothing")
     import bitsandbytes  # noqa: F401  (registers the CPU backend's kernels)
     from bitsandbytes.backends.cpu import ops

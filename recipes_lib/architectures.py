@@ -435,12 +435,17 @@ def lm_head_weight(model: nn.Module) -> torch.Tensor:
         The weight (the parameter itself, not a copy).
 
     Raises:
-        ValueError: naming the architecture, if there is no bias-free linear head, if the
-            head carries unmerged LoRA adapters (its weight alone would leave them out), or if
-            the model scales its logits or the hidden states after the decoder in a way the
-            chunked losses do not (:data:`HEAD_SCALINGS`; Gemma-2's soft-capping they do).
+        ValueError: naming the architecture, if it is not a transformers model (no config),
+            if there is no bias-free linear head, if the head carries unmerged LoRA adapters
+            (its weight alone would leave them out), or if the model scales its logits or the
+            hidden states after the decoder in a way the chunked losses do not
+            (:data:`HEAD_SCALINGS`; Gemma-2's soft-capping they do).
     """
-    config = _base(model).config
+    config = getattr(_base(model), "config", None)
+    if config is None or not hasattr(model, "get_output_embeddings"):
+        raise ValueError(f"model: {architecture_name(model)} is not a transformers model (no "
+                         "config or get_output_embeddings); the chunked losses read the LM "
+                         "head of a transformers causal LM")
     for attr, who in HEAD_SCALINGS.items():
         value = getattr(getattr(config, "text_config", None) or config, attr, None)
         if value is not None and value != 1:

@@ -19,6 +19,10 @@ Pitfalls the settings avoid, each a known issue:
   TRL's ``SFTConfig`` defaults to ``bf16=True``, which a CPU without native bf16 emulates (one
   padded SFT step of the course model ran 35 s on a 2-core AVX2 EPYC): :func:`run_trainer` asks
   :func:`precision_settings` instead, so such a CPU trains in fp32, said aloud.
+- a loss of one's own in ``compute_loss`` that reads the decoder and the head itself (a chunked
+  cross-entropy, a distillation loss) skips the model's forward, where accelerate puts its
+  autocast and DDP prepares its all-reduce: :func:`run_trainer` runs its ``loss_fn`` as that
+  forward, through Trainer's wrappers (:func:`course_loss_against_own` checks it).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from importlib.metadata import version as installed_version
 from typing import Any
@@ -205,22 +210,58 @@ def _course_loss(base: type) -> type:
     ``chunked_loss.ChunkedCausalLMLoss``) divided by ``num_items_in_batch``: the target tokens
     of the whole accumulated batch, which makes it the mean over them, as Trainer's own loss
     since transformers #34191. ``compute_loss_func`` cannot serve: it receives the model's
-    outputs, logits already made."""
+    outputs, logits already made.
+
+    The loss runs as the model's forward, called through whatever Trainer wrapped it in
+    (:func:`_loss_as_forward`): a course loss reads the decoder and the LM head itself, so
+    called on the bare model it would leave out accelerate's autocast (``bf16=True`` trained
+    the decoder in fp32) and DDP's gradient synchronisation (prepared by DDP's own forward). And
+    where Trainer counts the target tokens of every rank (``average_tokens_across_devices``,
+    the default) the loss is multiplied by the ranks sharing that count, as Trainer's own
+    ``compute_loss`` does, since DDP and FSDP average the ranks' gradients. A model whose
+    forward takes no loss keywords gets no count from Trainer: the loss is then the
+    micro-batch's own mean, which Trainer divides by the accumulation steps, as it does its
+    own loss for such a model."""
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if return_outputs:
             raise ValueError("loss_fn: a course loss returns no model outputs "
                              "(return_outputs=True, e.g. evaluation with predictions)")
-        total = self._loss_fn(model, inputs)
-        if num_items_in_batch is None:  # no accumulation count from Trainer: this batch's own
-            num_items_in_batch = (inputs["labels"][:, 1:] != -100).sum()
-        return total / num_items_in_batch
+        inner = self.accelerator.unwrap_model(model)
+        with _loss_as_forward(inner, lambda: self._loss_fn(inner, inputs), self.accelerator):
+            total = model()
+        self.loss_is_scaled_for_ga = num_items_in_batch is not None
+        if num_items_in_batch is None:  # no count from Trainer: this micro-batch's own
+            return total / (inputs["labels"][:, 1:] != -100).sum()
+        loss = total / num_items_in_batch
+        if self.args.average_tokens_across_devices:  # as Trainer.compute_loss scales its own
+            shared = self.accelerator.num_processes // self.get_tp_size()
+            loss = loss * (shared if self.args.n_gpu <= 1 else self.args.n_gpu)
+        return loss
 
-    # the loss is already over the accumulated batch's tokens: Trainer must not divide it by the
-    # accumulation steps again (a Trainer without this attribute infers the same from
-    # num_items_in_batch)
-    return type(f"CourseLoss{base.__name__}", (base,),
-                {"compute_loss": compute_loss, "loss_is_scaled_for_ga": True})
+    return type(f"CourseLoss{base.__name__}", (base,), {"compute_loss": compute_loss})
+
+
+@contextmanager
+def _loss_as_forward(model: torch.nn.Module, loss: Any, accelerator: Any):
+    """``model``'s forward replaced by ``loss()`` under the accelerator's autocast, for one call
+    through the wrappers around ``model`` (DDP's forward prepares the gradients' all-reduce, an
+    FSDP root's gathers its parameters); accelerate's own forward (its autocast and fp32
+    outputs, an instance attribute set by ``prepare``) is put back after it, as is the class's."""
+    own = model.__dict__.get("forward")
+
+    def forward(*args: Any, **kwargs: Any) -> torch.Tensor:
+        with accelerator.autocast():
+            return loss()
+
+    model.forward = forward
+    try:
+        yield
+    finally:
+        if own is None:
+            del model.forward
+        else:
+            model.forward = own
 
 
 def run_trainer(
@@ -415,6 +456,65 @@ def compare_losses(make_model: Any, examples: list[dict[str, list[int]]], tokeni
                         "Trainer MiB": runs[name].step.activation_bytes / 2**20,
                         "Trainer loss": runs[name].losses[0]} for name in loss_fns},
     }
+
+
+def course_loss_against_own(model_path: str, settings: dict[str, Any] | None = None,
+                            chunk_size: int = 16, steps: int = 2, micro_batch_size: int = 2,
+                            grad_accum_steps: int = 2, max_length: int = 128) -> dict[str, Any]:
+    """Trainer's own loss and a course loss (chunked cross-entropy, ``loss_fn`` of
+    :func:`run_trainer`) from the same weights over the same accumulated batches, in one process
+    or on every rank of a ``torchrun`` / ``accelerate launch`` job (``distributed.launch``):
+    plain SGD at learning rate 1 without clipping, so the update is the gradient and any scale
+    the loss gets wrong shows in it.
+
+    Args:
+        model_path: the model's folder.
+        settings: further TrainingArguments fields of both runs (e.g. ``{"bf16": True}``).
+        chunk_size: the chunked loss's tokens per chunk.
+        steps: optimizer steps.
+        micro_batch_size: examples per rank per micro-batch.
+        grad_accum_steps: micro-batches per step.
+        max_length: the longest example kept.
+
+    Returns:
+        ``{"world_size", "own_losses", "course_losses", "update_rel_diff"}`` (the largest
+        difference between the two runs' updates over the largest update) and
+        ``{"own_dtype", "course_dtype"}``: the output dtype of the decoder's first linear layer
+        in each run (autocast's, when a mixed precision is asked for).
+
+    Example:
+        >>> out = course_loss_against_own(path, {"bf16": True})  # doctest: +SKIP
+        >>> out["course_dtype"], out["update_rel_diff"] < 1e-4  # doctest: +SKIP
+        ('torch.bfloat16', True)
+    """
+    from recipes_lib import model as models
+    from recipes_lib.chunked_loss import ChunkedCausalLMLoss
+    from recipes_lib.distributed import world
+
+    _, world_size = world()
+    tok = models.load_tokenizer(model_path)
+    examples = data.tokenize_examples(data.load_corpus("topic", "train"), tok, max_length, "sft")
+    examples = examples[:micro_batch_size * grad_accum_steps * world_size * steps]
+    out: dict[str, Any] = {"world_size": world_size}
+    updates = {}
+    for name, loss_fn in (("own", None), ("course", ChunkedCausalLMLoss(chunk_size))):
+        model = models.load_model(model_path)
+        linear = next(m for m in model.get_decoder().modules() if isinstance(m, torch.nn.Linear))
+        dtypes: set[str] = set()
+        hook = linear.register_forward_hook(
+            lambda mod, args, y, seen=dtypes: seen.add(str(y.dtype)))
+        before = [p.detach().clone() for p in model.parameters()]
+        run = run_trainer(model, examples, tok, {"gradient_accumulation_steps": grad_accum_steps,
+                                                 "max_grad_norm": 0.0, **(settings or {})},
+                          steps=steps, micro_batch_size=micro_batch_size, lr=1.0, optim="sgd",
+                          measure_step=0, loss_fn=loss_fn)
+        hook.remove()
+        updates[name] = [p.detach().float() - b.float() for p, b in zip(model.parameters(), before)]
+        out[f"{name}_losses"], out[f"{name}_dtype"] = run.losses, ", ".join(sorted(dtypes))
+    scale = max(float(d.abs().max()) for d in updates["own"])
+    out["update_rel_diff"] = max(float((a - b).abs().max())
+                                 for a, b in zip(updates["own"], updates["course"])) / scale
+    return out
 
 
 def update_gap(make_model: Any, examples: list[dict[str, list[int]]], tokenizer: Any,

@@ -175,6 +175,7 @@ def sharded_runs(tiny_model_path, tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("dist")
     phi3 = build_tiny_model(spec=TinyModelSpec.smallest("phi3"), progress=False)
+    smallest = build_tiny_model(spec=TinyModelSpec.smallest(), progress=False)
     kw = {"model_path": str(tiny_model_path), "steps": 3, "global_batch_size": 4, "seq_len": 64,
           "lr": 3e-4}
     runs = distributed.launch({  # named calls: the results come back under these names
@@ -187,10 +188,12 @@ def sharded_runs(tiny_model_path, tmp_path_factory):
         "ring_attention": ("recipes_lib.context_parallel:check_against_dense", {"seq_len": 64}),
         "context_parallel": ("recipes_lib.context_parallel:compare_with_one_rank",
                              {"seq_len": 256, "budget_mib": 12, "search_limit": 4096}),
-        # Trainer with FSDP2 settings on CPU ranks (test_trainers.py); FSDP + QLoRA on Phi-3's
-        # fused projections (test_fsdp_qlora.py)
+        # Trainer with FSDP2 settings, and a course loss in Trainer, on CPU ranks
+        # (test_trainers.py); FSDP + QLoRA on Phi-3's fused projections (test_fsdp_qlora.py)
         "trainer_fsdp": ("recipes_lib.trainers:fsdp_rank_state",
                          {"model_path": str(tiny_model_path), "steps": 1}),
+        "trainer_course_loss": ("recipes_lib.trainers:course_loss_against_own",
+                                {"model_path": str(smallest)}),
         "fsdp_qlora_phi3": ("recipes_lib.fsdp_qlora:train_fsdp_qlora",
                             {"model_path": str(phi3), "steps": 2, "global_batch_size": 4}),
         **{f"fake_memory_{i}": ("recipes_lib.fake_memory:real_rank_step", {

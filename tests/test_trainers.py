@@ -53,22 +53,30 @@ def test_a_course_loss_in_trainer_equals_its_own_under_accumulation(small):
     """Chunked cross-entropy as Trainer's compute_loss (the CPU bridge for use_liger_kernel):
     divided by num_items_in_batch, it gives Trainer's own losses and update, with the
     accumulation steps' variable token counts."""
-    from recipes_lib.chunked_loss import ChunkedCausalLMLoss
+    out = trainers.course_loss_against_own(str(small[0]))
+    assert out["course_losses"] == pytest.approx(out["own_losses"], rel=1e-5)
+    assert out["update_rel_diff"] < 1e-4
+    assert out["course_dtype"] == out["own_dtype"] == "torch.float32"
 
-    path, tok, examples = small
-    runs = {}
-    for name, fn in (("own", None), ("chunked", ChunkedCausalLMLoss(16))):
-        model = models.load_model(path)
-        before = [p.detach().clone() for p in model.parameters()]
-        run = trainers.run_trainer(model, examples, tok, {"gradient_accumulation_steps": 2,
-                                                          "max_grad_norm": 0.0},
-                                   steps=2, micro_batch_size=2, lr=1.0, optim="sgd",
-                                   loss_fn=fn)
-        runs[name] = (run, [p.detach() - b for p, b in zip(model.parameters(), before)])
-    (own, d_own), (chunked, d_chunked) = runs["own"], runs["chunked"]
-    assert chunked.losses == pytest.approx(own.losses, rel=1e-5)
-    scale = max(float(d.abs().max()) for d in d_own)
-    assert max(float((a - b).abs().max()) for a, b in zip(d_own, d_chunked)) / scale < 1e-4
+
+def test_a_course_loss_in_trainer_runs_under_its_mixed_precision(small):
+    """accelerate's autocast is part of the model's forward, which a course loss (reading the
+    decoder and the head itself) used to bypass: with bf16=True the decoder ran in fp32."""
+    out = trainers.course_loss_against_own(str(small[0]), {"bf16": True}, steps=1)
+    assert out["course_dtype"] == out["own_dtype"] == "torch.bfloat16"
+    assert out["course_losses"] == pytest.approx(out["own_losses"], rel=1e-3)
+    assert out["update_rel_diff"] < 1e-2  # 0.0034 here
+
+
+def test_a_course_loss_in_trainer_on_two_ranks_equals_its_own(sharded_runs):
+    """On 2 DDP ranks (accelerate on CPU), the course loss runs through DDP's forward (which
+    prepares the gradients' all-reduce) and is scaled by the ranks sharing the token count, as
+    Trainer's own loss: same losses and update. Before, it raised (the DDP wrapper has no LM
+    head), and its loss would have been a rank count too small."""
+    for rank in sharded_runs["trainer_course_loss"]:
+        assert rank["world_size"] == 2
+        assert rank["course_losses"] == pytest.approx(rank["own_losses"], rel=1e-5)
+        assert rank["update_rel_diff"] < 1e-4
 
 
 def test_8bit_optimizer_setting_shrinks_the_trainers_states(small):

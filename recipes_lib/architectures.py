@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import re
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -468,6 +468,75 @@ def lm_head_weight(model: nn.Module) -> torch.Tensor:
         raise ValueError(f"model: {architecture_name(model)}'s output head has a bias; the "
                          "chunked losses expect a bias-free LM head")
     return head.weight
+
+
+@contextlib.contextmanager
+def as_forward(module: nn.Module, fn: Callable[[], Any]) -> Iterator[None]:
+    """``module``'s forward replaced by ``fn`` for the calls made inside the block, then put back
+    (an instance attribute it had, such as accelerate's autocast wrapper, as well as the class's):
+    how a loss that reads the decoder and the head itself (chunked cross-entropy, distillation)
+    runs inside the wrappers' own forward.
+
+    Args:
+        module: the module whose forward ``fn`` stands in for.
+        fn: called with no arguments, whatever the module is called with.
+
+    Returns:
+        A context manager; inside it, calling ``module`` (or a wrapper around it) calls ``fn``.
+
+    Example:
+        >>> net = nn.Linear(2, 2)
+        >>> with as_forward(net, lambda: "replaced"):
+        ...     net(), "forward" in vars(net)
+        ('replaced', True)
+        >>> "forward" in vars(net)
+        False
+    """
+    own = module.__dict__.get("forward")
+    module.forward = lambda *args, **kwargs: fn()
+    try:
+        yield
+    finally:
+        if own is None:
+            del module.forward
+        else:
+            module.forward = own
+
+
+def through_wrappers(model: nn.Module, fn: Callable[[nn.Module], Any]) -> Any:
+    """``fn(inner)`` for the model inside ``model``'s wrappers, called as that model's forward
+    through ``model``'s own call where a wrapper or FSDP needs its forward to run: DDP's prepares
+    the gradients' all-reduce, an FSDP2 root's pre-forward hook gathers the parameters it holds
+    (the embeddings and the head); a loss calling the decoder and the head directly would skip
+    both (on an FSDP2 root the embedding then meets its sharded weight: "mixed torch.Tensor and
+    DTensor"). A bare model's ``fn`` is called directly.
+
+    Args:
+        model: a causal LM, bare, DDP- or DataParallel-wrapped, or sharded by ``fully_shard``.
+        fn: ``fn(inner) -> result``, e.g. a course loss on a micro-batch.
+
+    Returns:
+        What ``fn`` returns.
+
+    Example:
+        >>> through_wrappers(nn.DataParallel(nn.Linear(2, 2)), lambda m: type(m).__name__)
+        'Linear'
+    """
+    inner = model
+    while isinstance(inner, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+        inner = inner.module
+    if inner is model and not _fsdp_sharded(model):
+        return fn(model)
+    with as_forward(inner, lambda: fn(inner)):
+        return model()
+
+
+def _fsdp_sharded(model: nn.Module) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch built without distributed
+        return False
+    return isinstance(model, FSDPModule)
 
 
 def final_hidden_states(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -382,6 +382,10 @@ class ChunkedCausalLMLoss:
         ...             loss_fn=ChunkedCausalLMLoss(1024))  # doctest: +SKIP
     """
 
+    # it calls the decoder and reads the head itself, not the model's forward: a loop runs it
+    # as that forward where a wrapper needs its own to run (architectures.through_wrappers)
+    bypasses_forward = True
+
     def __init__(self, chunk_size: int = 1024):
         if not isinstance(chunk_size, int) or chunk_size <= 0:
             raise ValueError(f"chunk_size={chunk_size!r}: must be an integer > 0")

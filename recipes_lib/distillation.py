@@ -103,6 +103,10 @@ class DistillationLoss:
         >>> train.train(student, examples, pad_id, config, loss_fn=loss_fn)  # doctest: +SKIP
     """
 
+    # it calls the decoder and reads the head itself, not the model's forward: a loop runs it
+    # as that forward where a wrapper needs its own to run (architectures.through_wrappers)
+    bypasses_forward = True
+
     def __init__(self, teacher: torch.nn.Module, temperature: float = 2.0, alpha: float = 0.5,
                  chunk_size: int = 1024):
         _check_kd_args(temperature, alpha)

@@ -397,6 +397,10 @@ class LitGPTLoss:
         >>> forward_backward(model, batch, loss_fn=LitGPTLoss())  # doctest: +SKIP
     """
 
+    # it calls the decoder and reads the head itself, not the model's forward: a loop runs it
+    # as that forward where a wrapper needs its own to run (architectures.through_wrappers)
+    bypasses_forward = True
+
     def __init__(self, chunk_size: int = 128):
         self.chunk_size = chunk_size
         self.held: list[torch.Tensor] = []

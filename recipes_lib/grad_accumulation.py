@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from recipes_lib.architectures import model_inputs
+from recipes_lib.architectures import model_inputs, through_wrappers
 from recipes_lib.data import IGNORE_INDEX
 from recipes_lib.device import autocast
 
@@ -132,6 +132,10 @@ def forward_backward(
             since DDP and FSDP average gradients over ranks. Default: ``batch``'s own count.
         loss_fn: ``loss_fn(model, micro_batch) -> loss summed over the micro-batch's target
             tokens`` (e.g. ``distillation.DistillationLoss``); default next-token cross-entropy.
+            One that calls the decoder and reads the head itself, not the model's forward
+            (``bypasses_forward = True``: the chunked and distillation losses), runs as that
+            forward inside a DDP wrapper or an FSDP2 root (``architectures.through_wrappers``),
+            so the wrapper's hooks run.
 
     Returns:
         The loss sum over ``batch`` divided by the denominator: the global batch's mean loss per
@@ -158,7 +162,9 @@ def forward_backward(
     for mb in micro:
         mb = {k: v.to(device) for k, v in mb.items()}
         with autocast(device, precision):
-            if loss_fn is not None:
+            if getattr(loss_fn, "bypasses_forward", False):  # as the model's forward
+                loss_sum = through_wrappers(model, lambda m, mb=mb: loss_fn(m, mb))
+            elif loss_fn is not None:  # it calls the model, wrappers and all, itself
                 loss_sum = loss_fn(model, mb)
             else:
                 logits = model(**model_inputs(mb)).logits  # packed rows stay packed

@@ -30,7 +30,6 @@ from __future__ import annotations
 import shutil
 import tempfile
 import warnings
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from importlib.metadata import version as installed_version
 from typing import Any
@@ -39,6 +38,7 @@ import torch
 from packaging.version import Version
 
 from recipes_lib import calc, data, device
+from recipes_lib.architectures import as_forward
 from recipes_lib.compare import measure_training_step
 from recipes_lib.memory import MemoryReport, measure_memory, tensor_bytes
 from recipes_lib.optim8bit import forget_overrides, state_bytes
@@ -212,24 +212,32 @@ def _course_loss(base: type) -> type:
     since transformers #34191. ``compute_loss_func`` cannot serve: it receives the model's
     outputs, logits already made.
 
-    The loss runs as the model's forward, called through whatever Trainer wrapped it in
-    (:func:`_loss_as_forward`): a course loss reads the decoder and the LM head itself, so
-    called on the bare model it would leave out accelerate's autocast (``bf16=True`` trained
-    the decoder in fp32) and DDP's gradient synchronisation (prepared by DDP's own forward). And
-    where Trainer counts the target tokens of every rank (``average_tokens_across_devices``,
-    the default) the loss is multiplied by the ranks sharing that count, as Trainer's own
-    ``compute_loss`` does, since DDP and FSDP average the ranks' gradients. A model whose
-    forward takes no loss keywords gets no count from Trainer: the loss is then the
-    micro-batch's own mean, which Trainer divides by the accumulation steps, as it does its
-    own loss for such a model."""
+    A loss that reads the decoder and the LM head itself (``bypasses_forward = True``: the
+    chunked and distillation losses) runs as the model's forward, called through whatever
+    Trainer wrapped it in (``architectures.as_forward``): called on the bare model it would
+    leave out accelerate's autocast (``bf16=True`` trained the decoder in fp32) and DDP's
+    gradient synchronisation (prepared by DDP's own forward). And where Trainer counts the
+    target tokens of every rank (``average_tokens_across_devices``, the default) the loss is
+    multiplied by the ranks sharing that count, as Trainer's own ``compute_loss`` does, since
+    DDP and FSDP average the ranks' gradients. A model whose forward takes no loss keywords
+    gets no count from Trainer: the loss is then the micro-batch's own mean, which Trainer
+    divides by the accumulation steps, as it does its own loss for such a model."""
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if return_outputs:
             raise ValueError("loss_fn: a course loss returns no model outputs "
                              "(return_outputs=True, e.g. evaluation with predictions)")
-        inner = self.accelerator.unwrap_model(model)
-        with _loss_as_forward(inner, lambda: self._loss_fn(inner, inputs), self.accelerator):
-            total = model()
+        if getattr(self._loss_fn, "bypasses_forward", False):
+            inner = self.accelerator.unwrap_model(model)
+
+            def loss() -> torch.Tensor:
+                with self.accelerator.autocast():  # as accelerate's own forward wrapper
+                    return self._loss_fn(inner, inputs)
+
+            with as_forward(inner, loss):  # through Trainer's wrappers, as the model's forward
+                total = model()
+        else:  # a loss that calls the model (its wrappers and their forward) itself
+            total = self._loss_fn(model, inputs)
         self.loss_is_scaled_for_ga = num_items_in_batch is not None
         if num_items_in_batch is None:  # no count from Trainer: this micro-batch's own
             return total / (inputs["labels"][:, 1:] != -100).sum()
@@ -240,28 +248,6 @@ def _course_loss(base: type) -> type:
         return loss
 
     return type(f"CourseLoss{base.__name__}", (base,), {"compute_loss": compute_loss})
-
-
-@contextmanager
-def _loss_as_forward(model: torch.nn.Module, loss: Any, accelerator: Any):
-    """``model``'s forward replaced by ``loss()`` under the accelerator's autocast, for one call
-    through the wrappers around ``model`` (DDP's forward prepares the gradients' all-reduce, an
-    FSDP root's gathers its parameters); accelerate's own forward (its autocast and fp32
-    outputs, an instance attribute set by ``prepare``) is put back after it, as is the class's."""
-    own = model.__dict__.get("forward")
-
-    def forward(*args: Any, **kwargs: Any) -> torch.Tensor:
-        with accelerator.autocast():
-            return loss()
-
-    model.forward = forward
-    try:
-        yield
-    finally:
-        if own is None:
-            del model.forward
-        else:
-            model.forward = own
 
 
 def run_trainer(

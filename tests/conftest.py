@@ -136,7 +136,9 @@ FSDP_FAKE_NF4_VARIANTS = {"": {}, "_chunked": {"chunked_dequant": True},
                                         "lora_targets": ANSWERAI_LORA_TARGETS}}
 FSDP_FAKE_STACKS = [{"precision": "fp32", "fsdp_ranks": 2},
                     {"precision": "bf16-mixed", "fsdp_ranks": 2, "checkpointing": True},
-                    {"method": "lora", "precision": "bf16-mixed", "fsdp_ranks": 2}]
+                    {"method": "lora", "precision": "bf16-mixed", "fsdp_ranks": 2},
+                    # a chunked loss, run as the root's forward (architectures.through_wrappers)
+                    {"precision": "bf16-mixed", "fsdp_ranks": 2, "chunked_loss": 64}]
 # ... and with FSDP's CPU offload (the shards, their gradients and optimizer states the host's)
 FSDP_FAKE_OFFLOADED = [(FSDP_FAKE_CONFIG, {"precision": "bf16-mixed", "fsdp_ranks": 2,
                                            "fsdp_cpu_offload": True}),

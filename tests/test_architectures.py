@@ -251,3 +251,38 @@ def test_a_model_that_rescales_its_logits_is_refused_by_the_chunked_losses(name,
     if name == "GraniteConfig":  # its default, 1, changes nothing
         plain = transformers.AutoModelForCausalLM.from_config(getattr(transformers, name)(**sizes))
         assert architectures.lm_head_weight(plain) is plain.get_output_embeddings().weight
+
+
+def test_a_course_loss_runs_as_the_forward_of_a_wrapped_model(small_llama, varlen_batch):
+    """A loss that reads the decoder and the head itself (``bypasses_forward``) runs inside the
+    wrapper's own call (where DDP prepares its all-reduce and an FSDP2 root gathers the
+    embeddings and the head; DataParallel stands in for them on one CPU): the same loss and
+    gradients as on the bare model, the wrapper's hooks run, and the model's forward is its own
+    again afterwards, an instance attribute such as accelerate's autocast wrapper included. A
+    loss that calls the model itself gets the wrapper, as before."""
+    from recipes_lib.grad_accumulation import batch_gradients, forward_backward
+
+    loss = chunked_loss.ChunkedCausalLMLoss(chunk_size=16)
+    bare = batch_gradients(small_llama, varlen_batch)
+    wrapped = torch.nn.DataParallel(small_llama)
+    calls = []
+    wrapped.register_forward_pre_hook(lambda mod, args: calls.append("wrapper"))
+    wrapped_loss = forward_backward(wrapped, varlen_batch, 2, loss_fn=loss)
+    got = {n.removeprefix("module."): p.grad for n, p in wrapped.named_parameters()}
+    assert calls == ["wrapper", "wrapper"]  # one call a micro-batch
+    assert max(float((got[n] - g).abs().max()) for n, g in bare.items()) < 1e-6
+    small_llama.zero_grad(set_to_none=True)
+    assert float(wrapped_loss) == pytest.approx(float(forward_backward(small_llama, varlen_batch,
+                                                                       2, loss_fn=loss)))
+    assert "forward" not in vars(small_llama)
+    # a loss that calls the model itself (bypasses_forward unset) is handed the wrapper
+    from recipes_lib.fake_memory import TransformersLoss
+
+    calls.clear()
+    assert float(forward_backward(wrapped, varlen_batch, 2, loss_fn=TransformersLoss())) == \
+        pytest.approx(float(wrapped_loss))
+    assert calls == ["wrapper", "wrapper"]
+    own = small_llama.forward
+    small_llama.forward = own  # an instance attribute, as accelerate's prepare sets
+    architectures.through_wrappers(wrapped, lambda m: None)
+    assert vars(small_llama)["forward"] is own

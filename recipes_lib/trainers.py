@@ -446,7 +446,8 @@ def compare_losses(make_model: Any, examples: list[dict[str, list[int]]], tokeni
 
 def course_loss_against_own(model_path: str, settings: dict[str, Any] | None = None,
                             chunk_size: int = 16, steps: int = 2, micro_batch_size: int = 2,
-                            grad_accum_steps: int = 2, max_length: int = 128) -> dict[str, Any]:
+                            grad_accum_steps: int = 2, max_length: int = 128,
+                            accepts_loss_kwargs: bool = True) -> dict[str, Any]:
     """Trainer's own loss and a course loss (chunked cross-entropy, ``loss_fn`` of
     :func:`run_trainer`) from the same weights over the same accumulated batches, in one process
     or on every rank of a ``torchrun`` / ``accelerate launch`` job (``distributed.launch``):
@@ -461,6 +462,9 @@ def course_loss_against_own(model_path: str, settings: dict[str, Any] | None = N
         micro_batch_size: examples per rank per micro-batch.
         grad_accum_steps: micro-batches per step.
         max_length: the longest example kept.
+        accepts_loss_kwargs: False sets the model's ``accepts_loss_kwargs`` so (as Qwen2.5-VL's
+            is): Trainer then counts no tokens and divides each micro-batch's mean loss by the
+            accumulation steps, and so must the course loss.
 
     Returns:
         ``{"world_size", "own_losses", "course_losses", "update_rel_diff"}`` (the largest
@@ -485,6 +489,8 @@ def course_loss_against_own(model_path: str, settings: dict[str, Any] | None = N
     updates = {}
     for name, loss_fn in (("own", None), ("course", ChunkedCausalLMLoss(chunk_size))):
         model = models.load_model(model_path)
+        if not accepts_loss_kwargs:
+            model.accepts_loss_kwargs = False
         linear = next(m for m in model.get_decoder().modules() if isinstance(m, torch.nn.Linear))
         dtypes: set[str] = set()
         hook = linear.register_forward_hook(

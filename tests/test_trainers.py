@@ -59,6 +59,15 @@ def test_a_course_loss_in_trainer_equals_its_own_under_accumulation(small):
     assert out["course_dtype"] == out["own_dtype"] == "torch.float32"
 
 
+def test_a_course_loss_in_trainer_without_a_token_count_does_as_trainer_does(small):
+    """A model whose forward takes no loss keywords (accepts_loss_kwargs=False) gets no
+    num_items_in_batch from Trainer, which then divides each micro-batch's mean by the
+    accumulation steps: the course loss does the same, not a sum of means."""
+    out = trainers.course_loss_against_own(str(small[0]), accepts_loss_kwargs=False)
+    assert out["course_losses"] == pytest.approx(out["own_losses"], rel=1e-5)
+    assert out["update_rel_diff"] < 1e-4
+
+
 def test_a_course_loss_in_trainer_runs_under_its_mixed_precision(small):
     """accelerate's autocast is part of the model's forward, which a course loss (reading the
     decoder and the head itself) used to bypass: with bf16=True the decoder ran in fp32."""

@@ -77,6 +77,24 @@ def test_a_course_loss_in_trainer_runs_under_its_mixed_precision(small):
     assert out["update_rel_diff"] < 1e-2  # 0.0034 here
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_distillation_in_trainer_is_the_course_loops_step(small, precision):
+    """Notebook 03's distillation loss (a teacher frozen beside the student) in Trainer: the
+    first step's loss is the course loop's on the same batch, in fp32 and under bf16 autocast
+    (the teacher's forward inside the student's, under accelerate's autocast)."""
+    from recipes_lib import distillation
+    from recipes_lib.grad_accumulation import forward_backward
+
+    path, tok, examples = small
+    kd = distillation.DistillationLoss(models.load_model(path), chunk_size=16)
+    student = lambda: distillation.make_student(models.load_model(path), width_factor=0.5)
+    batch = data.collate(examples[:4], tok.pad_token_id)
+    loop = float(forward_backward(student(), batch, precision=precision, loss_fn=kd))
+    run = trainers.run_trainer(student(), examples[:4], tok, {"bf16": precision == "bf16"},
+                               steps=1, micro_batch_size=4, measure_step=0, loss_fn=kd)
+    assert run.losses[0] == pytest.approx(loop, rel=1e-5)
+
+
 def test_a_course_loss_in_trainer_on_two_ranks_equals_its_own(sharded_runs):
     """On 2 DDP ranks (accelerate on CPU), the course loss runs through DDP's forward (which
     prepares the gradients' all-reduce) and is scaled by the ranks sharing the token count, as

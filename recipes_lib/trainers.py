@@ -242,7 +242,7 @@ def _course_loss(base: type) -> type:
         if num_items_in_batch is None:  # no count from Trainer: this micro-batch's own
             return total / (inputs["labels"][:, 1:] != -100).sum()
         loss = total / num_items_in_batch
-        if self.args.average_tokens_across_devices:  # as Trainer.compute_loss scales its own
+        if self.args.average_tokens_across_devices:  # Trainer does (transformers #34373)
             shared = self.accelerator.num_processes // self.get_tp_size()
             loss = loss * (shared if self.args.n_gpu <= 1 else self.args.n_gpu)
         return loss

@@ -486,7 +486,7 @@ def course_loss_against_own(model_path: str, settings: dict[str, Any] | None = N
     examples = data.tokenize_examples(data.load_corpus("topic", "train"), tok, max_length, "sft")
     examples = examples[:micro_batch_size * grad_accum_steps * world_size * steps]
     out: dict[str, Any] = {"world_size": world_size}
-    updates = {}
+    updates: dict[str, list[torch.Tensor]] = {}
     for name, loss_fn in (("own", None), ("course", ChunkedCausalLMLoss(chunk_size))):
         model = models.load_model(model_path)
         if not accepts_loss_kwargs:
@@ -495,18 +495,34 @@ def course_loss_against_own(model_path: str, settings: dict[str, Any] | None = N
         dtypes: set[str] = set()
         hook = linear.register_forward_hook(
             lambda mod, args, y, seen=dtypes: seen.add(str(y.dtype)))
-        before = [p.detach().clone() for p in model.parameters()]
-        run = run_trainer(model, examples, tok, {"gradient_accumulation_steps": grad_accum_steps,
-                                                 "max_grad_norm": 0.0, **(settings or {})},
-                          steps=steps, micro_batch_size=micro_batch_size, lr=1.0, optim="sgd",
-                          measure_step=0, loss_fn=loss_fn)
+        run, updates[name] = _sgd_update(model, examples, tok, grad_accum_steps,
+                                         micro_batch_size, steps, settings, loss_fn)
         hook.remove()
-        updates[name] = [p.detach().float() - b.float() for p, b in zip(model.parameters(), before)]
         out[f"{name}_losses"], out[f"{name}_dtype"] = run.losses, ", ".join(sorted(dtypes))
-    scale = max(float(d.abs().max()) for d in updates["own"])
-    out["update_rel_diff"] = max(float((a - b).abs().max())
-                                 for a, b in zip(updates["own"], updates["course"])) / scale
+    out["update_rel_diff"] = _update_gap(updates["own"], updates["course"])
     return out
+
+
+def _sgd_update(model: torch.nn.Module, examples: list[dict[str, list[int]]], tokenizer: Any,
+                accumulation_steps: int, micro_batch_size: int, steps: int = 1,
+                settings: dict[str, Any] | None = None, loss_fn: Any = None
+                ) -> tuple[TrainerRun, list[torch.Tensor]]:
+    """``steps`` of Trainer's plain SGD (lr 1, no clipping: the update is the gradient) on
+    ``model``: the run, and each parameter's update (fp32)."""
+    before = [p.detach().clone() for p in model.parameters()]
+    settings = {"gradient_accumulation_steps": accumulation_steps, "max_grad_norm": 0.0,
+                **(settings or {})}
+    run = run_trainer(model, examples, tokenizer, settings, steps=steps,
+                      micro_batch_size=micro_batch_size, lr=1.0, optim="sgd", measure_step=0,
+                      loss_fn=loss_fn)
+    return run, [p.detach().float() - b.float()
+                 for p, b in zip(model.parameters(), before, strict=True)]
+
+
+def _update_gap(reference: list[torch.Tensor], other: list[torch.Tensor]) -> float:
+    """The largest difference of two updates over the reference's largest update."""
+    scale = max(float(u.abs().max()) for u in reference)
+    return max(float((a - b).abs().max()) for a, b in zip(reference, other, strict=True)) / scale
 
 
 def update_gap(make_model: Any, examples: list[dict[str, list[int]]], tokenizer: Any,
@@ -532,17 +548,10 @@ def update_gap(make_model: Any, examples: list[dict[str, list[int]]], tokenizer:
     if len(examples) != micro_batch_size * accumulation_steps:
         raise ValueError(f"examples: {len(examples)} given, one step of {accumulation_steps} x "
                          f"{micro_batch_size} needs {micro_batch_size * accumulation_steps}")
-    updates = []
-    for micro, k in ((micro_batch_size * accumulation_steps, 1),
-                     (micro_batch_size, accumulation_steps)):
-        model = make_model()
-        before = [p.detach().clone() for p in model.parameters()]
-        run_trainer(model, examples, tokenizer, {"gradient_accumulation_steps": k,
-                                                 "max_grad_norm": 0.0},
-                    steps=1, micro_batch_size=micro, lr=1.0, optim="sgd", measure_step=0)
-        updates.append([p.detach() - b for p, b in zip(model.parameters(), before, strict=True)])
-    scale = max(float(u.abs().max()) for u in updates[0])
-    return max(float((a - b).abs().max()) for a, b in zip(*updates, strict=True)) / scale
+    one, accumulated = (_sgd_update(make_model(), examples, tokenizer, k, micro)[1]
+                        for micro, k in ((micro_batch_size * accumulation_steps, 1),
+                                         (micro_batch_size, accumulation_steps)))
+    return _update_gap(one, accumulated)
 
 
 def fsdp_settings(model: torch.nn.Module) -> dict[str, Any]:
